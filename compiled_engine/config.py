@@ -1,0 +1,36 @@
+"""EngineConfig: the options a user picks, resolved once (device, dtype) into plain values."""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+
+from compiled_engine.cache.kv_cache import DEFAULT_PAGE_SIZE
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class EngineConfig(msgspec.Struct, frozen=True):
+    model: str | None = None  # local dir or Hub id; None = the embedded default model
+    device: str | None = None  # "cpu" or "cuda"; None = cuda when available
+    dtype: str | None = None  # None = bfloat16 on cuda, float32 on cpu
+    page_size: int = DEFAULT_PAGE_SIZE
+    num_pages: int | None = None  # None = as many as kv_cache_memory_gib holds
+    kv_cache_memory_gib: float = 1.0
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    attention_backend: str = "torch"
+
+    def resolved_device(self) -> torch.device:
+        name = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if name not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {name!r}")
+        if name == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
+        return torch.device(name)
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype is None:
+            return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        return DTYPES[self.dtype]

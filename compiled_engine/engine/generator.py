@@ -1,0 +1,141 @@
+"""Generator: runs a set of prompts to completion together, greedily: one forward prefills every
+prompt, then each forward decodes one token for every unfinished sequence. Pages are taken as
+sequences grow and every page goes back to the pool when the call ends, however it ends."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from compiled_engine.cache.block_manager import BlockManager
+from compiled_engine.engine.model_runner import ModelRunner
+from compiled_engine.engine.sequence import FinishReason, Sequence
+from compiled_engine.errors import RequestError
+
+TOP_K_RECORDED = 5
+
+
+@dataclass(frozen=True)
+class StepLogits:
+    """The highest logits after one step, for divergence reports."""
+
+    token_ids: list[int]
+    values: list[float]
+
+
+@dataclass
+class GenerationResult:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: FinishReason
+    prefill_logits: torch.Tensor | None = None  # fp32 [vocab], after the last prompt token
+    top_logits: list[StepLogits] = field(default_factory=list)  # one per generated token
+
+
+@dataclass
+class GenerationTimings:
+    prefill_ms: float = 0.0
+    ttft_ms: float = 0.0
+    decode_ms: float = 0.0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+
+    @property
+    def mean_tpot_ms(self) -> float:
+        return self.decode_ms / self.decode_steps if self.decode_steps else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return 1000.0 * self.decode_tokens / self.decode_ms if self.decode_ms else 0.0
+
+
+class Generator:
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.block_manager = BlockManager(runner.num_pages, runner.page_size)
+        self._seq_ids = itertools.count()
+        self.last_timings = GenerationTimings()
+
+    def validate_prompt(self, prompt: list[int], max_tokens: int) -> None:
+        if not prompt:
+            raise RequestError("the prompt is empty")
+        if max_tokens < 1:
+            raise RequestError(f"max_tokens must be at least 1, got {max_tokens}")
+        vocab = self.runner.model_config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        limit = self.runner.max_model_len
+        if len(prompt) + max_tokens > limit:
+            raise RequestError(
+                f"the prompt has {len(prompt)} tokens and max_tokens is {max_tokens}: "
+                f"{len(prompt) + max_tokens} exceeds the context length {limit}"
+            )
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int,
+        stop_token_ids: frozenset[int] = frozenset(),
+        record_logits: bool = False,
+    ) -> list[GenerationResult]:
+        for prompt in prompts:
+            self.validate_prompt(prompt, max_tokens)
+        seqs = [
+            Sequence(next(self._seq_ids), list(p), max_tokens, stop_token_ids) for p in prompts
+        ]
+        results = {
+            seq.seq_id: GenerationResult(seq.prompt_token_ids, [], FinishReason.LENGTH) for seq in seqs
+        }
+        timings = GenerationTimings()
+        started = time.perf_counter()
+        try:
+            batch = [(seq, seq.num_tokens) for seq in seqs]
+            for seq in seqs:
+                self.block_manager.grow(seq.block_table, seq.num_tokens)
+            logits = self.runner.run(batch)
+            timings.prefill_ms = timings.ttft_ms = (time.perf_counter() - started) * 1000
+            if record_logits:
+                for i, seq in enumerate(seqs):
+                    results[seq.seq_id].prefill_logits = logits[i].cpu()
+            self._advance(batch, logits, results, record_logits)
+            while running := [seq for seq in seqs if not seq.is_finished]:
+                step_start = time.perf_counter()
+                for seq in running:
+                    self.block_manager.grow(seq.block_table, seq.num_tokens)
+                batch = [(seq, 1) for seq in running]
+                logits = self.runner.run(batch)
+                self._advance(batch, logits, results, record_logits)
+                timings.decode_ms += (time.perf_counter() - step_start) * 1000
+                timings.decode_steps += 1
+                timings.decode_tokens += len(running)
+        finally:
+            for seq in seqs:
+                self.block_manager.free(seq.block_table)
+        self.last_timings = timings
+        for seq in seqs:
+            assert seq.finish_reason is not None
+            results[seq.seq_id].token_ids = list(seq.output_token_ids)
+            results[seq.seq_id].finish_reason = seq.finish_reason
+        return [results[seq.seq_id] for seq in seqs]
+
+    @staticmethod
+    def _advance(
+        batch: list[tuple[Sequence, int]],
+        logits: torch.Tensor,
+        results: dict[int, GenerationResult],
+        record_logits: bool,
+    ) -> None:
+        next_tokens = logits.argmax(dim=-1).tolist()
+        if record_logits:
+            top = logits.topk(TOP_K_RECORDED, dim=-1)
+            for i, (seq, _) in enumerate(batch):
+                results[seq.seq_id].top_logits.append(
+                    StepLogits(top.indices[i].tolist(), top.values[i].tolist())
+                )
+        for i, (seq, num_new) in enumerate(batch):
+            seq.num_computed_tokens += num_new
+            seq.append_token(next_tokens[i])

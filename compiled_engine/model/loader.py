@@ -1,0 +1,133 @@
+"""Weight loading: safetensors only (single file or sharded index), every name, shape and dtype
+checked against the model the config describes before a byte is copied."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from compiled_engine.attention.backend import AttentionBackend
+from compiled_engine.errors import ModelLoadError
+from compiled_engine.model.config import ModelConfig
+from compiled_engine.model.llama import RotaryEmbedding, Transformer
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+FLOAT_DTYPES = {"F32", "F16", "BF16"}
+# Buffers some older checkpoints saved; we recompute them, so they are skipped, not loaded.
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def checkpoint_name(param_name: str) -> str:
+    """Our parameter name -> the Hugging Face checkpoint's tensor name."""
+    return param_name if param_name.startswith("lm_head.") else f"model.{param_name}"
+
+
+def weight_files(model_dir: Path) -> dict[Path, list[str] | None]:
+    """The safetensors files to read, each with the tensor names the index assigns it (None for
+    a single-file checkpoint: all of its tensors)."""
+    index_path = model_dir / INDEX_FILE
+    if index_path.is_file():
+        return _indexed_files(model_dir, index_path)
+    single = model_dir / SINGLE_FILE
+    if single.is_file():
+        return {single: None}
+    pickles = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pt"))
+    if pickles:
+        raise ModelLoadError(
+            f"{model_dir} holds only pickle weights ({', '.join(pickles)}); this engine loads "
+            f"safetensors only, never pickle: convert them to {SINGLE_FILE}"
+        )
+    raise ModelLoadError(f"{model_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+
+
+def _indexed_files(model_dir: Path, index_path: Path) -> dict[Path, list[str] | None]:
+    try:
+        index = json.loads(index_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{index_path} is not valid JSON: {exc}") from exc
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ModelLoadError(f"{index_path} has no 'weight_map' object")
+    root = model_dir.resolve()
+    files: dict[Path, list[str] | None] = {}
+    for tensor_name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard:
+            raise ModelLoadError(f"{index_path}: tensor '{tensor_name}' maps to {shard!r}, not a file name")
+        shard_path = Path(shard)
+        if shard_path.is_absolute() or not (root / shard_path).resolve().is_relative_to(root):
+            raise ModelLoadError(
+                f"shard '{shard}' listed in {INDEX_FILE} for tensor '{tensor_name}' lies outside "
+                f"the model directory"
+            )
+        path = model_dir / shard_path
+        if not path.is_file():
+            raise ModelLoadError(f"shard '{shard}' listed in {INDEX_FILE} is missing")
+        names = files.setdefault(path, [])
+        assert names is not None
+        names.append(tensor_name)
+    return files
+
+
+def load_model(
+    model_dir: str | Path,
+    config: ModelConfig,
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Transformer:
+    """Build the model on the meta device and fill it from the checkpoint, cast to `dtype`."""
+    model_dir = Path(model_dir)
+    with torch.device("meta"):
+        model = Transformer(config, backend)
+    expected = {
+        checkpoint_name(name): (name, tuple(param.shape))
+        for name, param in model.named_parameters()
+        if not (config.tie_word_embeddings and name == "lm_head.weight")
+    }
+    state: dict[str, torch.Tensor] = {}
+    for path, names in weight_files(model_dir).items():
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            available = set(f.keys())
+            for tensor_name in names if names is not None else sorted(available):
+                if tensor_name not in available:
+                    raise ModelLoadError(
+                        f"tensor '{tensor_name}' listed in {INDEX_FILE} is missing from {path.name}"
+                    )
+                if tensor_name.endswith(IGNORED_SUFFIXES) or (
+                    config.tie_word_embeddings and tensor_name == "lm_head.weight"
+                ):
+                    continue
+                if tensor_name not in expected:
+                    raise ModelLoadError(
+                        f"unexpected tensor '{tensor_name}' in {path.name}: the "
+                        f"{config.architecture} config has no such parameter"
+                    )
+                param_name, shape = expected[tensor_name]
+                tensor_slice = f.get_slice(tensor_name)
+                found_shape = tuple(tensor_slice.get_shape())
+                if found_shape != shape:
+                    raise ModelLoadError(
+                        f"tensor '{tensor_name}' in {path.name} has shape {list(found_shape)}, "
+                        f"the config implies {list(shape)}"
+                    )
+                found_dtype = tensor_slice.get_dtype()
+                if found_dtype not in FLOAT_DTYPES:
+                    raise ModelLoadError(
+                        f"tensor '{tensor_name}' in {path.name} has dtype {found_dtype}; "
+                        f"expected a float dtype ({', '.join(sorted(FLOAT_DTYPES))})"
+                    )
+                state[param_name] = f.get_tensor(tensor_name).to(device=device, dtype=dtype)
+    missing = [name for name in expected if expected[name][0] not in state]
+    if missing:
+        shown = ", ".join(f"'{n}'" for n in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ModelLoadError(f"{model_dir}: missing tensors {shown}{more}")
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary = RotaryEmbedding(config.rope, config.head_dim).to(device)
+    return model.eval()
