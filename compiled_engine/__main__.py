@@ -1,0 +1,3 @@
+from compiled_engine.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,83 @@
+"""`verify`: run the engine and the transformers reference on the same prompts and report either
+MATCH or the first divergence with both runs' top-5 logits at that step."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from compiled_engine.config import EngineConfig
+from compiled_engine.engine.generator import GenerationResult, Generator
+from compiled_engine.engine.model_runner import ModelRunner
+from compiled_engine.model.source import resolve_model_dir
+from compiled_engine.prompts import DEFAULT_PROMPTS, PromptSpec, load_prompts
+from compiled_engine.tokenizer import Tokenizer
+from reference_oracle import GoldenResult, ReferenceOracle, first_divergence
+
+
+def _top5(tokenizer: Tokenizer, ids: list[int], values: list[float]) -> str:
+    return ", ".join(f"{i} {tokenizer.decode([i], False)!r} {v:.4f}" for i, v in zip(ids, values, strict=True))
+
+
+def report_divergence(
+    tokenizer: Tokenizer, index: int, spec: PromptSpec, ours: GenerationResult, golden: GoldenResult
+) -> str | None:
+    """None when the two runs agree; otherwise a multi-line report of where they first part."""
+    divergence = first_divergence(ours.token_ids, golden.token_ids)
+    if divergence is None:
+        return None
+    step = divergence.step
+
+    def describe(token: int | None) -> str:
+        return "(stopped)" if token is None else f"{token} {tokenizer.decode([token], False)!r}"
+
+    lines = [
+        f"DIVERGENCE in prompt {index} ({'chat' if spec.chat else 'plain'}): {spec.text!r}",
+        f"  step {step}: ours {describe(divergence.ours)}, oracle {describe(divergence.reference)}",
+        f"  common prefix: {tokenizer.decode(ours.token_ids[:step])!r}",
+    ]
+    if step < len(ours.top_logits):
+        top = ours.top_logits[step]
+        lines.append(f"  our top-5:    {_top5(tokenizer, top.token_ids, top.values)}")
+    if step < len(golden.top_token_ids):
+        lines.append(f"  oracle top-5: {_top5(tokenizer, golden.top_token_ids[step], golden.top_values[step])}")
+    return "\n".join(lines)
+
+
+def verify(config: EngineConfig, prompts_file: Path | None, chat: bool, max_tokens: int) -> int:
+    specs = list(DEFAULT_PROMPTS) if prompts_file is None else load_prompts(prompts_file, chat)
+    model_dir = resolve_model_dir(config.model)
+    tokenizer = Tokenizer(model_dir)
+    runner = ModelRunner(model_dir, config)
+    oracle = ReferenceOracle(model_dir)
+    prompt_ids = []
+    for i, spec in enumerate(specs):
+        ours = tokenizer.encode_chat([{"role": "user", "content": spec.text}]) if spec.chat else tokenizer.encode(spec.text)
+        theirs = oracle.encode(spec.text, spec.chat)
+        if ours != theirs:
+            print(f"DIVERGENCE in prompt {i}: tokenization differs\n  ours   {ours}\n  oracle {theirs}")
+            return 1
+        prompt_ids.append(ours)
+    stop = tokenizer.eos_token_ids
+    results = Generator(runner).generate(prompt_ids, max_tokens, stop, record_logits=True)
+    max_logit_diff = 0.0
+    failures = 0
+    for i, (spec, ids, ours) in enumerate(zip(specs, prompt_ids, results, strict=True)):
+        golden = oracle.greedy(ids, max_tokens, stop)
+        assert ours.prefill_logits is not None
+        diff = (ours.prefill_logits - golden.prefill_logits).abs().max().item()
+        max_logit_diff = max(max_logit_diff, diff)
+        report = report_divergence(tokenizer, i, spec, ours, golden)
+        if report is not None:
+            print(report)
+            failures += 1
+    tokens = sum(len(r.token_ids) for r in results)
+    if failures:
+        print(f"{failures} of {len(specs)} prompts diverged", file=sys.stderr)
+        return 1
+    print(
+        f"MATCH: {len(specs)} prompts, {tokens} generated tokens identical; "
+        f"max |prefill logit diff| = {max_logit_diff:.2e} (device {runner.device}, dtype "
+        f"{str(runner.dtype).removeprefix('torch.')})"
+    )
+    return 0

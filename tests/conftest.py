@@ -1,0 +1,64 @@
+"""Shared fixtures: the prepared default model, and tiny random-weight models written by
+transformers itself, so our loader and model are checked against the library that defines them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from compiled_engine.model.default_model import load_default_model_dir
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    # `make test` prepares the model first; a missing one is a setup error, not a skip.
+    return load_default_model_dir()
+
+
+TINY_LLAMA: dict[str, Any] = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+TINY_QWEN3: dict[str, Any] = dict(TINY_LLAMA, head_dim=32, num_key_value_heads=2)
+
+
+def write_tiny_model(path: Path, model_type: str, seed: int = 0, **overrides: Any) -> Path:
+    """Save a random-weight transformers model of `model_type` ("llama" or "qwen3") to `path`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base = TINY_QWEN3 if model_type == "qwen3" else TINY_LLAMA
+    config = AutoConfig.for_model(model_type, **{**base, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # default init is too small to give varied greedy tokens
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 0.3)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    made: dict[tuple[Any, ...], Path] = {}
+
+    def make(model_type: str = "llama", seed: int = 0, **overrides: Any) -> Path:
+        key = (model_type, seed, tuple(sorted(overrides.items())))
+        if key not in made:
+            made[key] = write_tiny_model(tmp_path_factory.mktemp(model_type), model_type, seed, **overrides)
+        return made[key]
+
+    return make
