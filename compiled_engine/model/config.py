@@ -172,8 +172,12 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
         raise ModelConfigError(f"{source}: head_dim={head_dim} must be even for rotary embeddings")
     if raw.get("hidden_act", "silu") != "silu":
         raise ModelConfigError(f"{source}: unsupported hidden_act={raw['hidden_act']!r} (only 'silu')")
-    if raw.get("use_sliding_window") or raw.get("layer_types", ["full_attention"]).count("full_attention") != len(raw.get("layer_types", ["full_attention"])):
-        raise ModelConfigError(f"{source}: sliding-window attention is not supported")
+    layer_types = raw.get("layer_types") or []
+    if raw.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
+        raise ModelConfigError(
+            f"{source}: sliding-window attention is not supported "
+            f"(use_sliding_window={raw.get('use_sliding_window')!r}, layer_types={layer_types!r})"
+        )
     if raw.get("mlp_bias"):
         raise ModelConfigError(f"{source}: unsupported mlp_bias=True")
     eps = _require(raw, "rms_norm_eps", float, source)
