@@ -3,6 +3,7 @@ transformers itself, so our loader and model are checked against the library tha
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,7 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
     made: dict[tuple[Any, ...], Path] = {}
 
     def make(model_type: str = "llama", seed: int = 0, **overrides: Any) -> Path:
-        key = (model_type, seed, tuple(sorted(overrides.items())))
+        key = (model_type, seed, json.dumps(overrides, sort_keys=True))
         if key not in made:
             made[key] = write_tiny_model(tmp_path_factory.mktemp(model_type), model_type, seed, **overrides)
         return made[key]

@@ -81,7 +81,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(config.hidden_size, config.q_size, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, config.kv_size, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, config.kv_size, bias=bias)
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=bias)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 

@@ -1,0 +1,38 @@
+# The two commands a user needs: `make serve` and `make test`. Each creates .venv if missing,
+# installs the project into it and prepares the embedded default model.
+PYTHON ?= python3
+VENV ?= .venv
+# CPU wheel by default; a CUDA user picks a build, e.g.
+#   make serve TORCH_SPEC="torch==2.11.0 --index-url https://download.pytorch.org/whl/cu130"
+TORCH_SPEC ?= torch==2.13.0
+PROMPT ?= What is the capital of France?
+PY := $(VENV)/bin/python
+
+.PHONY: serve test install model lint
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+# One stamp per extra, rebuilt when pyproject.toml changes.
+$(VENV)/.installed-%: pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet $(TORCH_SPEC)
+	$(PY) -m pip install --quiet -e ".[$*]"
+	touch $@
+
+install: $(VENV)/.installed-dev
+
+model: $(VENV)/.installed-convert
+	$(PY) -m compiled_engine prepare
+
+serve: $(VENV)/.installed-convert
+	$(PY) -m compiled_engine prepare
+	$(PY) -m compiled_engine generate --chat --prompt "$(PROMPT)"
+
+test: $(VENV)/.installed-dev
+	$(PY) -m compiled_engine prepare
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check compiled_engine reference_oracle tests
+	$(VENV)/bin/mypy
