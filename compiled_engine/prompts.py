@@ -19,7 +19,7 @@ DEFAULT_PROMPTS: tuple[PromptSpec, ...] = (
     PromptSpec("What is the capital of France?", chat=True),
     PromptSpec("Write a short poem about the sea.", chat=True),
     PromptSpec("Explique en deux phrases pourquoi le ciel est bleu.", chat=True),
-    PromptSpec("日本の首都はどこですか？", chat=True),
+    PromptSpec("日本の首都はどこですか？", chat=True),  # noqa: RUF001 (real Japanese punctuation)
     PromptSpec("Once upon a time, in a small village by the mountains,"),
     PromptSpec("def fibonacci(n):"),
     PromptSpec("Die wichtigsten Städte Österreichs sind"),
@@ -32,7 +32,10 @@ def load_prompts(path: Path, chat: bool = False) -> list[PromptSpec]:
     file with one prompt per line (blank lines skipped; all chat when `chat`)."""
     if not path.is_file():
         raise RequestError(f"prompts file {path} does not exist")
-    raw = path.read_text(encoding="utf-8")
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestError(f"prompts file {path} is not UTF-8 text: {exc}") from exc
     if path.suffix == ".json":
         try:
             items = json.loads(raw)

@@ -25,7 +25,7 @@ def _read_json(path: Path) -> dict[str, Any]:
         return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise TokenizerError(f"{path} is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise TokenizerError(f"{path} must hold a JSON object")
@@ -115,7 +115,12 @@ class Tokenizer:
         if isinstance(template, str) and template:
             return template
         jinja_file = model_dir / "chat_template.jinja"
-        return jinja_file.read_text(encoding="utf-8") if jinja_file.is_file() else None
+        if not jinja_file.is_file():
+            return None
+        try:
+            return jinja_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise TokenizerError(f"{jinja_file} is not UTF-8 text: {exc}") from exc
 
     def _eos_token_ids(self, model_dir: Path) -> frozenset[int]:
         # generation_config.json says when generation stops; config.json is the fallback.
@@ -132,10 +137,12 @@ class Tokenizer:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        encoding = self._tok.encode(text, add_special_tokens=add_special_tokens)
+        ids: list[int] = encoding.ids
         if not add_special_tokens or self._add_bos is None or self.bos_token_id is None:
             return ids  # the tokenizer.json post-processor decides
-        has_bos = bool(ids) and ids[0] == self.bos_token_id
+        # Only a BOS the post-processor added counts: one spelled out in `text` is kept as is.
+        has_bos = bool(ids) and ids[0] == self.bos_token_id and encoding.special_tokens_mask[0] == 1
         if self._add_bos and not has_bos:
             return [self.bos_token_id, *ids]
         if not self._add_bos and has_bos:
@@ -158,7 +165,7 @@ class Tokenizer:
                 documents=None,
                 **self.special_tokens,
             )
-        except jinja2.TemplateError as exc:
+        except Exception as exc:  # the template's own code can raise anything (TypeError, ...)
             raise TokenizerError(f"chat template failed to render: {exc}") from exc
 
     def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
@@ -180,7 +187,12 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
-        self._ids = list(prompt_token_ids[-self.CONTEXT_TOKENS :]) if prompt_token_ids else []
+        context = list(prompt_token_ids[-self.CONTEXT_TOKENS :]) if prompt_token_ids else []
+        if context and tokenizer.decode(context, skip_special_tokens).endswith("\ufffd"):
+            # The prompt ends inside a character: its bytes would merge with the output's and
+            # the merged character would be lost, so the output is decoded on its own.
+            context = []
+        self._ids = context
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
 

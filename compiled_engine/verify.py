@@ -52,12 +52,14 @@ def verify(config: EngineConfig, prompts_file: Path | None, chat: bool, max_toke
     oracle = ReferenceOracle(model_dir)
     prompt_ids = []
     for i, spec in enumerate(specs):
-        ours = tokenizer.encode_chat([{"role": "user", "content": spec.text}]) if spec.chat else tokenizer.encode(spec.text)
-        theirs = oracle.encode(spec.text, spec.chat)
-        if ours != theirs:
-            print(f"DIVERGENCE in prompt {i}: tokenization differs\n  ours   {ours}\n  oracle {theirs}")
+        encoded = (
+            tokenizer.encode_chat([{"role": "user", "content": spec.text}]) if spec.chat else tokenizer.encode(spec.text)
+        )
+        reference = oracle.encode(spec.text, spec.chat)
+        if encoded != reference:
+            print(f"DIVERGENCE in prompt {i}: tokenization differs\n  ours   {encoded}\n  oracle {reference}")
             return 1
-        prompt_ids.append(ours)
+        prompt_ids.append(encoded)
     stop = tokenizer.eos_token_ids
     results = Generator(runner).generate(prompt_ids, max_tokens, stop, record_logits=True)
     max_logit_diff = 0.0

@@ -3,7 +3,7 @@ pages can later be shared between sequences."""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 
 from compiled_engine.errors import OutOfPagesError
 
@@ -42,9 +42,14 @@ class BlockManager:
 
     def free(self, block_table: list[int]) -> None:
         """Drop one reference to every page in `block_table` and empty it."""
-        for page in block_table:
-            if self._refcount[page] <= 0:
+        # Check every page first, so that a bad table changes nothing (and a negative id cannot
+        # index the refcounts from the end).
+        for page, count in Counter(block_table).items():
+            if not 0 <= page < self.num_pages:
+                raise RuntimeError(f"page {page} is not in this pool of {self.num_pages} pages")
+            if self._refcount[page] < count:
                 raise RuntimeError(f"page {page} freed more often than it was allocated")
+        for page in block_table:
             self._refcount[page] -= 1
             if self._refcount[page] == 0:
                 self._free.append(page)

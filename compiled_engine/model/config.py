@@ -66,7 +66,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
             raise ModelConfigError(f"{path} does not exist")
         try:
             raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ModelConfigError(f"{path} is not valid JSON: {exc}") from exc
         if not isinstance(raw, dict):
             raise ModelConfigError(f"{path} must hold a JSON object")
@@ -79,7 +79,7 @@ def _require(raw: dict[str, Any], key: str, kind: type, source: str) -> Any:
     value = raw[key]
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise ModelConfigError(f"{source}: field '{key}' must be {kind.__name__}, got {value!r}")
     return value
 
@@ -128,15 +128,35 @@ def _rope(raw: dict[str, Any], source: str) -> RopeConfig:
     if rope_type != "default":
         if "factor" not in merged:
             raise ModelConfigError(f"{source}: rope scaling type {rope_type!r} needs 'factor'")
-        fields["factor"] = float(merged["factor"])
+        fields["factor"] = _rope_number(merged, "factor", rope_type, source)
     if rope_type == "llama3":
         for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
             if key not in merged:
                 raise ModelConfigError(f"{source}: rope scaling type 'llama3' needs '{key}'")
-        fields["low_freq_factor"] = float(merged["low_freq_factor"])
-        fields["high_freq_factor"] = float(merged["high_freq_factor"])
-        fields["original_max_position_embeddings"] = int(merged["original_max_position_embeddings"])
+            fields[key] = _rope_number(merged, key, rope_type, source)
+        if fields["high_freq_factor"] <= fields["low_freq_factor"]:
+            raise ModelConfigError(
+                f"{source}: rope scaling type 'llama3' needs high_freq_factor > low_freq_factor, got "
+                f"{merged['high_freq_factor']!r} and {merged['low_freq_factor']!r}"
+            )
+        original = merged["original_max_position_embeddings"]
+        if not isinstance(original, int):
+            raise ModelConfigError(
+                f"{source}: rope scaling field 'original_max_position_embeddings' must be int, "
+                f"got {original!r}"
+            )
+        fields["original_max_position_embeddings"] = original
     return RopeConfig(**fields)
+
+
+def _rope_number(merged: dict[str, Any], key: str, rope_type: str, source: str) -> float:
+    value = merged[key]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ModelConfigError(
+            f"{source}: rope scaling type {rope_type!r} field '{key}' must be a positive number, "
+            f"got {value!r}"
+        )
+    return float(value)
 
 
 def _token_ids(value: Any) -> tuple[int, ...]:

@@ -52,6 +52,8 @@ def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    inv_freq: torch.Tensor
+
     def __init__(self, rope: RopeConfig, head_dim: int) -> None:
         super().__init__()
         self.register_buffer("inv_freq", rope_inverse_frequencies(rope, head_dim), persistent=False)

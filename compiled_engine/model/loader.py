@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from compiled_engine.attention.backend import AttentionBackend
 from compiled_engine.errors import ModelLoadError
@@ -47,7 +47,7 @@ def weight_files(model_dir: Path) -> dict[Path, list[str] | None]:
 def _indexed_files(model_dir: Path, index_path: Path) -> dict[Path, list[str] | None]:
     try:
         index = json.loads(index_path.read_text())
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ModelLoadError(f"{index_path} is not valid JSON: {exc}") from exc
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
@@ -90,7 +90,11 @@ def load_model(
     }
     state: dict[str, torch.Tensor] = {}
     for path, names in weight_files(model_dir).items():
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        try:
+            handle = safe_open(str(path), framework="pt", device="cpu")
+        except SafetensorError as exc:
+            raise ModelLoadError(f"{path} is not a valid safetensors file: {exc}") from exc
+        with handle as f:
             available = set(f.keys())
             for tensor_name in names if names is not None else sorted(available):
                 if tensor_name not in available:

@@ -16,6 +16,10 @@ def resolve_model_dir(model: str | None) -> Path:
     """Turn `--model` into a local directory holding config.json and the weights."""
     if model is None:
         return load_default_model_dir()
+    if not model:
+        # Path("") is ".", the working directory: an empty --model (an unset shell variable)
+        # must not silently load whatever the current directory holds.
+        raise ModelSourceError("--model is empty; pass a local directory or a Hub id (owner/name)")
     path = Path(model).expanduser()
     if path.is_dir():
         return path
@@ -30,6 +34,7 @@ def _download_from_hub(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
+        HFValidationError,
         LocalEntryNotFoundError,
         RepositoryNotFoundError,
     )
@@ -41,6 +46,10 @@ def _download_from_hub(repo_id: str) -> Path:
             f"model {repo_id!r} is not in the local Hugging Face cache and the Hub cannot be "
             f"reached (no network, or HF_HUB_OFFLINE=1); download it on a connected machine "
             f"or pass a local directory"
+        ) from exc
+    except HFValidationError as exc:  # e.g. 'a/b--c', 'a/b.': our pattern is looser than the Hub's
+        raise ModelSourceError(
+            f"--model {repo_id!r} is neither a local directory nor a valid Hub id: {exc}"
         ) from exc
     except (RepositoryNotFoundError, GatedRepoError) as exc:
         raise ModelSourceError(f"the Hub has no accessible model {repo_id!r}: {exc}") from exc
