@@ -63,3 +63,12 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
         return made[key]
 
     return make
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -74,3 +74,18 @@ def test_batch_equals_each_alone(model_dir: Path) -> None:
     for prompt, result in zip(prompts, batched, strict=True):
         assert generator.generate([prompt], 16)[0].token_ids == result.token_ids
     assert generator.block_manager.num_free_pages == generator.block_manager.num_pages
+
+
+def test_bfloat16_run_stays_close_to_float32(tiny_model_factory: Callable[..., Path]) -> None:
+    model_dir = tiny_model_factory("llama")
+    prompt = _prompts(320, seed=4)[2]
+    logits = {}
+    for dtype in ("float32", "bfloat16"):
+        runner = ModelRunner(model_dir, EngineConfig(dtype=dtype, page_size=4, num_pages=32))
+        assert runner.kv_cache.dtype == runner.model.embed_tokens.weight.dtype == getattr(torch, dtype)
+        [result] = Generator(runner).generate([prompt], 1, record_logits=True)
+        assert result.prefill_logits is not None and result.prefill_logits.dtype == torch.float32
+        logits[dtype] = result.prefill_logits
+    scale = logits["float32"].abs().max().item()
+    assert (logits["bfloat16"] - logits["float32"]).abs().max().item() <= 0.05 * scale
+    assert logits["bfloat16"].argmax() == logits["float32"].argmax()
