@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, LlamaConfig, PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -532,6 +532,7 @@ def _ours(hf: PretrainedConfig) -> torch.Tensor:
 
 def test_default_rope_matches_transformers() -> None:
     hf = hf_config("llama", rope_theta=500_000.0)
+    assert isinstance(hf, LlamaConfig)
     expected = LlamaRotaryEmbedding(hf).inv_freq
     ours = _ours(hf)
     assert ours.shape == (8,)
@@ -544,6 +545,7 @@ def test_llama3_rope_matches_transformers() -> None:
         max_position_embeddings=131072,
         rope_parameters={**LLAMA3_ROPE, "rope_theta": 500_000.0},
     )
+    assert isinstance(hf, LlamaConfig)
     expected, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](hf, device=None)
     assert attention_factor == 1.0
     ours = _ours(hf)
@@ -584,3 +586,17 @@ def test_linear_rope_matches_transformers() -> None:
     plain = rope_inverse_frequencies(RopeConfig(theta=10000.0), 16)
     torch.testing.assert_close(ours, plain / 4.0)
     assert not torch.allclose(ours, plain)
+
+
+def test_model_type_decides_over_the_class_list() -> None:
+    raw = {**hf_dict(), "model_type": "mistral", "architectures": ["LlamaForCausalLM"]}
+    with pytest.raises(ModelConfigError, match="unsupported architecture"):
+        ModelConfig.from_dict(raw)
+    raw.pop("model_type")
+    assert ModelConfig.from_dict(raw).architecture == "llama"
+
+
+@pytest.mark.parametrize("key", ["tie_word_embeddings", "attention_bias"])
+def test_flags_must_be_booleans(key: str) -> None:
+    with pytest.raises(ModelConfigError, match=f"field '{key}' must be true or false, got 'false'"):
+        ModelConfig.from_dict({**hf_dict(), key: "false"})

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import huggingface_hub
-import httpx2
 import pytest
 from huggingface_hub import constants as hub_constants
 from huggingface_hub.errors import (
@@ -323,20 +322,23 @@ def test_hub_ref_without_its_snapshot(hub_cache: Path, network_attempts: list[st
 # --- Hub error mapping (snapshot_download replaced; nothing leaves the process) ---------------
 
 
-def _http_error(kind: type[RepositoryNotFoundError], status: int) -> RepositoryNotFoundError:
-    request = httpx2.Request("GET", "https://huggingface.co/api/models/owner/name")
-    return kind(f"{status} error for owner/name", response=httpx2.Response(status, request=request))
+def _http_error(kind: type[RepositoryNotFoundError], message: str) -> RepositoryNotFoundError:
+    # The constructor wants the HTTP client's response object, whose class depends on the
+    # huggingface_hub version; the message is all resolve_model_dir reads.
+    error = kind.__new__(kind)
+    Exception.__init__(error, message)
+    return error
 
 
 @pytest.mark.parametrize(
     ("error", "expected"),
     [
         (
-            _http_error(RepositoryNotFoundError, 404),
+            _http_error(RepositoryNotFoundError, "404 error for owner/name"),
             "the Hub has no accessible model 'owner/name': 404 error for owner/name",
         ),
         (
-            _http_error(GatedRepoError, 403),
+            _http_error(GatedRepoError, "403 error for owner/name"),
             "the Hub has no accessible model 'owner/name': 403 error for owner/name",
         ),
         (

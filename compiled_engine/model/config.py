@@ -84,6 +84,13 @@ def _require(raw: dict[str, Any], key: str, kind: type, source: str) -> Any:
     return value
 
 
+def _flag(raw: dict[str, Any], key: str, source: str) -> bool:
+    value = raw.get(key, False)
+    if not isinstance(value, bool):
+        raise ModelConfigError(f"{source}: field '{key}' must be true or false, got {value!r}")
+    return value
+
+
 def _positive(raw: dict[str, Any], key: str, source: str) -> int:
     value = _require(raw, key, int, source)
     if value <= 0:
@@ -92,10 +99,12 @@ def _positive(raw: dict[str, Any], key: str, source: str) -> int:
 
 
 def _architecture(raw: dict[str, Any], source: str) -> Architecture:
+    # model_type decides when present (a Mistral config may still name LlamaForCausalLM);
+    # the class list is only a fallback for configs without one.
     model_type = raw.get("model_type")
     if isinstance(model_type, str) and model_type in _ARCHITECTURE_BY_MODEL_TYPE:
         return _ARCHITECTURE_BY_MODEL_TYPE[model_type]
-    for name in raw.get("architectures") or []:
+    for name in raw.get("architectures") or [] if model_type is None else []:
         if name in _ARCHITECTURE_BY_CLASS:
             return _ARCHITECTURE_BY_CLASS[name]
     raise ModelConfigError(
@@ -216,8 +225,8 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
         rms_norm_eps=float(eps),
         rope=_rope(raw, source),
         max_position_embeddings=_positive(raw, "max_position_embeddings", source),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=bool(raw.get("attention_bias", False)),
+        tie_word_embeddings=_flag(raw, "tie_word_embeddings", source),
+        attention_bias=_flag(raw, "attention_bias", source),
         qk_norm=architecture == "qwen3",
         eos_token_ids=_token_ids(raw.get("eos_token_id")),
         bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,

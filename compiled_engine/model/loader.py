@@ -122,7 +122,7 @@ def load_model(
                 if found_dtype not in FLOAT_DTYPES:
                     raise ModelLoadError(
                         f"tensor '{tensor_name}' in {path.name} has dtype {found_dtype}; "
-                        f"expected a float dtype ({', '.join(sorted(FLOAT_DTYPES))})"
+                        f"supported: {', '.join(sorted(FLOAT_DTYPES))}"
                     )
                 state[param_name] = f.get_tensor(tensor_name).to(device=device, dtype=dtype)
     missing = [name for name in expected if expected[name][0] not in state]
