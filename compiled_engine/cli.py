@@ -75,10 +75,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     runner = ModelRunner(model_dir, config)
     tokenizer = Tokenizer(model_dir)
     model_load_ms = (time.perf_counter() - started) * 1000
-    if args.chat:
-        prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
-    else:
-        prompt_ids = tokenizer.encode(args.prompt)
+    prompt_ids = tokenizer.encode_prompt(args.prompt, args.chat)
     generator = Generator(runner)
     [result] = generator.generate([prompt_ids], args.max_tokens, tokenizer.eos_token_ids)
     print(tokenizer.decode(result.token_ids))

@@ -168,6 +168,10 @@ class Tokenizer:
         except Exception as exc:  # the template's own code can raise anything (TypeError, ...)
             raise TokenizerError(f"chat template failed to render: {exc}") from exc
 
+    def encode_prompt(self, text: str, chat: bool) -> list[int]:
+        """`text` as a plain prompt, or as one user message wrapped in the chat template."""
+        return self.encode_chat([{"role": "user", "content": text}]) if chat else self.encode(text)
+
     def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
         # The rendered template already holds every special token it wants.
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)

@@ -52,9 +52,7 @@ def verify(config: EngineConfig, prompts_file: Path | None, chat: bool, max_toke
     oracle = ReferenceOracle(model_dir)
     prompt_ids = []
     for i, spec in enumerate(specs):
-        encoded = (
-            tokenizer.encode_chat([{"role": "user", "content": spec.text}]) if spec.chat else tokenizer.encode(spec.text)
-        )
+        encoded = tokenizer.encode_prompt(spec.text, spec.chat)
         reference = oracle.encode(spec.text, spec.chat)
         if encoded != reference:
             print(f"DIVERGENCE in prompt {i}: tokenization differs\n  ours   {encoded}\n  oracle {reference}")

@@ -38,10 +38,7 @@ def run(default_model_dir: Path) -> Run:
     runner = ModelRunner(default_model_dir, EngineConfig(kv_cache_memory_gib=0.25))
     generator = Generator(runner)
     oracle = ReferenceOracle(default_model_dir)
-    prompt_ids = [
-        tokenizer.encode_chat([{"role": "user", "content": p.text}]) if p.chat else tokenizer.encode(p.text)
-        for p in DEFAULT_PROMPTS
-    ]
+    prompt_ids = [tokenizer.encode_prompt(p.text, p.chat) for p in DEFAULT_PROMPTS]
     stop = tokenizer.eos_token_ids
     batched = generator.generate(prompt_ids, MAX_TOKENS, stop, record_logits=True)
     golden = [oracle.greedy(ids, MAX_TOKENS, stop) for ids in prompt_ids]
