@@ -120,6 +120,7 @@ def test_rebuild_replaces_a_corrupted_directory(empty_cache: Path, monkeypatch: 
     assert manifest_problem(stale) is None
     assert sorted(p.name for p in (empty_cache / "models").iterdir()) == [DEFAULT_MODEL_NAME]
     assert any("[4/4]" in m for m in messages)
+    assert any(m.startswith("rebuilding the default model: ") and "model.safetensors has" in m for m in messages)
 
 
 def test_wrong_gguf_file_is_rejected_by_hash(empty_cache: Path) -> None:
