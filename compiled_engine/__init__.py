@@ -1,3 +1,7 @@
 """compiled_engine: a small LLM inference engine built on an eager PyTorch model."""
 
+from compiled_engine.engine.sampling_params import SamplingParams
+from compiled_engine.llm import LLM
+
 __version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams"]

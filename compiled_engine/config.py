@@ -19,6 +19,19 @@ class EngineConfig(msgspec.Struct, frozen=True):
     kv_cache_memory_gib: float = 1.0
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     attention_backend: str = "torch"
+    max_num_seqs: int = 256  # sequences running at once
+    max_num_batched_tokens: int = 2048  # tokens in one forward (decodes plus prefill chunks)
+    enable_prefix_caching: bool = True
+    seed: int | None = None  # seeds the draw of per-request seeds for requests without one
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError(f"num_pages must be at least 1, got {self.num_pages}")
+        if self.kv_cache_memory_gib <= 0:
+            raise ValueError(f"kv_cache_memory_gib must be positive, got {self.kv_cache_memory_gib}")
 
     def resolved_device(self) -> torch.device:
         name = self.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -82,7 +82,7 @@ def test_prefill_logits_close_to_oracle(run: Run) -> None:
 @torch.inference_mode()
 def test_logits_at_every_prompt_position_close_to_oracle(run: Run) -> None:
     ids = run.prompt_ids[4]
-    seq = Sequence(10_000, ids, max_tokens=1)
+    seq = Sequence(10_000, ids)
     run.generator.block_manager.grow(seq.block_table, len(ids))
     try:
         input_ids, positions, metadata = run.runner.prepare_inputs([(seq, len(ids))])

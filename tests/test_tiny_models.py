@@ -60,7 +60,7 @@ def test_logits_at_every_position_match_transformers(model_dir: Path) -> None:
     runner = ModelRunner(model_dir, EngineConfig(page_size=4, num_pages=64))
     oracle = ReferenceOracle(model_dir)
     prompt = _prompts(runner.model_config.vocab_size, seed=2)[-1]
-    seq = Sequence(0, prompt, max_tokens=1, block_table=list(range(60, 51, -1)))
+    seq = Sequence(0, prompt, block_table=list(range(60, 51, -1)))
     input_ids, positions, metadata = runner.prepare_inputs([(seq, len(prompt))])
     ours = runner.model.compute_logits(runner.model(input_ids, positions, runner.kv_cache, metadata))
     torch.testing.assert_close(ours, oracle.logits(prompt), atol=1e-4, rtol=1e-4)

@@ -1,25 +1,62 @@
-"""BlockManager: hands out KV pages from a free list and takes them back, with refcounts so that
-pages can later be shared between sequences."""
+"""BlockManager: the KV pages' owner. A free list, refcounts, block tables grown all-or-nothing,
+and the prefix cache.
+
+Prefix cache: once a page is full and its K/V computed, it is registered under a key that hashes
+(the previous page's key, this page's token ids, the cache salt). A later sequence whose prompt
+starts with the same pages under the same salt takes references to them instead of recomputing.
+A page nobody references stays cached ("evictable") until allocation needs it, least recently
+freed first. Partially filled pages are never registered, so never shared.
+"""
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from compiled_engine.errors import OutOfPagesError
 
 
+def page_key(parent_key: int | None, token_ids: Sequence[int], salt: str | None) -> int:
+    return hash((parent_key, tuple(token_ids), salt))
+
+
+@dataclass
+class PrefixCacheStats:
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
 class BlockManager:
-    def __init__(self, num_pages: int, page_size: int) -> None:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True) -> None:
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")
         self.num_pages = num_pages
         self.page_size = page_size
-        self._free: deque[int] = deque(range(num_pages))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.stats = PrefixCacheStats()
+        self._free: deque[int] = deque(range(num_pages))  # unreferenced and not cached
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced but cached, LRU first
         self._refcount = [0] * num_pages
+        self._key_of_page: list[int | None] = [None] * num_pages
+        self._page_of_key: dict[int, int] = {}
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free)
+        """Pages an allocation can take now (evicting cached ones if it must)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_pages(self) -> int:
+        return len(self._page_of_key)
+
+    def refcount(self, page: int) -> int:
+        return self._refcount[page]
 
     def pages_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -36,9 +73,20 @@ class BlockManager:
                 f"{self.num_free_pages} of {self.num_pages} are free"
             )
         for _ in range(needed):
-            page = self._free.popleft()
+            page = self._take_free_page()
             self._refcount[page] = 1
             block_table.append(page)
+
+    def _take_free_page(self) -> int:
+        if self._free:
+            return self._free.popleft()
+        page, _ = self._evictable.popitem(last=False)
+        key = self._key_of_page[page]
+        assert key is not None
+        del self._page_of_key[key]
+        self._key_of_page[page] = None
+        self.stats.evictions += 1
+        return page
 
     def free(self, block_table: list[int]) -> None:
         """Drop one reference to every page in `block_table` and empty it."""
@@ -52,5 +100,78 @@ class BlockManager:
         for page in block_table:
             self._refcount[page] -= 1
             if self._refcount[page] == 0:
-                self._free.append(page)
+                if self._key_of_page[page] is None:
+                    self._free.append(page)
+                else:
+                    self._evictable[page] = None
         block_table.clear()
+
+    def share(self, pages: Sequence[int]) -> list[int]:
+        """Take one more reference to each page (prefix-cache hits, forked prompts)."""
+        for page in pages:
+            if self._refcount[page] == 0:
+                del self._evictable[page]
+            self._refcount[page] += 1
+        return list(pages)
+
+    def num_evictable_among(self, pages: Sequence[int]) -> int:
+        """How many of `pages` count as free now (sharing them takes them out of the free count)."""
+        return sum(1 for page in pages if self._refcount[page] == 0)
+
+    # -- prefix cache ---------------------------------------------------------------------------
+
+    def match_prefix(self, token_ids: Sequence[int], salt: str | None) -> tuple[list[int], list[int]]:
+        """The cached pages (and their keys) that hold the leading full pages of `token_ids`.
+        The last token is never covered: its logits must be computed."""
+        pages: list[int] = []
+        keys: list[int] = []
+        if not self.enable_prefix_caching:
+            return pages, keys
+        size = self.page_size
+        parent: int | None = None
+        for i in range((len(token_ids) - 1) // size):
+            key = page_key(parent, token_ids[i * size : (i + 1) * size], salt)
+            page = self._page_of_key.get(key)
+            if page is None:
+                break
+            pages.append(page)
+            keys.append(key)
+            parent = key
+        return pages, keys
+
+    def record_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
+        self.stats.queried_tokens += queried_tokens
+        self.stats.hit_tokens += hit_tokens
+
+    def register_full_pages(
+        self, block_table: list[int], page_keys: list[int], token_ids: Sequence[int], num_computed: int, salt: str | None
+    ) -> None:
+        """Give keys to the pages that became full with computed K/V; extends `page_keys`."""
+        if not self.enable_prefix_caching:
+            return
+        size = self.page_size
+        while len(page_keys) < num_computed // size:
+            i = len(page_keys)
+            key = page_key(page_keys[-1] if page_keys else None, token_ids[i * size : (i + 1) * size], salt)
+            page_keys.append(key)
+            page = block_table[i]
+            # The same content computed twice (two sequences missed together) keeps one copy.
+            if key not in self._page_of_key and self._key_of_page[page] is None:
+                self._page_of_key[key] = page
+                self._key_of_page[page] = key
+
+    def check_consistency(self, tables: Sequence[Sequence[int]]) -> None:
+        """Assert that refcounts equal the references in `tables` (every live block table) and
+        that every page is in exactly one of: referenced, free, evictable."""
+        counts = Counter(page for table in tables for page in table)
+        for page in range(self.num_pages):
+            assert self._refcount[page] == counts.get(page, 0), f"page {page} refcount mismatch"
+        free, evictable = set(self._free), set(self._evictable)
+        assert len(free) == len(self._free) and not free & evictable
+        referenced = {p for p in range(self.num_pages) if self._refcount[p] > 0}
+        assert not referenced & (free | evictable)
+        assert len(referenced) + len(free) + len(evictable) == self.num_pages
+        for page in evictable:
+            assert self._key_of_page[page] is not None
+        for key, page in self._page_of_key.items():
+            assert self._key_of_page[page] == key

@@ -1,6 +1,8 @@
-"""Generator: runs a set of prompts to completion together, greedily: one forward prefills every
-prompt, then each forward decodes one token for every unfinished sequence. Pages are taken as
-sequences grow and every page goes back to the pool when the call ends, however it ends."""
+"""Generator: the simple reference loop that the scheduled engine is tested against. It runs a
+set of prompts to completion together, greedily: one forward prefills every prompt whole, then
+each forward decodes one token for every unfinished sequence; no chunking, no prefix cache, no
+preemption. It also records logits for `verify`. Every page goes back to the pool when the call
+ends, however it ends."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import torch
 
 from compiled_engine.cache.block_manager import BlockManager
 from compiled_engine.engine.model_runner import ModelRunner
-from compiled_engine.engine.sequence import FinishReason, Sequence
+from compiled_engine.engine.sampling_params import SamplingParams
+from compiled_engine.engine.sequence import FinishReason, Sequence, SequenceStatus
 from compiled_engine.errors import RequestError
 
 TOP_K_RECORDED = 5
@@ -84,9 +87,8 @@ class Generator:
     ) -> list[GenerationResult]:
         for prompt in prompts:
             self.validate_prompt(prompt, max_tokens)
-        seqs = [
-            Sequence(next(self._seq_ids), list(p), max_tokens, stop_token_ids) for p in prompts
-        ]
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        seqs = [Sequence(next(self._seq_ids), list(p), params, stop_token_ids) for p in prompts]
         results = {
             seq.seq_id: GenerationResult(seq.prompt_token_ids, [], FinishReason.LENGTH) for seq in seqs
         }
@@ -138,4 +140,7 @@ class Generator:
                 )
         for i, (seq, num_new) in enumerate(batch):
             seq.num_computed_tokens += num_new
-            seq.append_token(next_tokens[i])
+            reason = seq.append_token(next_tokens[i])
+            if reason is not None:
+                seq.finish_reason = reason
+                seq.status = SequenceStatus.FINISHED

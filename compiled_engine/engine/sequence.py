@@ -1,9 +1,12 @@
-"""Sequence: one request's tokens, pages and progress, the unit the engine talks about."""
+"""Sequence: one completion's tokens, pages and progress, the unit the scheduler talks about.
+A request with n > 1 has n sequences sharing its request id and its prompt."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+
+from compiled_engine.engine.sampling_params import SamplingParams
 
 
 class FinishReason(enum.StrEnum):
@@ -12,16 +15,40 @@ class FinishReason(enum.StrEnum):
     ABORT = "abort"
 
 
-@dataclass
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # not holding pages: new, or preempted and waiting to be recomputed
+    RUNNING = "running"  # holding pages; prefilling in chunks or decoding
+    FINISHED = "finished"
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 30)
+
+
+@dataclass(eq=False)
 class Sequence:
     seq_id: int
     prompt_token_ids: list[int]
-    max_tokens: int
-    stop_token_ids: frozenset[int] = frozenset()
+    params: SamplingParams = GREEDY
+    eos_token_ids: frozenset[int] = frozenset()
+    request_id: str = ""
+    index: int = 0  # which of the request's n completions
+    seed: int = 0
+    cache_salt: str | None = None
+    arrival_time: float = 0.0
+    fork_of: Sequence | None = None  # n > 1: share this sibling's prompt pages once it has them
+    status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
+    page_keys: list[int] = field(default_factory=list)  # prefix-cache keys of the full pages
+    num_computed_tokens: int = 0  # tokens whose K/V are in the pages
+    num_cached_tokens: int = 0  # of those, how many came from the prefix cache at admission
+    num_preemptions: int = 0
     finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    # Timestamps (time.perf_counter()) for the request metrics.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -32,12 +59,35 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
-    def is_finished(self) -> bool:
-        return self.finish_reason is not None
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
 
-    def append_token(self, token_id: int) -> None:
+    @property
+    def is_prefilling(self) -> bool:
+        """Still computing the prompt (or, after preemption, prompt and earlier output)."""
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def stop_token_ids(self) -> frozenset[int]:
+        eos = frozenset() if self.params.ignore_eos else self.eos_token_ids
+        return eos | frozenset(self.params.stop_token_ids)
+
+    def banned_token_ids(self) -> list[int]:
+        """Tokens that may not be drawn yet: the stop ids until min_tokens is reached."""
+        if len(self.output_token_ids) >= self.params.min_tokens:
+            return []
+        return sorted(self.stop_token_ids())
+
+    def append_token(self, token_id: int) -> FinishReason | None:
+        """Add a generated token; return why the sequence must stop now, if it must."""
         self.output_token_ids.append(token_id)
-        if token_id in self.stop_token_ids:
-            self.finish_reason = FinishReason.STOP
-        elif len(self.output_token_ids) >= self.max_tokens:
-            self.finish_reason = FinishReason.LENGTH
+        # The sampler never draws a stop id before min_tokens (banned_token_ids).
+        if token_id in self.stop_token_ids():
+            self.stop_reason = token_id if token_id in self.params.stop_token_ids else None
+            return FinishReason.STOP
+        if len(self.output_token_ids) >= self.params.max_tokens:
+            return FinishReason.LENGTH
+        return None

@@ -1,0 +1,242 @@
+"""LLMEngine: one loop that owns every request. `add_request` and `abort_request` only queue
+work; `step` runs one iteration: apply aborts -> schedule -> forward -> sample -> emit outputs."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from compiled_engine.cache.block_manager import BlockManager
+from compiled_engine.config import EngineConfig
+from compiled_engine.engine.model_runner import ModelRunner
+from compiled_engine.engine.output_text import SequenceText
+from compiled_engine.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from compiled_engine.engine.sampler import Sampler, SamplingBatch, TokenLogprobs
+from compiled_engine.engine.sampling_params import SamplingParams
+from compiled_engine.engine.scheduler import Scheduler
+from compiled_engine.engine.sequence import FinishReason, Sequence
+from compiled_engine.errors import RequestError
+from compiled_engine.model.source import resolve_model_dir
+from compiled_engine.tokenizer import Tokenizer
+
+SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads the seeds of a request's n completions
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    texts: list[SequenceText]
+    logprobs: list[list[TokenLogprobs]] | None
+    metrics: RequestMetrics
+    changed: bool = field(default=False)
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_dir = resolve_model_dir(config.model)
+        self.runner = ModelRunner(self.model_dir, config)
+        has_tokenizer = (self.model_dir / "tokenizer.json").is_file()
+        self.tokenizer = Tokenizer(self.model_dir) if has_tokenizer else None
+        self.eos_token_ids = (
+            self.tokenizer.eos_token_ids if self.tokenizer else frozenset(self.runner.model_config.eos_token_ids)
+        )
+        self.block_manager = BlockManager(self.runner.num_pages, self.runner.page_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler()
+        self._rng = random.Random(config.seed)
+        self._requests: dict[str, _Request] = {}
+        self._pending_aborts: set[str] = set()
+        self._seq_ids = itertools.count()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        prompt_ids = self._encode(prompt)
+        self._validate(prompt_ids, params)
+        now = time.perf_counter()
+        seqs: list[Sequence] = []
+        for index in range(params.n):
+            base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+            seqs.append(
+                Sequence(
+                    next(self._seq_ids), list(prompt_ids), params, self.eos_token_ids,
+                    request_id=request_id, index=index,
+                    seed=(base_seed + index * SEED_STRIDE) % (1 << 63),
+                    cache_salt=cache_salt, arrival_time=now,
+                    fork_of=seqs[0] if index else None,
+                )
+            )
+        self._requests[request_id] = _Request(
+            request_id, text, prompt_ids, seqs,
+            [SequenceText(self.tokenizer, prompt_ids, params) for _ in seqs],
+            [[] for _ in seqs] if params.logprobs is not None else None,
+            RequestMetrics(arrival_time=now),
+        )
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return request_id
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError(f"{self.model_dir} has no tokenizer: pass token ids")
+            return self.tokenizer.encode(prompt)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise RequestError("a token-id prompt must be a list of integers")
+        return list(prompt)
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.runner.model_config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(prompt_ids)} tokens and max_tokens is {params.max_tokens}: "
+                f"{total} exceeds the context length {self.max_model_len}"
+            )
+        pages = self.block_manager.pages_for_tokens(total)
+        if pages > self.block_manager.num_pages:
+            raise RequestError(
+                f"the prompt and max_tokens need {total} tokens ({pages} KV pages), more than the "
+                f"whole KV cache holds ({self.block_manager.num_pages} pages)"
+            )
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer; this model has none")
+
+    def abort_request(self, request_id: str) -> None:
+        """Ends the request at the next step boundary, returning its pages (unknown ids are ignored:
+        the request may have just finished)."""
+        if request_id in self._requests:
+            self._pending_aborts.add(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        self._apply_aborts()
+        out = self.scheduler.schedule()
+        if not out.is_empty:
+            logits = self.runner.run([(item.seq, item.num_tokens) for item in out.scheduled])
+            due = self.scheduler.advance(out)
+            if due:
+                rows = {item.seq.seq_id: i for i, item in enumerate(out.scheduled)}
+                self._sample(logits[[rows[seq.seq_id] for seq in due]], due)
+        return self._collect_outputs()
+
+    def _apply_aborts(self) -> None:
+        for request_id in self._pending_aborts:
+            request = self._requests.get(request_id)
+            if request is None:
+                continue
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, FinishReason.ABORT)
+            request.changed = True
+        self._pending_aborts.clear()
+
+    def _sample(self, logits: torch.Tensor, due: list[Sequence]) -> None:
+        batch = SamplingBatch(
+            params=[seq.params for seq in due],
+            seeds=[seq.seed for seq in due],
+            positions=[len(seq.output_token_ids) for seq in due],
+            prompt_token_ids=[seq.prompt_token_ids for seq in due],
+            output_token_ids=[seq.output_token_ids for seq in due],
+            banned_token_ids=[seq.banned_token_ids() for seq in due],
+        )
+        sampled = self.sampler(logits, batch)
+        now = time.perf_counter()
+        for seq, token, logprobs in zip(due, sampled.token_ids, sampled.logprobs, strict=True):
+            request = self._requests[seq.request_id]
+            request.changed = True
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if request.logprobs is not None and logprobs is not None:
+                request.logprobs[seq.index].append(logprobs)
+            reason = seq.append_token(token)  # a stop token, or max_tokens
+            text = request.texts[seq.index]
+            stop_string = None if reason is FinishReason.STOP else text.add(token)
+            if stop_string is not None:
+                seq.stop_reason = stop_string
+                reason = FinishReason.STOP
+            if reason is not None:
+                if stop_string is None:
+                    text.flush()
+                self.scheduler.finish(seq, reason)
+
+    def _collect_outputs(self) -> list[RequestOutput]:
+        outputs = []
+        for request_id in [rid for rid, r in self._requests.items() if r.changed]:
+            request = self._requests[request_id]
+            request.changed = False
+            outputs.append(self._request_output(request))
+            if request.finished:
+                del self._requests[request_id]
+        return outputs
+
+    def _request_output(self, request: _Request) -> RequestOutput:
+        completions = []
+        for seq, text in zip(request.seqs, request.texts, strict=True):
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text.visible(seq.is_finished),
+                    token_ids=list(seq.output_token_ids),
+                    finish_reason=None if seq.finish_reason is None else str(seq.finish_reason),
+                    stop_reason=seq.stop_reason,
+                    logprobs=None if request.logprobs is None else list(request.logprobs[seq.index]),
+                )
+            )
+        metrics = request.metrics
+        first = request.seqs[0]
+        metrics.first_scheduled_time = min(
+            (s.first_scheduled_time for s in request.seqs if s.first_scheduled_time is not None), default=None
+        )
+        metrics.first_token_time = min(
+            (s.first_token_time for s in request.seqs if s.first_token_time is not None), default=None
+        )
+        metrics.num_generated_tokens = max(len(s.output_token_ids) for s in request.seqs)
+        if request.finished:
+            metrics.finished_time = max(s.finished_time or 0.0 for s in request.seqs)
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=completions,
+            finished=request.finished,
+            num_cached_tokens=first.num_cached_tokens,
+            metrics=metrics,
+        )

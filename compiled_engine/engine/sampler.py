@@ -1,0 +1,176 @@
+"""Sampler: turns one step's logits into one token per sequence, for the whole batch at once.
+
+Every vocab-sized operation runs once over the batch; per-row settings become [rows, 1] tensors.
+Randomness comes from a counter-based hash of (seed, position, token id) rather than a
+torch.Generator, so a row's draw does not depend on its batch mates, its row index or the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from compiled_engine.engine.sampling_params import SamplingParams
+
+_MASK32 = 0xFFFFFFFF
+# Odd multipliers below 2**31: a value below 2**32 times one stays below 2**63, so int64 never overflows.
+_MUL_A = 0x7FEB352D
+_MUL_B = 0x2C1B3C6D
+_GOLDEN = 0x9E3779B9
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class SamplingBatch:
+    params: list[SamplingParams]
+    seeds: list[int]
+    positions: list[int]
+    prompt_token_ids: list[list[int]]
+    output_token_ids: list[list[int]]
+    banned_token_ids: list[list[int]]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer hash (xor-shift / multiply rounds) on int64 values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * _MUL_A) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * _MUL_B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise [rows, vocab]; entry (r, t) depends only on seeds[r], positions[r] and t."""
+    key = _mix32(_mix32(_mix32(seeds & _MASK32) ^ (seeds >> 32)) ^ (positions & _MASK32))
+    key2 = _mix32(key ^ _GOLDEN)
+    tokens = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    h = _mix32(_mix32(tokens ^ key[:, None]) ^ key2[:, None])
+    # 23 bits plus a half step are exact in fp32, so u lies strictly inside (0, 1) and log never sees 0 or 1.
+    u = ((h >> 9).to(torch.float32) + 0.5) * 2.0**-23
+    return -torch.log(-torch.log(u))
+
+
+def _row_index(pairs: list[tuple[int, list[int]]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flatten (row, token ids) pairs into the two index tensors of an advanced-indexing write."""
+    rows = [r for r, ids in pairs for _ in ids]
+    cols = [t for _, ids in pairs for t in ids]
+    return (torch.tensor(rows, dtype=torch.int64, device=device),
+            torch.tensor(cols, dtype=torch.int64, device=device))
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [rows, vocab], got shape {tuple(logits.shape)}")
+        rows = logits.shape[0]
+        params = batch.params
+        fields = (batch.seeds, batch.positions, batch.prompt_token_ids,
+                  batch.output_token_ids, batch.banned_token_ids)
+        if any(len(f) != rows for f in (params, *fields)):
+            raise ValueError(f"SamplingBatch fields must all have {rows} rows (one per logits row)")
+        device = logits.device
+        logits = logits.float()
+
+        # OpenAI and vLLM report logprobs of the model's own distribution, before penalties or filters.
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
+
+        logits = self._apply_penalties(logits, batch)
+
+        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        token_ids = logits.argmax(dim=-1) if greedy_rows else torch.zeros(rows, dtype=torch.int64, device=device)
+        if sampled_rows:
+            sampled = logits if len(sampled_rows) == rows else logits[sampled_rows]
+            draws = self._sample(sampled, [params[i] for i in sampled_rows],
+                                 [batch.seeds[i] for i in sampled_rows],
+                                 [batch.positions[i] for i in sampled_rows])
+            token_ids[sampled_rows] = draws
+
+        chosen = token_ids.tolist()
+        out_logprobs: list[TokenLogprobs | None] = [None] * rows
+        if raw_logprobs is not None:
+            picked = raw_logprobs.gather(1, token_ids[lp_rows][:, None])[:, 0].tolist()
+            top_n = max(params[i].logprobs or 0 for i in lp_rows)
+            top_vals, top_ids = raw_logprobs.topk(top_n, dim=-1)
+            top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
+            for j, i in enumerate(lp_rows):
+                n = params[i].logprobs or 0
+                out_logprobs[i] = TokenLogprobs(chosen[i], picked[j], top_ids_l[j][:n], top_vals_l[j][:n])
+        return SamplerOutput(token_ids=chosen, logprobs=out_logprobs)
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        params, device = batch.params, logits.device
+        banned = [(i, ids) for i, ids in enumerate(batch.banned_token_ids) if ids]
+        if banned:
+            logits = logits.index_put(_row_index(banned, device), torch.tensor(float("-inf"), device=device))
+
+        rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+        if rep_rows:
+            seen = torch.zeros_like(logits, dtype=torch.bool)
+            pairs = [(i, batch.prompt_token_ids[i] + batch.output_token_ids[i]) for i in rep_rows]
+            seen.index_put_(_row_index(pairs, device), torch.tensor(True, device=device))
+            penalty = _column([p.repetition_penalty for p in params], device)
+            # HF semantics: always push a seen token's logit towards "less likely", whatever its sign.
+            penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+            logits = torch.where(seen, penalised, logits)
+
+        pf_rows = [i for i, p in enumerate(params) if p.presence_penalty or p.frequency_penalty]
+        if pf_rows:
+            counts = torch.zeros_like(logits)
+            pairs = [(i, batch.output_token_ids[i]) for i in pf_rows]
+            counts.index_put_(_row_index(pairs, device), torch.ones((), device=device), accumulate=True)
+            freq = _column([p.frequency_penalty for p in params], device)
+            pres = _column([p.presence_penalty for p in params], device)
+            logits = logits - freq * counts - pres * (counts > 0).to(logits.dtype)
+        return logits
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+                positions: list[int]) -> torch.Tensor:
+        device, vocab = logits.device, logits.shape[-1]
+        logits = logits / _column([p.temperature for p in params], device)
+        neg_inf = torch.tensor(float("-inf"), device=device)
+
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+            rank = torch.arange(vocab, device=device)
+            top_k = torch.tensor([p.top_k or vocab for p in params], device=device)[:, None]
+            drop = rank >= top_k
+            # top-p works on the distribution top-k left behind, hence the renormalising softmax here.
+            probs = torch.softmax(torch.where(drop, neg_inf, sorted_logits), dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs
+            # The top token has zero mass before it and top_p > 0, so it always survives. top_p = 1
+            # becomes inf, since a cumsum rounding up to 1.0 must not cut a row that asked for no cut.
+            top_p = _column([p.top_p if p.top_p < 1.0 else float("inf") for p in params], device)
+            drop |= mass_before >= top_p
+            logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+
+        if any(p.min_p > 0.0 for p in params):
+            # p < min_p * p_max  <=>  logit < max_logit + log(min_p); no softmax needed.
+            log_min_p = torch.log(_column([p.min_p for p in params], device))
+            floor = logits.max(dim=-1, keepdim=True).values + log_min_p
+            logits = logits.masked_fill(logits < floor, float("-inf"))
+
+        seed_t = torch.tensor(seeds, dtype=torch.int64, device=device)
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=device)
+        return (logits + gumbel_noise(seed_t, pos_t, vocab)).argmax(dim=-1)

@@ -1,0 +1,162 @@
+"""Scheduler: decides, each step, which sequences run and how many tokens each computes.
+
+One step: running decodes first (one token each), then running sequences still prefilling
+(chunks), then waiting sequences in arrival order, until the token budget
+(`max_num_batched_tokens`) or `max_num_seqs` runs out. When a running sequence needs a page and
+none is free, the newest running sequence not yet scheduled this step is preempted: its pages go
+back to the pool and it waits, first in line, to be recomputed. The output is plain data; the
+scheduler never touches a tensor, so it is tested with no model at all.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from compiled_engine.cache.block_manager import BlockManager
+from compiled_engine.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    seq: Sequence
+    num_tokens: int  # new tokens computed for it this step
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: newest last
+        self.num_preemptions = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        chosen: set[int] = set()
+        decodes = [s for s in self.running if not s.is_prefilling]
+        prefills = [s for s in self.running if s.is_prefilling]
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if not self._make_room(seq, num_new, chosen, out):
+                continue
+            self.block_manager.grow(seq.block_table, seq.num_computed_tokens + num_new)
+            out.scheduled.append(ScheduledSequence(seq, num_new))
+            chosen.add(seq.seq_id)
+            budget -= num_new
+        # Admitting while preempting would only evict again: wait for pages to come back.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            seq = self.waiting[0]
+            num_new = self._admit(seq, budget)
+            if num_new == 0:
+                break  # first come, first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSequence(seq, num_new))
+            chosen.add(seq.seq_id)
+            budget -= num_new
+        return out
+
+    def _make_room(self, seq: Sequence, num_new: int, chosen: set[int], out: SchedulerOutput) -> bool:
+        """Preempt newest-first until `seq` can grow by `num_new` tokens; False if `seq` itself
+        had to go."""
+        while not self.block_manager.can_hold(seq.block_table, seq.num_computed_tokens + num_new):
+            victims = [s for s in self.running if s.seq_id not in chosen]
+            victim = victims[-1]  # `seq` is among them, so never empty
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Give a waiting sequence its pages (prefix-cache hits first); the tokens it computes
+        this step, or 0 when it cannot start now."""
+        parent = seq.fork_of
+        if parent is not None and parent.status is SequenceStatus.RUNNING and parent.is_prefilling:
+            return 0  # wait one more step and share the sibling's prompt pages
+        full_prompt_pages = (len(seq.prompt_token_ids) - 1) // self.block_manager.page_size
+        if parent is not None and parent.status is SequenceStatus.RUNNING and seq.num_computed_tokens == 0:
+            hits = parent.block_table[:full_prompt_pages]
+            keys = parent.page_keys[: len(hits)]
+        else:
+            hits, keys = self.block_manager.match_prefix(seq.token_ids, seq.cache_salt)
+        cached = len(hits) * self.block_manager.page_size
+        num_new = min(seq.num_tokens - cached, budget)
+        needed = self.block_manager.pages_for_tokens(cached + num_new) - len(hits)
+        available = self.block_manager.num_free_pages - self.block_manager.num_evictable_among(hits)
+        if needed > available:
+            return 0
+        self.block_manager.record_lookup(seq.num_tokens, cached)
+        seq.block_table = self.block_manager.share(hits)
+        seq.page_keys = list(keys)
+        seq.num_computed_tokens = cached
+        if seq.first_scheduled_time is None:
+            seq.num_cached_tokens = cached
+            seq.first_scheduled_time = time.perf_counter()
+        self.block_manager.grow(seq.block_table, cached + num_new)
+        seq.status = SequenceStatus.RUNNING
+        return num_new
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq.block_table)
+        seq.page_keys = []
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def advance(self, out: SchedulerOutput) -> list[Sequence]:
+        """Record that the scheduled tokens were computed; the sequences now due a new token."""
+        due = []
+        for item in out.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_tokens
+            self.block_manager.register_full_pages(
+                seq.block_table, seq.page_keys, seq.token_ids, seq.num_computed_tokens, seq.cache_salt
+            )
+            if seq.num_computed_tokens == seq.num_tokens:
+                due.append(seq)
+        return due
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End a sequence in any state and return its pages."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq.block_table)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finished_time = time.perf_counter()
