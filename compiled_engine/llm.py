@@ -88,10 +88,13 @@ class LLM:
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
-    items = list(prompts)
+    items: list[Any] = list(prompts)
     if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
         return [items]  # one prompt of token ids
-    return items  # type: ignore[return-value]
+    for item in items:
+        if not isinstance(item, str | list):
+            raise RequestError(f"a prompt must be a string or a list of token ids, got {type(item).__name__}")
+    return items
 
 
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from compiled_engine.errors import RequestError
+
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
@@ -36,13 +39,14 @@ class SamplingParams:
             object.__setattr__(self, "top_k", 0)
         checks = [
             (self.n >= 1, f"n must be at least 1, got {self.n}"),
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 <= self.temperature < math.inf, f"temperature must be finite and >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= 0, f"top_k must be -1, 0 (no limit) or positive, got {self.top_k}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
             (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (0 < self.repetition_penalty < math.inf, f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}"),
+            (all(t >= 0 for t in self.stop_token_ids), f"stop_token_ids must be non-negative, got {self.stop_token_ids}"),
             (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
             (0 <= self.min_tokens <= self.max_tokens, f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
@@ -55,4 +59,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, dividing by the temperature overflows logits to ties at +-inf.
+        return self.temperature < GREEDY_BELOW
