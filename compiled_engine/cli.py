@@ -11,7 +11,7 @@ from pathlib import Path
 
 from compiled_engine.cache.kv_cache import DEFAULT_PAGE_SIZE
 from compiled_engine.config import DTYPES, EngineConfig
-from compiled_engine.errors import CompiledEngineError
+from compiled_engine.errors import CompiledEngineError, ModelSourceError
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--prompt", required=True)
     generate.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     generate.add_argument("--max-tokens", type=int, default=128)
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--seed", type=int, default=None)
     _add_engine_options(generate)
 
     verify = commands.add_parser("verify", help="compare greedy output with the transformers reference")
@@ -64,33 +68,46 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from compiled_engine.engine.generator import Generator
-    from compiled_engine.engine.model_runner import ModelRunner
-    from compiled_engine.model.source import resolve_model_dir
-    from compiled_engine.tokenizer import Tokenizer
+    from compiled_engine.engine.llm_engine import LLMEngine
+    from compiled_engine.engine.outputs import RequestOutput
+    from compiled_engine.engine.sampling_params import SamplingParams
 
-    config = _engine_config(args)
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        max_tokens=args.max_tokens,
+    )
     started = time.perf_counter()
-    model_dir = resolve_model_dir(config.model)
-    runner = ModelRunner(model_dir, config)
-    tokenizer = Tokenizer(model_dir)
+    engine = LLMEngine(_engine_config(args))
     model_load_ms = (time.perf_counter() - started) * 1000
-    prompt_ids = tokenizer.encode_prompt(args.prompt, args.chat)
-    generator = Generator(runner)
-    [result] = generator.generate([prompt_ids], args.max_tokens, tokenizer.eos_token_ids)
-    print(tokenizer.decode(result.token_ids))
-    t = generator.last_timings
+    if engine.tokenizer is None:
+        raise ModelSourceError(f"{engine.model_dir} has no tokenizer.json, so text prompts cannot be encoded")
+    prompt_ids = engine.tokenizer.encode_prompt(args.prompt, args.chat)
+    engine.add_request(prompt_ids, params)
+    shown = 0
+    final: RequestOutput | None = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():  # stream the text as it is generated
+            sys.stdout.write(output.text[shown:])
+            sys.stdout.flush()
+            shown = len(output.text)
+            final = output
+    print()
+    assert final is not None and final.metrics is not None
+    m = final.metrics
+    ttft = m.ttft or 0.0
+    decode_s = (m.e2e or 0.0) - ttft
+    decoded = len(final.token_ids) - 1
     stats = {
         "model_load_ms": f"{model_load_ms:.1f}",
-        "prefill_ms": f"{t.prefill_ms:.1f}",
-        "ttft_ms": f"{t.ttft_ms:.1f}",
-        "mean_tpot_ms": f"{t.mean_tpot_ms:.2f}",
-        "decode_tokens_per_s": f"{t.decode_tokens_per_s:.1f}",
+        "prefill_ms": f"{(ttft - (m.queue_time or 0.0)) * 1000:.1f}",
+        "ttft_ms": f"{ttft * 1000:.1f}",
+        "mean_tpot_ms": f"{(m.tpot or 0.0) * 1000:.2f}",
+        "decode_tokens_per_s": f"{decoded / decode_s if decode_s > 0 else 0.0:.1f}",
         "prompt_tokens": str(len(prompt_ids)),
-        "output_tokens": str(len(result.token_ids)),
-        "finish_reason": str(result.finish_reason),
-        "device": str(runner.device),
-        "dtype": str(runner.dtype).removeprefix("torch."),
+        "output_tokens": str(len(final.token_ids)),
+        "finish_reason": str(final.finish_reason),
+        "device": str(engine.runner.device),
+        "dtype": str(engine.runner.dtype).removeprefix("torch."),
     }
     print(" ".join(f"{k}={v}" for k, v in stats.items()), file=sys.stderr)
     return 0

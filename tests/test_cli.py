@@ -89,3 +89,15 @@ def test_divergence_report_names_step_tokens_and_top5(default_model_dir: Path) -
     ours.token_ids = [100, 200]
     stopped = report_divergence(tokenizer, 3, PromptSpec("hi"), ours, golden)
     assert stopped is not None and "ours (stopped)" in stopped
+
+
+def test_generate_sampling_flags_are_seeded(capsys: pytest.CaptureFixture[str], default_model_dir: Path) -> None:
+    argv = ["generate", "--prompt", "Once upon a time", "--max-tokens", "8", "--temperature", "0.9", "--top-p", "0.95", *SMALL_KV]
+    texts = []
+    for seed in ("3", "3", "4"):
+        assert main([*argv, "--seed", seed]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1]
+    assert texts[0] != texts[2]
+    assert main([*argv, "--temperature", "-1"]) == 2
+    assert "temperature must be finite and >= 0" in capsys.readouterr().err
