@@ -278,3 +278,26 @@ BlockManagerMachine.TestCase.settings = settings(
     max_examples=60, stateful_step_count=30, deadline=None
 )
 TestBlockManagerMachine = BlockManagerMachine.TestCase
+
+
+def test_eviction_takes_the_least_recently_released_cached_page() -> None:
+    manager = BlockManager(num_pages=3, page_size=2)
+    tables: list[list[int]] = []
+    keys: list[list[int]] = []
+    for tokens in ([1, 2], [3, 4]):
+        table: list[int] = []
+        manager.grow(table, 2)
+        page_keys: list[int] = []
+        manager.register_full_pages(table, page_keys, tokens, 2, salt=None)
+        tables.append(table)
+        keys.append(page_keys)
+    first, second = tables[0][0], tables[1][0]
+    manager.free(tables[0])  # released first: the first to go
+    manager.free(tables[1])
+    assert manager.num_cached_pages == 2 and manager.num_free_pages == 3
+    grabbed: list[int] = []
+    manager.grow(grabbed, 4)  # two pages: the never-cached one, then the oldest cached one
+    assert first in grabbed and second not in grabbed
+    assert manager.stats.evictions == 1
+    assert manager.match_prefix([1, 2, 9], None) == ([], [])
+    assert manager.match_prefix([3, 4, 9], None) == ([second], keys[1])
