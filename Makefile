@@ -5,7 +5,7 @@ VENV ?= .venv
 # CPU wheel by default; a CUDA user picks a build, e.g.
 #   make serve TORCH_SPEC="torch==2.11.0 --index-url https://download.pytorch.org/whl/cu130"
 TORCH_SPEC ?= torch==2.13.0
-PROMPT ?= What is the capital of France?
+PORT ?= 8000
 PY := $(VENV)/bin/python
 
 .PHONY: serve test install model lint
@@ -27,7 +27,7 @@ model: $(VENV)/.installed-convert
 
 serve: $(VENV)/.installed-convert
 	$(PY) -m compiled_engine prepare
-	$(PY) -m compiled_engine generate --chat --prompt "$(PROMPT)"
+	$(PY) -m compiled_engine serve --port $(PORT)
 
 test: $(VENV)/.installed-dev
 	$(PY) -m compiled_engine prepare

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -22,6 +23,9 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-pages", type=int, default=None, help="KV pages (default: as many as --kv-cache-memory-gib holds)")
     parser.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -33,6 +37,9 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         num_pages=args.num_pages,
         kv_cache_memory_gib=args.kv_cache_memory_gib,
         max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
     )
 
 
@@ -51,6 +58,20 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, default=0)
     generate.add_argument("--seed", type=int, default=None)
     _add_engine_options(generate)
+
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--api-key", action="append", default=None,
+        help="require a bearer key on /v1/*; repeat for several tenants, each with its own prefix-cache "
+        "salt (default: $COMPILED_ENGINE_API_KEY, comma-separated)",
+    )
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--max-waiting-requests", type=int, default=256, help="beyond this, new requests get 429")
+    serve.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    serve.add_argument("--shutdown-grace-s", type=float, default=30.0)
+    _add_engine_options(serve)
 
     verify = commands.add_parser("verify", help="compare greedy output with the transformers reference")
     verify.add_argument("--prompts", type=Path, default=None, help=".json list or one prompt per line")
@@ -113,13 +134,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _api_keys(flags: list[str] | None) -> tuple[str, ...]:
+    raw = flags if flags is not None else os.environ.get("COMPILED_ENGINE_API_KEY", "").split(",")
+    return tuple(key.strip() for key in raw if key.strip())
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from compiled_engine.server.launch import run_server
+
+    return run_server(
+        _engine_config(args), args.host, args.port, _api_keys(args.api_key), args.served_model_name,
+        args.max_waiting_requests, args.max_body_bytes, args.shutdown_grace_s,
+    )
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from compiled_engine.verify import verify
 
     return verify(_engine_config(args), args.prompts, args.chat, args.max_tokens)
 
 
-COMMANDS = {"prepare": cmd_prepare, "generate": cmd_generate, "verify": cmd_verify}
+COMMANDS = {"prepare": cmd_prepare, "generate": cmd_generate, "serve": cmd_serve, "verify": cmd_verify}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -27,3 +27,15 @@ class OutOfPagesError(CompiledEngineError):
 
 class RequestError(CompiledEngineError):
     """A request is invalid as given (too long for the context, empty prompt, bad token id)."""
+
+
+class EngineOverloadedError(CompiledEngineError):
+    """Too many requests are waiting; the caller should retry later."""
+
+
+class EngineDeadError(CompiledEngineError):
+    """The engine loop stopped; no request can be served."""
+
+
+class EngineShuttingDownError(CompiledEngineError):
+    """The engine no longer admits requests because it is shutting down."""

@@ -1,0 +1,207 @@
+"""AsyncEngine: runs LLMEngine.step on its own thread and gives each request an asyncio stream.
+
+The loop thread is the only one that touches the engine's state. Callers talk to it through a
+thread-safe inbox (add, abort) and receive RequestOutputs on per-request asyncio queues. Leaving a
+stream early (a client disconnect closes the async generator) aborts its request, whose pages the
+loop returns at its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from compiled_engine.engine.llm_engine import LLMEngine
+from compiled_engine.engine.outputs import RequestOutput
+from compiled_engine.engine.sampling_params import SamplingParams
+from compiled_engine.errors import EngineDeadError, EngineOverloadedError, EngineShuttingDownError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    cache_salt: str | None
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running_requests: int
+    waiting_requests: int
+    kv_pages_total: int
+    kv_pages_free: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int = 256) -> None:
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self._inbox: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | BaseException]]] = {}
+        self._lock = threading.Lock()
+        self._pending_adds = 0
+        self._stop = threading.Event()
+        self._accepting = True
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    def shutdown(self, grace_s: float = 30.0) -> None:
+        """Stop admission, let in-flight requests finish for up to `grace_s`, abort the rest,
+        then stop and join the loop."""
+        self._accepting = False
+        deadline = time.monotonic() + grace_s
+        while self.is_alive and self._in_flight() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with self._lock:
+            leftover = list(self._streams)
+        for request_id in leftover:
+            self.abort(request_id)
+        deadline = time.monotonic() + 5.0
+        while self.is_alive and self._in_flight() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10.0)
+
+    def _in_flight(self) -> bool:
+        with self._lock:
+            return bool(self._streams)
+
+    # -- requests -------------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields the request's outputs as they come; the last one has `finished` set. Raises the
+        engine's RequestError for an invalid request, and the overload / dead / shutdown errors."""
+        if self.error is not None or not self._thread.is_alive():
+            raise EngineDeadError(f"the engine loop is not running ({self.error!r})")
+        if not self._accepting:
+            raise EngineShuttingDownError("the server is shutting down and admits no new requests")
+        if self.num_waiting() >= self.max_waiting_requests:
+            raise EngineOverloadedError(f"{self.max_waiting_requests} requests are already waiting")
+        request_id = request_id or uuid.uuid4().hex
+        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        with self._lock:
+            self._streams[request_id] = (asyncio.get_running_loop(), stream)
+            self._pending_adds += 1
+        self._inbox.put(_Add(request_id, prompt, params, cache_salt))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the loop has already forgotten the request
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+            with self._lock:
+                self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+        self._wake.set()
+
+    def num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting) + self._pending_adds
+
+    def stats(self) -> EngineStats:
+        manager = self.engine.block_manager
+        return EngineStats(
+            running_requests=len(self.engine.scheduler.running),
+            waiting_requests=self.num_waiting(),
+            kv_pages_total=manager.num_pages,
+            kv_pages_free=manager.num_free_pages,
+            prefix_queried_tokens=manager.stats.queried_tokens,
+            prefix_hit_tokens=manager.stats.hit_tokens,
+        )
+
+    # -- the loop thread ------------------------------------------------------------------------
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            target = self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            try:
+                loop.call_soon_threadsafe(stream.put_nowait, item)
+            except RuntimeError:  # the caller's event loop is closed: nobody is listening
+                self.engine.abort_request(request_id)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Abort):
+                self.engine.abort_request(command.request_id)
+                continue
+            with self._lock:
+                self._pending_adds -= 1
+                listening = command.request_id in self._streams
+            if not listening:
+                continue  # the caller left before the loop saw the request
+            try:
+                self.engine.add_request(command.prompt, command.params, command.request_id, command.cache_salt)
+            except Exception as exc:  # invalid request: hand the error to its caller
+                self._deliver(command.request_id, exc)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_inbox()
+                if self.engine.has_unfinished_requests():
+                    for output in self.engine.step():
+                        self._deliver(output.request_id, output)
+                else:
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+        except BaseException as exc:
+            self.error = exc
+            logger.exception("the engine loop died")
+            with self._lock:
+                request_ids = list(self._streams)
+            for request_id in request_ids:
+                self._deliver(request_id, EngineDeadError(f"the engine loop died: {exc!r}"))

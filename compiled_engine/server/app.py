@@ -1,0 +1,360 @@
+"""The Litestar app: OpenAI-compatible routes over an AsyncEngine."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from litestar import Litestar, Request, Response, get, post
+from litestar.openapi import OpenAPIConfig
+from litestar.response import Stream
+
+from compiled_engine.engine.async_engine import AsyncEngine
+from compiled_engine.engine.outputs import CompletionOutput, RequestOutput
+from compiled_engine.engine.sampling_params import SamplingParams
+from compiled_engine.server.errors import ApiError, error_response, handle_exception
+from compiled_engine.server.metrics import ServerMetrics
+from compiled_engine.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    Delta,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    TopLogprob,
+    Usage,
+)
+from compiled_engine.tokenizer import Tokenizer
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    served_model_name: str
+    api_keys: tuple[str, ...] = ()
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+
+class OpenAIServer:
+    """Turns OpenAI requests into engine requests and engine outputs into OpenAI responses."""
+
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        tokenizer = engine.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("the server needs a model with a tokenizer")
+        self.tokenizer: Tokenizer = tokenizer
+        self.max_model_len = engine.engine.max_model_len
+        self.created = int(time.time())
+
+    # -- request checks -------------------------------------------------------------------------
+
+    def check_auth(self, request: Request[Any, Any, Any]) -> str | None:
+        """The cache salt of the caller: one per API key, so tenants never share cached pages."""
+        if not self.settings.api_keys:
+            return None
+        header = request.headers.get("authorization", "")
+        given = (header[7:] if header.lower().startswith("bearer ") else "").encode()
+        # Compare with every key, each in constant time, so timing tells nothing about which matched.
+        matches = [hmac.compare_digest(given, key.encode()) for key in self.settings.api_keys]
+        if not any(matches):
+            raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')", "authentication_error", code="invalid_api_key")
+        return hashlib.sha256(given).hexdigest()
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.settings.served_model_name:
+            raise ApiError(404, f"the model '{model}' does not exist; this server serves '{self.settings.served_model_name}'", "not_found_error", "model", "model_not_found")
+
+    def check_length(self, prompt_ids: list[int], max_tokens: int | None, param: str) -> int:
+        if not prompt_ids:
+            raise ApiError(400, "the prompt is empty", param=param)
+        if len(prompt_ids) >= self.max_model_len:
+            raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this model's context length is {self.max_model_len} tokens", param=param, code="context_length_exceeded")
+        room = self.max_model_len - len(prompt_ids)
+        if max_tokens is None:
+            return room
+        if max_tokens < 1:
+            raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        if max_tokens > room:
+            raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens and max_tokens is {max_tokens}: {len(prompt_ids) + max_tokens} exceeds the context length {self.max_model_len}", param="max_tokens", code="context_length_exceeded")
+        return max_tokens
+
+    def usage(self, output: RequestOutput) -> Usage:
+        completion = sum(len(c.token_ids) for c in output.outputs)
+        prompt = len(output.prompt_token_ids)
+        return Usage(prompt, completion, prompt + completion, PromptTokensDetails(output.num_cached_tokens))
+
+    # -- completions ----------------------------------------------------------------------------
+
+    def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            return [self.tokenizer.encode(prompt)]
+        if not prompt:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        if all(isinstance(t, int) for t in prompt):
+            return [[t for t in prompt if isinstance(t, int)]]
+        prompts: list[list[int]] = []
+        for item in prompt:
+            if isinstance(item, str):
+                prompts.append(self.tokenizer.encode(item))
+            elif isinstance(item, list):
+                prompts.append(list(item))
+            else:
+                raise ApiError(400, "prompt must be a string, a list of token ids, or a list of either", param="prompt")
+        return prompts
+
+    def completion_logprobs(self, completion: CompletionOutput, offset: int) -> CompletionLogprobs | None:
+        if completion.logprobs is None:
+            return None
+        tokens: list[str] = []
+        offsets: list[int] = []
+        top: list[dict[str, float] | None] = []
+        for entry in completion.logprobs:
+            text = self.tokenizer.decode([entry.token_id], False)
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+            top.append({self.tokenizer.decode([t], False): v for t, v in zip(entry.top_token_ids, entry.top_logprobs, strict=True)})
+        return CompletionLogprobs(tokens, [e.logprob for e in completion.logprobs], top, offsets)
+
+    def chat_logprobs(self, completion: CompletionOutput, start: int = 0) -> ChatLogprobs | None:
+        if completion.logprobs is None:
+            return None
+        content = []
+        for entry in completion.logprobs[start:]:
+            text = self.tokenizer.decode([entry.token_id], False)
+            top = [
+                TopLogprob(t_text, v, list(t_text.encode()))
+                for t, v in zip(entry.top_token_ids, entry.top_logprobs, strict=True)
+                for t_text in [self.tokenizer.decode([t], False)]
+            ]
+            content.append(ChatTokenLogprob(text, entry.logprob, list(text.encode()), top))
+        return ChatLogprobs(content)
+
+
+def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    return SamplingParams(
+        n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+        seed=body.seed, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty, max_tokens=max_tokens, min_tokens=body.min_tokens,
+        stop=tuple(stop), ignore_eos=body.ignore_eos, logprobs=logprobs,
+    )
+
+
+def sse(payload: msgspec.Struct | str) -> bytes:
+    data = payload.encode() if isinstance(payload, str) else msgspec.json.encode(payload)
+    return b"data: " + data + b"\n\n"
+
+
+def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
+    server = OpenAIServer(engine, settings)
+    metrics = ServerMetrics(engine)
+
+    async def observed(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+        async for output in stream:
+            if output.finished:
+                metrics.observe(output)
+            yield output
+
+    def generate(prompt: list[int], params: SamplingParams, request_id: str, salt: str | None) -> AsyncIterator[RequestOutput]:
+        return observed(engine.generate(prompt, params, request_id, salt))
+
+    @get("/metrics", sync_to_thread=False, media_type="text/plain; version=0.0.4")
+    def prometheus() -> bytes:
+        """Prometheus metrics: requests, tokens, latencies, queue, KV pages, prefix cache."""
+        return metrics.render()
+
+    @get("/health", sync_to_thread=False)
+    def health() -> dict[str, str]:
+        """Liveness: the process answers."""
+        return {"status": "ok"}
+
+    @get("/ready", sync_to_thread=False)
+    def ready() -> Response[Any]:
+        """Readiness: the model is loaded and the engine loop is alive and admitting."""
+        if not engine.is_alive:
+            return error_response(503, "the engine loop is not running", "service_unavailable")
+        if not engine.accepting:
+            return error_response(503, "the server is shutting down", "service_unavailable")
+        return Response({"status": "ready"})
+
+    @get("/v1/models", sync_to_thread=False)
+    def models(request: Request[Any, Any, Any]) -> ModelList:
+        """The one model this server serves."""
+        server.check_auth(request)
+        return ModelList([ModelCard(settings.served_model_name, server.created, max_model_len=server.max_model_len)])
+
+    @post("/v1/completions", status_code=200)
+    async def completions(request: Request[Any, Any, Any], data: CompletionRequest) -> Any:
+        """OpenAI text completions (prompt as text, token ids, or a list of either)."""
+        salt = server.check_auth(request)
+        server.check_model(data.model)
+        prompts = server.completion_prompts(data)
+        if data.stream and len(prompts) > 1:
+            raise ApiError(400, "streaming supports one prompt per request", param="prompt")
+        budgets = [server.check_length(p, data.max_tokens, "prompt") for p in prompts]
+        params = [sampling_params(data, b, data.logprobs) for b in budgets]
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        model = settings.served_model_name
+        if data.stream:
+            stream = generate(prompts[0], params[0], request_id, salt)
+            first = await _first_output(stream)
+            return Stream(_completion_events(server, data, request_id, created, first, stream), media_type="text/event-stream")
+        choices: list[CompletionChoice] = []
+        usage = Usage(0, 0, 0, PromptTokensDetails(0))
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            final = await _final_output(generate(prompt, p, f"{request_id}-{i}", salt))
+            prefix = server.tokenizer.decode(prompt) if data.echo else ""
+            for completion in final.outputs:
+                choices.append(CompletionChoice(i * data.n + completion.index, prefix + completion.text, server.completion_logprobs(completion, len(prefix)), completion.finish_reason))
+            u = server.usage(final)
+            usage = Usage(usage.prompt_tokens + u.prompt_tokens, usage.completion_tokens + u.completion_tokens, usage.total_tokens + u.total_tokens, PromptTokensDetails(usage.prompt_tokens_details.cached_tokens + u.prompt_tokens_details.cached_tokens))
+        return CompletionResponse(request_id, created, model, choices, usage)
+
+    @post("/v1/chat/completions", status_code=200)
+    async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletionRequest) -> Any:
+        """OpenAI chat completions: messages rendered with the model's chat template."""
+        salt = server.check_auth(request)
+        server.check_model(data.model)
+        for name in ("tools", "tool_choice", "response_format", "functions"):
+            if getattr(data, name) is not None:
+                raise ApiError(400, f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
+        messages = _chat_messages(data)
+        prompt = server.tokenizer.encode_chat(messages)
+        limit = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
+        max_tokens = server.check_length(prompt, limit, "messages")
+        top = data.top_logprobs or 0
+        if top and not data.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        params = sampling_params(data, max_tokens, top if data.logprobs else None)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if data.stream:
+            stream = generate(prompt, params, request_id, salt)
+            first = await _first_output(stream)
+            return Stream(_chat_events(server, data, request_id, created, first, stream), media_type="text/event-stream")
+        final = await _final_output(generate(prompt, params, request_id, salt))
+        choices = [
+            ChatChoice(c.index, AssistantMessage(c.text), server.chat_logprobs(c), c.finish_reason)
+            for c in final.outputs
+        ]
+        return ChatCompletionResponse(request_id, created, settings.served_model_name, choices, server.usage(final))
+
+    return Litestar(
+        route_handlers=[health, ready, prometheus, models, completions, chat_completions],
+        middleware=[metrics.middleware],
+        exception_handlers={Exception: handle_exception},
+        request_max_body_size=settings.max_body_bytes,
+        openapi_config=OpenAPIConfig(title="compiled_engine", version="0.1.0", path="/docs"),
+    )
+
+
+def _chat_messages(data: ChatCompletionRequest) -> list[dict[str, Any]]:
+    if not data.messages:
+        raise ApiError(400, "messages must not be empty", param="messages")
+    messages = []
+    for i, message in enumerate(data.messages):
+        if message.role not in CHAT_ROLES:
+            raise ApiError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got '{message.role}'", param="messages")
+        content = message.content
+        if isinstance(content, list):
+            kinds = {part.type for part in content}
+            if kinds - {"text"}:
+                raise ApiError(400, f"messages[{i}] has content parts of type {sorted(kinds - {'text'})}: only text is supported (no images or audio)", param="messages", code="unsupported_parameter")
+            content = "".join(part.text for part in content if isinstance(part.text, str))
+        messages.append({"role": message.role, "content": content or ""})
+    return messages
+
+
+async def _first_output(stream: AsyncIterator[RequestOutput]) -> RequestOutput | None:
+    """Wait for the first output so that a refused request fails with its status code before
+    the event stream (and its 200) starts."""
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _final_output(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    final = None
+    async for output in stream:
+        final = output
+    assert final is not None
+    return final
+
+
+async def _chain(first: RequestOutput | None, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    if first is not None:
+        yield first
+    async for output in rest:
+        yield output
+
+
+async def _completion_events(server: OpenAIServer, data: CompletionRequest, request_id: str, created: int, first: RequestOutput | None, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[bytes]:
+    model = server.settings.served_model_name
+    shown = [0] * data.n
+    shown_logprobs = [0] * data.n
+    last: RequestOutput | None = None
+    echoed = not data.echo
+    async for output in _chain(first, stream):
+        last = output
+        for c in output.outputs:
+            delta = c.text[shown[c.index]:]
+            if not echoed:
+                delta = server.tokenizer.decode(output.prompt_token_ids) + delta
+            logprobs = None
+            if c.logprobs is not None:
+                fresh = CompletionOutput(c.index, "", [], logprobs=c.logprobs[shown_logprobs[c.index]:])
+                logprobs = server.completion_logprobs(fresh, shown[c.index])
+                shown_logprobs[c.index] = len(c.logprobs)
+            if delta or c.finish_reason or logprobs:
+                yield sse(CompletionResponse(request_id, created, model, [CompletionChoice(c.index, delta, logprobs, c.finish_reason)]))
+            shown[c.index] = len(c.text)
+        echoed = True
+    if last is not None and data.stream_options is not None and data.stream_options.include_usage:
+        yield sse(CompletionResponse(request_id, created, model, [], server.usage(last)))
+    yield sse("[DONE]")
+
+
+async def _chat_events(server: OpenAIServer, data: ChatCompletionRequest, request_id: str, created: int, first: RequestOutput | None, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[bytes]:
+    model = server.settings.served_model_name
+    for index in range(data.n):
+        yield sse(ChatCompletionChunk(request_id, created, model, [ChatChunkChoice(index, Delta(role="assistant", content=""), None, None)]))
+    shown = [0] * data.n
+    shown_logprobs = [0] * data.n
+    last: RequestOutput | None = None
+    async for output in _chain(first, stream):
+        last = output
+        for c in output.outputs:
+            delta = c.text[shown[c.index]:]
+            logprobs = server.chat_logprobs(c, shown_logprobs[c.index])
+            if c.logprobs is not None:
+                shown_logprobs[c.index] = len(c.logprobs)
+            if delta or c.finish_reason or (logprobs and logprobs.content):
+                yield sse(ChatCompletionChunk(request_id, created, model, [ChatChunkChoice(c.index, Delta(content=delta), logprobs, c.finish_reason)]))
+            shown[c.index] = len(c.text)
+    if last is not None and data.stream_options is not None and data.stream_options.include_usage:
+        yield sse(ChatCompletionChunk(request_id, created, model, [], server.usage(last)))
+    yield sse("[DONE]")

@@ -1,0 +1,64 @@
+"""Every failure the server reports, as OpenAI's error body with the right status code."""
+
+from __future__ import annotations
+
+import logging
+
+from litestar import Request, Response
+from litestar.exceptions import HTTPException, ValidationException
+
+from compiled_engine.errors import (
+    CompiledEngineError,
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineShuttingDownError,
+    RequestError,
+    TokenizerError,
+)
+from compiled_engine.server.protocol import ErrorBody, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None, code: str | None = None) -> Response[ErrorResponse]:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+    return Response(ErrorResponse(ErrorBody(message, type_, param, code)), status_code=status, headers=headers)
+
+
+_HTTP_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+
+
+def handle_exception(request: Request, exc: Exception) -> Response[ErrorResponse]:
+    if isinstance(exc, ApiError):
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+    if isinstance(exc, ValidationException):
+        extra = exc.extra if isinstance(exc.extra, list) else []
+        details = "; ".join(str(e.get("message", e)) if isinstance(e, dict) else str(e) for e in extra)
+        return error_response(400, f"invalid request body: {details or exc.detail}", "invalid_request_error")
+    if isinstance(exc, HTTPException):
+        status = exc.status_code
+        message = exc.detail or "error"
+        if status == 413:
+            message = f"request body too large: {message}"
+        return error_response(status, message, _HTTP_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"))
+    if isinstance(exc, EngineOverloadedError):
+        return error_response(429, f"the server is overloaded: {exc}; retry later", "rate_limit_error")
+    if isinstance(exc, EngineShuttingDownError | EngineDeadError):
+        return error_response(503, str(exc), "service_unavailable")
+    if isinstance(exc, RequestError | TokenizerError | CompiledEngineError):
+        return error_response(400, str(exc), "invalid_request_error")
+    logger.exception("unhandled error on %s %s", request.method, request.url.path)
+    return error_response(500, f"internal error: {type(exc).__name__}", "server_error")

@@ -1,0 +1,57 @@
+"""`serve`: load the engine, start its loop, and run the app under uvicorn until a signal."""
+
+from __future__ import annotations
+
+import logging
+import time
+from types import FrameType
+
+import uvicorn
+
+from compiled_engine.config import EngineConfig
+from compiled_engine.engine.async_engine import AsyncEngine
+from compiled_engine.engine.llm_engine import LLMEngine
+from compiled_engine.server.app import ServerSettings, create_app
+
+logger = logging.getLogger("compiled_engine.server")
+
+
+def run_server(
+    config: EngineConfig,
+    host: str,
+    port: int,
+    api_keys: tuple[str, ...],
+    served_model_name: str | None,
+    max_waiting_requests: int,
+    max_body_bytes: int,
+    shutdown_grace_s: float,
+) -> int:
+    started = time.perf_counter()
+    engine = LLMEngine(config)
+    load_s = time.perf_counter() - started
+    name = served_model_name or (config.model or "SmolLM2-135M-Instruct")
+    runner = engine.runner
+    logger.info(
+        "model %s (%s) loaded in %.1f s on %s, dtype %s; KV cache %d pages of %d tokens; max_model_len %d",
+        name, engine.model_dir, load_s, runner.device, str(runner.dtype).removeprefix("torch."),
+        runner.num_pages, runner.page_size, engine.max_model_len,
+    )
+    async_engine = AsyncEngine(engine, max_waiting_requests)
+    async_engine.start()
+    app = create_app(async_engine, ServerSettings(name, api_keys, max_body_bytes))
+    app.on_shutdown.append(lambda: async_engine.shutdown(grace_s=shutdown_grace_s))
+    logger.info("serving on http://%s:%d/v1 (OpenAPI schema at /docs/openapi.json)", host, port)
+    config_ = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=int(shutdown_grace_s))
+    _DrainingServer(config_).run()
+    return 0
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn drains on SIGINT/SIGTERM, then re-raises the signal so the process dies of it; a
+    drained shutdown is a clean one, so we exit 0 instead."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        captured = getattr(self, "_captured_signals", None)
+        if isinstance(captured, list):
+            captured.clear()

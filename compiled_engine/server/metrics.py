@@ -1,0 +1,81 @@
+"""Prometheus metrics for `GET /metrics`, in a registry of the server's own."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from compiled_engine.engine.async_engine import AsyncEngine
+from compiled_engine.engine.outputs import RequestOutput
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+KNOWN_PATHS = ("/health", "/ready", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+
+
+class _EngineCollector(Collector):
+    """Reads the engine's gauges at scrape time."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        stats = self.engine.stats()
+        yield GaugeMetricFamily("compiled_engine_running_requests", "Sequences running in the engine", stats.running_requests)
+        yield GaugeMetricFamily("compiled_engine_waiting_requests", "Requests waiting to be scheduled", stats.waiting_requests)
+        yield GaugeMetricFamily("compiled_engine_kv_pages_used", "KV cache pages referenced by sequences", stats.kv_pages_total - stats.kv_pages_free)
+        yield GaugeMetricFamily("compiled_engine_kv_pages_free", "KV cache pages free or evictable", stats.kv_pages_free)
+        yield CounterMetricFamily("compiled_engine_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache", stats.prefix_queried_tokens)
+        yield CounterMetricFamily("compiled_engine_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache", stats.prefix_hit_tokens)
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("compiled_engine_http_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=self.registry)
+        self.prompt_tokens = Counter("compiled_engine_prompt_tokens", "Prompt tokens of finished requests", registry=self.registry)
+        self.generated_tokens = Counter("compiled_engine_generated_tokens", "Tokens generated for finished requests", registry=self.registry)
+        self.ttft = Histogram("compiled_engine_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("compiled_engine_inter_token_latency_seconds", "Mean time between output tokens, per request", buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("compiled_engine_e2e_request_latency_seconds", "Arrival to last token", buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(_EngineCollector(engine))
+
+    def observe(self, output: RequestOutput) -> None:
+        """Record a finished request."""
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self.generated_tokens.inc(sum(len(c.token_ids) for c in output.outputs))
+        m = output.metrics
+        if m is None:
+            return
+        for histogram, value in ((self.ttft, m.ttft), (self.itl, m.tpot), (self.e2e, m.e2e)):
+            if value is not None:
+                histogram.observe(value)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def middleware(self, app: ASGIApp) -> ASGIApp:
+        """Counts every HTTP response by route and status code."""
+
+        async def count(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] != "http":
+                await app(scope, receive, send)
+                return
+            status = 500
+
+            async def send_and_note(message: Message) -> None:
+                nonlocal status
+                if message["type"] == "http.response.start":
+                    status = message["status"]
+                await send(message)
+
+            try:
+                await app(scope, receive, send_and_note)
+            finally:
+                path = scope["path"] if scope["path"] in KNOWN_PATHS else "other"
+                self.requests.labels(path, str(status)).inc()
+
+        return count

@@ -1,0 +1,200 @@
+"""OpenAI wire types as msgspec Structs: what the server accepts and what it answers."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+
+class Request(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """Base for request bodies: unknown fields are an error, not silently ignored."""
+
+
+class StreamOptions(Request):
+    include_usage: bool = False
+
+
+class CompletionRequest(Request):
+    # One prompt (text or token ids) or a batch of them; msgspec allows one list type per union.
+    prompt: str | list[int | str | list[int]]
+    model: str | None = None
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # extension
+    min_p: float = 0.0  # extension
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: int | None = None
+    echo: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # extension
+    min_tokens: int = 0  # extension
+    ignore_eos: bool = False  # extension
+    user: str | None = None
+
+
+class ContentPart(Request):
+    type: str
+    text: str | UnsetType = UNSET
+
+
+class ChatMessage(Request):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(Request):
+    messages: list[ChatMessage]
+    model: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # extension
+    min_p: float = 0.0  # extension
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # extension
+    min_tokens: int = 0  # extension
+    ignore_eos: bool = False  # extension
+    user: str | None = None
+    # Accepted so that the error can name them; any value is refused as unsupported.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+
+
+# -- responses ---------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class CompletionResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    object: Literal["text_completion"] = "text_completion"
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(msgspec.Struct):
+    content: str
+    role: Literal["assistant"] = "assistant"
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: Literal["chat.completion"] = "chat.completion"
+
+
+class Delta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    created: int
+    owned_by: str = "compiled_engine"
+    max_model_len: int | None = None
+    object: Literal["model"] = "model"
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: Literal["list"] = "list"
+
+
+class ErrorBody(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorBody

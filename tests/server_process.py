@@ -1,0 +1,62 @@
+"""Start a real `compiled_engine serve` process on a free loopback port, for the server tests."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    def __init__(self, process: subprocess.Popen[bytes], port: int, log: Path) -> None:
+        self.process = process
+        self.port = port
+        self.log = log
+        self.url = f"http://127.0.0.1:{port}"
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@contextmanager
+def running_server(tmp_dir: Path, *args: str, startup_timeout_s: float = 120.0) -> Iterator[ServerProcess]:
+    port = free_port()
+    log = tmp_dir / f"server-{port}.log"
+    command = [sys.executable, "-m", "compiled_engine", "serve", "--port", str(port), *args]
+    with log.open("wb") as sink:
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+    server = ServerProcess(process, port, log)
+    try:
+        deadline = time.monotonic() + startup_timeout_s
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"the server exited with {process.returncode}:\n{server.log_text()}")
+            try:
+                if httpx.get(f"{server.url}/ready", timeout=1.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server was not ready in {startup_timeout_s} s:\n{server.log_text()}")
+            time.sleep(0.2)
+        yield server
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()

@@ -1,0 +1,202 @@
+"""The HTTP server as users meet it: a real process on a loopback port, driven by the official
+openai client and by raw HTTP for the error cases."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from compiled_engine import LLM, SamplingParams
+from tests.server_process import ServerProcess, running_server
+
+KEY_A, KEY_B = "key-a", "key-b"
+MODEL = "smol"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Iterator[ServerProcess]:
+    with running_server(
+        tmp_path_factory.mktemp("server"), "--api-key", KEY_A, "--api-key", KEY_B, "--served-model-name", MODEL,
+        "--kv-cache-memory-gib", "0.05", "--max-body-bytes", "65536",
+    ) as process:
+        yield process
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY_A, max_retries=0)
+
+
+def metric(server: ServerProcess, name: str) -> float:
+    text = httpx.get(f"{server.url}/metrics").text
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"metric {name} not found")
+
+
+def test_health_ready_models(server: ServerProcess, client: openai.OpenAI) -> None:
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server.url}/ready").json() == {"status": "ready"}
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_chat_streamed_equals_plain_equals_offline(client: openai.OpenAI, default_model_dir: Path) -> None:
+    plain = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0)  # type: ignore[arg-type]
+    text = plain.choices[0].message.content
+    assert text is not None and "Paris" in text
+    assert plain.choices[0].finish_reason == "stop"
+    assert plain.usage is not None and plain.usage.completion_tokens > 0
+    stream = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=24, temperature=0, stream=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True},
+    )
+    pieces, finish, usage = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == text and finish == "stop"
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens > 0  # the same prompt as just before
+    offline = LLM(kv_cache_memory_gib=0.02).chat(QUESTION, SamplingParams(temperature=0, max_tokens=24))  # type: ignore[arg-type]
+    assert offline[0].text == text
+
+
+def test_completions_streamed_equals_plain(client: openai.OpenAI) -> None:
+    plain = client.completions.create(model=MODEL, prompt="The three primary colors are", max_tokens=12, temperature=0)
+    chunks = client.completions.create(model=MODEL, prompt="The three primary colors are", max_tokens=12, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.choices[0].text
+    assert plain.choices[0].finish_reason == "length" and plain.usage is not None and plain.usage.completion_tokens == 12
+    ids = client.completions.create(model=MODEL, prompt=[504, 2365, 3903, 5063, 359], max_tokens=3, temperature=0, logprobs=2, echo=True)
+    choice = ids.choices[0]
+    assert choice.logprobs is not None and len(choice.logprobs.tokens or []) == 3
+    assert all(len(t) == 2 for t in choice.logprobs.top_logprobs or [])
+
+
+def test_auth(server: ServerProcess) -> None:
+    body = {"messages": QUESTION, "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY_A}):
+        response = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers)
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{server.url}/v1/models").status_code == 401
+    assert httpx.get(f"{server.url}/health").status_code == 200  # liveness needs no key
+
+
+def test_tenants_never_hit_each_others_cache(server: ServerProcess) -> None:
+    body = {"prompt": "A long shared prefix for the cache isolation test: " * 4, "max_tokens": 1, "temperature": 0}
+
+    def cached(key: str) -> int:
+        response = httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+        assert response.status_code == 200
+        return int(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    assert cached(KEY_A) == 0
+    assert cached(KEY_B) == 0  # same prompt, other tenant: no hit
+    assert cached(KEY_A) > 0
+
+
+BAD_INPUTS = [
+    ("not json", None, 400, "malformed"),
+    (None, {"messages": "hi"}, 400, "invalid request body"),
+    (None, {"messages": QUESTION, "unknown_field": 1}, 400, "unknown field"),
+    (None, {"messages": QUESTION, "max_tokens": -1}, 400, "max_tokens must be at least 1"),
+    (None, {"messages": QUESTION, "max_tokens": 10**9}, 400, "exceeds the context length"),
+    (None, {"messages": QUESTION, "temperature": -0.5}, 400, "temperature must be finite and >= 0"),
+    (None, {"messages": QUESTION, "top_p": 1.5}, 400, "top_p must be in (0, 1]"),
+    (None, {"messages": []}, 400, "messages must not be empty"),
+    (None, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role must be one of"),
+    (None, {"messages": QUESTION, "tools": [{"type": "function"}]}, 400, "'tools' is not supported"),
+    (None, {"messages": QUESTION, "response_format": {"type": "json_object"}}, 400, "'response_format' is not supported"),
+    (None, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "only text is supported"),
+    (None, {"messages": QUESTION, "model": "gpt-4"}, 404, "does not exist"),
+    (None, {"messages": [{"role": "user", "content": "word " * 9000}]}, 400, "context length is 8192 tokens"),
+    (None, {"messages": [{"role": "user", "content": "x" * 70000}]}, 413, "too large"),
+]
+
+
+@pytest.mark.parametrize(("raw", "body", "status", "message"), BAD_INPUTS)
+def test_bad_input_gets_its_status_and_an_openai_error(server: ServerProcess, raw: str | None, body: dict[str, object] | None, status: int, message: str) -> None:
+    headers = {"Authorization": f"Bearer {KEY_A}", "Content-Type": "application/json"}
+    content = raw if raw is not None else json.dumps(body)
+    response = httpx.post(f"{server.url}/v1/chat/completions", content=content, headers=headers)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert message in error["message"]
+    assert httpx.get(f"{server.url}/ready").status_code == 200
+
+
+def test_closing_a_stream_frees_its_pages(server: ServerProcess, client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=1000, temperature=0, stream=True,  # type: ignore[arg-type]
+        extra_body={"ignore_eos": True},
+    )
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    assert metric(server, "compiled_engine_kv_pages_used") > 0
+    stream.close()
+    for _ in range(100):
+        if metric(server, "compiled_engine_kv_pages_used") == 0 and metric(server, "compiled_engine_running_requests") == 0:
+            break
+        time.sleep(0.1)
+    assert metric(server, "compiled_engine_kv_pages_used") == 0
+    assert metric(server, "compiled_engine_running_requests") == 0
+
+
+def test_openapi_schema_describes_every_route(server: ServerProcess) -> None:
+    schema = httpx.get(f"{server.url}/docs/openapi.json").json()
+    for path in ("/health", "/ready", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"):
+        assert path in schema["paths"]
+    body = schema["paths"]["/v1/chat/completions"]["post"]["requestBody"]
+    assert body["content"]["application/json"]["schema"]
+
+
+def test_a_flood_gets_429s_and_no_5xx(tmp_path: Path, default_model_dir: Path) -> None:
+    import asyncio
+
+    with running_server(tmp_path, "--max-waiting-requests", "2", "--max-num-seqs", "1", "--kv-cache-memory-gib", "0.05") as flooded:
+
+        async def flood() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=120) as http:
+                body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 16, "temperature": 0}
+                return await asyncio.gather(*[http.post(f"{flooded.url}/v1/completions", json=body) for _ in range(16)])
+
+        responses = asyncio.run(flood())
+        statuses = [r.status_code for r in responses]
+        assert 429 in statuses and 200 in statuses
+        assert all(s in (200, 429) for s in statuses), statuses
+        refused = next(r for r in responses if r.status_code == 429)
+        assert refused.headers["Retry-After"] == "1"
+        assert refused.json()["error"]["type"] == "rate_limit_error"
+        after = httpx.post(f"{flooded.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        assert after.status_code == 200
+        assert httpx.get(f"{flooded.url}/ready").status_code == 200
+
+
+def test_sigterm_during_a_stream_drains_and_exits_0(tmp_path: Path, default_model_dir: Path) -> None:
+    with running_server(tmp_path, "--kv-cache-memory-gib", "0.05") as server:
+        body = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "stream": True, "ignore_eos": True}
+        events = []
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if not line:
+                    continue
+                events.append(line)
+                if len(events) == 2:
+                    server.process.terminate()  # SIGTERM mid-stream
+        assert server.process.wait(timeout=60) == 0
+    assert events[-1] == "data: [DONE]"
+    finals = [json.loads(e[6:])["choices"][0]["finish_reason"] for e in events[:-1] if json.loads(e[6:])["choices"]]
+    assert finals[-1] == "length"  # the in-flight request ran to completion
