@@ -200,3 +200,16 @@ def test_sigterm_during_a_stream_drains_and_exits_0(tmp_path: Path, default_mode
     assert events[-1] == "data: [DONE]"
     finals = [json.loads(e[6:])["choices"][0]["finish_reason"] for e in events[:-1] if json.loads(e[6:])["choices"]]
     assert finals[-1] == "length"  # the in-flight request ran to completion
+
+
+def test_metrics_count_requests_tokens_and_latency(server: ServerProcess, client: openai.OpenAI) -> None:
+    before = metric(server, "compiled_engine_generated_tokens_total")
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
+    text = httpx.get(f"{server.url}/metrics").text
+    assert 'compiled_engine_http_requests_total{endpoint="/v1/completions",status="200"}' in text
+    assert 'compiled_engine_http_requests_total{endpoint="/v1/chat/completions",status="401"}' in text
+    assert metric(server, "compiled_engine_generated_tokens_total") == before + 3
+    assert metric(server, "compiled_engine_time_to_first_token_seconds_count") > 0
+    assert metric(server, "compiled_engine_e2e_request_latency_seconds_count") > 0
+    assert metric(server, "compiled_engine_prefix_cache_queried_tokens_total") >= metric(server, "compiled_engine_prefix_cache_hit_tokens_total") > 0
+    assert metric(server, "compiled_engine_kv_pages_free") > 0

@@ -152,7 +152,12 @@ class OpenAIServer:
         return ChatLogprobs(content)
 
 
+MAX_N = 16  # completions per request
+
+
 def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    if body.n > MAX_N:
+        raise ApiError(400, f"n must be at most {MAX_N}, got {body.n}", param="n")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return SamplingParams(
         n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
