@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
