@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from compiled_engine import LLM, SamplingParams
-from compiled_engine.errors import RequestError
+from compiled_engine.errors import ModelConfigError, RequestError
 from reference_oracle import ReferenceOracle
 
 
@@ -107,8 +107,7 @@ def test_abort_in_every_state(tiny: LLM, state: str) -> None:
     [
         ([], SamplingParams(), "the prompt is empty"),
         ([5, 999], SamplingParams(), "token id 999 is outside the vocabulary (0..319)"),
-        (list(range(250)), SamplingParams(max_tokens=10), "250 tokens and max_tokens is 10: 260 exceeds the context length 256"),
-        (list(range(200)), SamplingParams(max_tokens=56), "more than the whole KV cache holds (48 pages)"),
+        (list(range(250)), SamplingParams(max_tokens=10), "250 tokens and max_tokens is 10: 260 exceeds the context length 192"),
         ("text", SamplingParams(), "has no tokenizer: pass token ids"),
         ([True, 1], SamplingParams(), "must be a list of integers"),
     ],
@@ -141,6 +140,13 @@ def test_bad_requests_are_refused_clearly(tiny: LLM, prompt: list[int] | str, pa
 def test_sampling_params_validation(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(RequestError, match=message):
         SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def test_context_is_capped_to_what_the_kv_cache_holds(tiny: LLM, tiny_model_factory: Callable[..., Path]) -> None:
+    # 48 pages of 4 tokens: a 256-position model can only be offered 192 tokens of context.
+    assert tiny.engine.max_model_len == 192
+    with pytest.raises(ModelConfigError, match="max_model_len=256 needs 256 tokens of KV cache, but 48 pages of 4 hold 192"):
+        LLM(model=str(tiny_model_factory("llama")), page_size=4, num_pages=48, max_model_len=256)
 
 
 def test_duplicate_request_id_and_param_count(tiny: LLM) -> None:

@@ -126,12 +126,8 @@ class LLMEngine:
                 f"the prompt has {len(prompt_ids)} tokens and max_tokens is {params.max_tokens}: "
                 f"{total} exceeds the context length {self.max_model_len}"
             )
-        pages = self.block_manager.pages_for_tokens(total)
-        if pages > self.block_manager.num_pages:
-            raise RequestError(
-                f"the prompt and max_tokens need {total} tokens ({pages} KV pages), more than the "
-                f"whole KV cache holds ({self.block_manager.num_pages} pages)"
-            )
+        # max_model_len never exceeds the KV cache (ModelRunner), so one request always fits alone
+        # and preemption can always make progress.
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; this model has none")
 

@@ -41,6 +41,20 @@ class ModelRunner:
         self.num_pages = config.num_pages or pages_for_budget(
             self.model_config, self.page_size, self.dtype, budget
         )
+        capacity = self.num_pages * self.page_size
+        if capacity < self.max_model_len:
+            if config.max_model_len is not None:
+                raise ModelConfigError(
+                    f"max_model_len={self.max_model_len} needs {self.max_model_len} tokens of KV cache, but "
+                    f"{self.num_pages} pages of {self.page_size} hold {capacity}: raise --kv-cache-memory-gib "
+                    f"or --num-pages, or lower --max-model-len"
+                )
+            # One sequence as long as the context must fit, or requests the model accepts would fail.
+            logger.warning(
+                "max_model_len lowered from %d to %d: the KV cache holds %d tokens",
+                self.max_model_len, capacity, capacity,
+            )
+            self.max_model_len = capacity
         self.kv_cache = allocate_kv_cache(
             self.model_config, self.num_pages, self.page_size, self.dtype, self.device
         )
