@@ -16,11 +16,10 @@ class StreamOptions(Request):
     include_usage: bool = False
 
 
-class CompletionRequest(Request):
-    # One prompt (text or token ids) or a batch of them; msgspec allows one list type per union.
-    prompt: str | list[int | str | list[int]]
+class SamplingRequest(Request, kw_only=True):
+    """The sampling fields both generation routes share."""
+
     model: str | None = None
-    max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # extension
@@ -30,14 +29,20 @@ class CompletionRequest(Request):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: int | None = None
-    echo: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # extension
     min_tokens: int = 0  # extension
     ignore_eos: bool = False  # extension
     user: str | None = None
+
+
+class CompletionRequest(SamplingRequest, kw_only=True):
+    # One prompt (text or token ids) or a batch of them; msgspec allows one list type per union.
+    prompt: str | list[int | str | list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
 
 
 class ContentPart(Request):
@@ -51,28 +56,12 @@ class ChatMessage(Request):
     name: str | None = None
 
 
-class ChatCompletionRequest(Request):
+class ChatCompletionRequest(SamplingRequest, kw_only=True):
     messages: list[ChatMessage]
-    model: str | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # extension
-    min_p: float = 0.0  # extension
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0  # extension
-    min_tokens: int = 0  # extension
-    ignore_eos: bool = False  # extension
-    user: str | None = None
     # Accepted so that the error can name them; any value is refused as unsupported.
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
