@@ -120,7 +120,7 @@ BAD_INPUTS = [
     (None, {"messages": QUESTION, "response_format": {"type": "json_object"}}, 400, "'response_format' is not supported"),
     (None, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "only text is supported"),
     (None, {"messages": QUESTION, "model": "gpt-4"}, 404, "does not exist"),
-    (None, {"messages": [{"role": "user", "content": "word " * 9000}]}, 400, "context length is 8192 tokens"),
+    (None, {"messages": [{"role": "user", "content": "word " * 9000}]}, 400, "tokens; this model's context length is 1152 tokens"),
     (None, {"messages": [{"role": "user", "content": "x" * 70000}]}, 413, "too large"),
 ]
 
