@@ -213,3 +213,13 @@ def test_metrics_count_requests_tokens_and_latency(server: ServerProcess, client
     assert metric(server, "compiled_engine_e2e_request_latency_seconds_count") > 0
     assert metric(server, "compiled_engine_prefix_cache_queried_tokens_total") >= metric(server, "compiled_engine_prefix_cache_hit_tokens_total") > 0
     assert metric(server, "compiled_engine_kv_pages_free") > 0
+
+
+def test_a_batch_of_prompts_gives_each_its_choices(client: openai.OpenAI) -> None:
+    prompts = ["The three primary colors are", "def fibonacci(n):"]
+    batch = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    for i, prompt in enumerate(prompts):
+        alone = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+        assert batch.choices[2 * i].text == batch.choices[2 * i + 1].text == alone.choices[0].text
+    assert batch.usage is not None and batch.usage.completion_tokens == 24

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import time
@@ -227,15 +228,22 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
             stream = generate(prompts[0], params[0], request_id, salt)
             first = await _first_output(stream)
             return Stream(_completion_events(server, data, request_id, created, first, stream), media_type="text/event-stream")
+        # A batch of prompts runs concurrently, like any other set of requests.
+        finals = await asyncio.gather(*[
+            _final_output(generate(prompt, p, f"{request_id}-{i}", salt))
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
+        ])
         choices: list[CompletionChoice] = []
-        usage = Usage(0, 0, 0, PromptTokensDetails(0))
-        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            final = await _final_output(generate(prompt, p, f"{request_id}-{i}", salt))
+        for i, (prompt, final) in enumerate(zip(prompts, finals, strict=True)):
             prefix = server.tokenizer.decode(prompt) if data.echo else ""
             for completion in final.outputs:
                 choices.append(CompletionChoice(i * data.n + completion.index, prefix + completion.text, server.completion_logprobs(completion, len(prefix)), completion.finish_reason))
-            u = server.usage(final)
-            usage = Usage(usage.prompt_tokens + u.prompt_tokens, usage.completion_tokens + u.completion_tokens, usage.total_tokens + u.total_tokens, PromptTokensDetails(usage.prompt_tokens_details.cached_tokens + u.prompt_tokens_details.cached_tokens))
+        usages = [server.usage(final) for final in finals]
+        usage = Usage(
+            sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages),
+            sum(u.total_tokens for u in usages),
+            PromptTokensDetails(sum(u.prompt_tokens_details.cached_tokens for u in usages)),
+        )
         return CompletionResponse(request_id, created, model, choices, usage)
 
     @post("/v1/chat/completions", status_code=200)
