@@ -43,7 +43,8 @@ class TorchAttentionBackend:
             values = pages[:, 1].reshape(-1, num_kv_heads, head_dim)[:seq_len]
             # Query j sits at position seq_len - q_len + j and sees keys 0..that position.
             mask = None
-            if q_len > 1:
+            if 1 < q_len < seq_len:
+                # A chunk after a cached prefix: query j sits at seq_len - q_len + j.
                 query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
                 key_pos = torch.arange(seq_len, device=q.device)
                 mask = key_pos[None, :] <= query_pos[:, None]
@@ -52,6 +53,8 @@ class TorchAttentionBackend:
                 keys.transpose(0, 1).to(q.dtype),
                 values.transpose(0, 1).to(q.dtype),
                 attn_mask=mask,
+                # A whole prompt at once is plain causal attention, which SDPA runs without a mask.
+                is_causal=q_len == seq_len and q_len > 1,
                 scale=scale,
                 enable_gqa=num_heads != num_kv_heads,
             )
