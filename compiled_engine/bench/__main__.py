@@ -64,6 +64,23 @@ def _baseline(args: argparse.Namespace, engine: LLMEngine) -> tuple[Any, str | N
         return None, str(exc)
 
 
+def _print_comparison(
+    console: Console, title: str, result: dict[str, Any], rows: tuple[tuple[str, str], ...], extra: tuple[str, str]
+) -> None:
+    """Ours beside the baseline, one row per figure, then one row of ours alone."""
+    table = Table(title=title)
+    for column in ("", "ours", "hf", "ours / hf"):
+        table.add_column(column)
+    ours, hf, ratios = result["ours"], result.get("hf", {}), result.get("ratio_vs_hf", {})
+    for key, label in rows:
+        ratio = ratios.get(key)
+        table.add_row(label, f"{ours[key]:.1f}", f"{hf[key]:.1f}" if key in hf else "-", f"{ratio:.2f}x" if ratio else "-")
+    table.add_row(extra[0], extra[1], "-", "-")
+    console.print(table)
+    if "error" in hf:
+        console.print(f"[yellow]baseline hf did not run: {hf['error']}[/yellow]")
+
+
 def bench_latency(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     engine = _engine(args, enable_prefix_caching=False)  # every repeat must compute its prompt
     vocab = engine.runner.model_config.vocab_size
@@ -99,17 +116,11 @@ def bench_latency(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         result["ratio_vs_hf"] = {k: ours[k] / result["hf"][k] for k in ("prefill_tokens_per_s", "decode_tokens_per_s")}
     elif why:
         result["hf"] = {"error": why}
-    table = Table(title=f"latency: prompt {prompt_len}, output {output_len}, batch 1")
-    for column in ("", "ours", "hf", "ours / hf"):
-        table.add_column(column)
-    hf = result.get("hf", {})
-    for key, label in (("prefill_tokens_per_s", "prefill tokens/s"), ("decode_tokens_per_s", "decode tokens/s"), ("decode_ms_per_token", "decode ms/token")):
-        ratio = result.get("ratio_vs_hf", {}).get(key)
-        table.add_row(label, f"{ours[key]:.1f}", f"{hf[key]:.1f}" if key in hf else "-", f"{ratio:.2f}x" if ratio else "-")
-    table.add_row("weight bandwidth", f"{ours['effective_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s ({ours['bandwidth_fraction']:.0%} of {ceiling / 1e9:.1f} measured)", "-", "-")
-    console.print(table)
-    if "error" in hf:
-        console.print(f"[yellow]baseline hf did not run: {hf['error']}[/yellow]")
+    _print_comparison(
+        console, f"latency: prompt {prompt_len}, output {output_len}, batch 1", result,
+        (("prefill_tokens_per_s", "prefill tokens/s"), ("decode_tokens_per_s", "decode tokens/s"), ("decode_ms_per_token", "decode ms/token")),
+        ("weight bandwidth", f"{ours['effective_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s ({ours['bandwidth_fraction']:.0%} of {ceiling / 1e9:.1f} measured)"),
+    )
     return {"benchmark": "latency", "workload": {"prompt_len": prompt_len, "output_len": output_len, "repeats": args.repeats, "seed": args.seed}, "bandwidth_ceiling_bytes_per_s": ceiling, "results": result, "environment": environment(engine.runner.device, engine.runner.dtype, engine.model_dir)}
 
 
@@ -140,17 +151,11 @@ def bench_offline(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         result["ratio_vs_hf"] = {k: ours[k] / result["hf"][k] for k in ("output_tokens_per_s", "total_tokens_per_s")}
     elif why:
         result["hf"] = {"error": why}
-    table = Table(title=f"offline: {args.num_seqs} requests, input {args.input_len}, output {args.output_len}")
-    for column in ("", "ours", "hf", "ours / hf"):
-        table.add_column(column)
-    hf = result.get("hf", {})
-    for key, label in (("output_tokens_per_s", "output tokens/s"), ("total_tokens_per_s", "total tokens/s")):
-        ratio = result.get("ratio_vs_hf", {}).get(key)
-        table.add_row(label, f"{ours[key]:.1f}", f"{hf[key]:.1f}" if key in hf else "-", f"{ratio:.2f}x" if ratio else "-")
-    table.add_row("bandwidth used", f"{ours['bandwidth_fraction']:.0%} of {ceiling / 1e9:.1f} GB/s measured", "-", "-")
-    console.print(table)
-    if "error" in hf:
-        console.print(f"[yellow]baseline hf did not run: {hf['error']}[/yellow]")
+    _print_comparison(
+        console, f"offline: {args.num_seqs} requests, input {args.input_len}, output {args.output_len}", result,
+        (("output_tokens_per_s", "output tokens/s"), ("total_tokens_per_s", "total tokens/s")),
+        ("bandwidth used", f"{ours['bandwidth_fraction']:.0%} of {ceiling / 1e9:.1f} GB/s measured"),
+    )
     workload_info = {"num_seqs": args.num_seqs, "input_len": args.input_len, "output_len": args.output_len, "prompt_tokens": workload.prompt_tokens, "output_tokens": workload.output_tokens, "seed": args.seed, "ignore_eos": True}
     return {"benchmark": "offline", "workload": workload_info, "bandwidth_ceiling_bytes_per_s": ceiling, "results": result, "environment": environment(engine.runner.device, engine.runner.dtype, engine.model_dir)}
 
