@@ -19,7 +19,7 @@ from rich.table import Table
 
 from compiled_engine.bench.bandwidth import measure_read_bandwidth
 from compiled_engine.bench.environment import environment
-from compiled_engine.bench.hf_baseline import BaselineUnavailable, load_hf
+from compiled_engine.bench.hf_baseline import BaselineUnavailable, hf_generate_seconds, load_hf
 from compiled_engine.bench.runs import Workload, random_workload, run_hf, run_ours, weight_bytes
 from compiled_engine.config import DTYPES, EngineConfig
 from compiled_engine.engine.llm_engine import LLMEngine
@@ -102,8 +102,6 @@ def bench_latency(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     result: dict[str, Any] = {"ours": ours}
     model, why = _baseline(args, engine)
     if model is not None:
-        from compiled_engine.bench.hf_baseline import hf_generate_seconds
-
         device = engine.runner.device
         hf_generate_seconds(model, prefill.prompts, 2, device)  # warm-up
         hf_prefill = statistics.median(hf_generate_seconds(model, prefill.prompts, 1, device) for _ in range(args.repeats))

@@ -63,20 +63,9 @@ class Generator:
         self.last_timings = GenerationTimings()
 
     def validate_prompt(self, prompt: list[int], max_tokens: int) -> None:
-        if not prompt:
-            raise RequestError("the prompt is empty")
         if max_tokens < 1:
             raise RequestError(f"max_tokens must be at least 1, got {max_tokens}")
-        vocab = self.runner.model_config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-        limit = self.runner.max_model_len
-        if len(prompt) + max_tokens > limit:
-            raise RequestError(
-                f"the prompt has {len(prompt)} tokens and max_tokens is {max_tokens}: "
-                f"{len(prompt) + max_tokens} exceeds the context length {limit}"
-            )
+        self.runner.check_prompt(prompt, max_tokens)
 
     def generate(
         self,

@@ -114,20 +114,9 @@ class LLMEngine:
         return list(prompt)
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_ids:
-            raise RequestError("the prompt is empty")
-        vocab = self.runner.model_config.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise RequestError(
-                f"the prompt has {len(prompt_ids)} tokens and max_tokens is {params.max_tokens}: "
-                f"{total} exceeds the context length {self.max_model_len}"
-            )
         # max_model_len never exceeds the KV cache (ModelRunner), so one request always fits alone
         # and preemption can always make progress.
+        self.runner.check_prompt(prompt_ids, params.max_tokens)
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; this model has none")
 

@@ -13,7 +13,7 @@ from compiled_engine.attention.metadata import AttentionMetadata
 from compiled_engine.cache.kv_cache import allocate_kv_cache, pages_for_budget
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine.sequence import Sequence
-from compiled_engine.errors import ModelConfigError
+from compiled_engine.errors import ModelConfigError, RequestError
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.loader import load_model
 
@@ -62,6 +62,22 @@ class ModelRunner:
             "KV cache: %d pages of %d tokens (%.2f GiB)",
             self.num_pages, self.page_size, self.kv_cache.numel() * self.kv_cache.element_size() / (1 << 30),
         )
+
+    def check_prompt(self, prompt_ids: list[int], max_tokens: int) -> None:
+        """A RequestError unless the prompt is non-empty, in the vocabulary, and fits the context
+        together with `max_tokens`."""
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        total = len(prompt_ids) + max_tokens
+        if total > self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(prompt_ids)} tokens and max_tokens is {max_tokens}: "
+                f"{total} exceeds the context length {self.max_model_len}"
+            )
 
     def prepare_inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         token_ids: list[int] = []

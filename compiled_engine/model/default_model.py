@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -219,7 +218,3 @@ def _write_manifest(build: Path, progress: Progress) -> None:
     }
     manifest = {"version": MANIFEST_VERSION, "model": DEFAULT_MODEL_NAME, "files": files}
     (build / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-
-
-def remove_default_model() -> None:
-    shutil.rmtree(default_model_dir(), ignore_errors=True)
