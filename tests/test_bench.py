@@ -5,11 +5,17 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from compiled_engine.bench import __main__ as bench
-from compiled_engine.bench.hf_baseline import BaselineUnavailable
+from compiled_engine.bench.hf_baseline import BaselineUnavailable, load_hf
+from compiled_engine.bench.plots import PlotUnavailable
+from compiled_engine.bench.runs import run_hf_as_server
+from compiled_engine.bench.serving import RequestRecord, percentiles, summarize
+from compiled_engine.bench.workload import Workload
+from tests.server_process import free_port, running_server
 
 ENV_KEYS = {"git_commit", "python", "torch", "transformers", "device", "dtype", "cpu_model", "cpu_threads", "model_config_hash"}
 
@@ -64,3 +70,162 @@ def test_a_baseline_that_cannot_run_says_why(tiny_model_factory: Callable[..., P
 def test_bad_model_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert bench.main(["latency", "--model", str(tmp_path / "missing")]) == 2
     assert "neither a local directory nor a Hub id" in capsys.readouterr().err
+
+
+# -- serve ----------------------------------------------------------------------------------------
+
+SERVE_FIGURES = {"seconds", "completed", "errors", "error_examples", "request_throughput", "output_tokens_per_s", "total_tokens_per_s", "ttft_s", "itl_s", "tpot_s", "e2e_s", "samples"}
+
+
+def _strict_load(path: Path) -> dict[str, Any]:
+    def no_constants(name: str) -> None:
+        raise AssertionError(f"{name} is not JSON")
+
+    report: dict[str, Any] = json.loads(path.read_text(), parse_constant=no_constants)
+    return report
+
+
+def test_serve_concurrency_sweep_with_hf_baseline_json_and_plot(tmp_path: Path) -> None:
+    out, plot = tmp_path / "serve.json", tmp_path / "serve.png"
+    argv = ["serve", "--num-prompts", "4", "--input-len", "6", "20", "--output-len", "3", "6", "--concurrency", "1", "2", "--baseline", "hf", "--kv-cache-memory-gib", "0.05"]
+    assert bench.main([*argv, "--json", str(out), "--plot", str(plot)]) == 0
+    report = _strict_load(out)
+    assert report["benchmark"] == "serve"
+    assert set(report["environment"]) >= ENV_KEYS and report["environment"]["device"] == "cpu"
+    workload = report["workload"]
+    assert workload["sweep"] == "concurrency" and workload["loads"] == [1, 2]
+    assert workload["server"] == "ours, in-process on loopback"
+    assert [p["load"] for p in report["results"]] == [1, 2]
+    for point in report["results"]:
+        ours, hf = point["ours"], point["hf"]
+        assert set(ours) == SERVE_FIGURES and set(hf) == SERVE_FIGURES
+        assert ours["completed"] == 4 and ours["errors"] == 0 and hf["completed"] == 4
+        for side in (ours, hf):
+            assert set(side["ttft_s"]) == {"mean", "p50", "p90", "p99"}
+            assert 0 < side["ttft_s"]["p50"] <= side["ttft_s"]["p99"] <= side["e2e_s"]["p99"]
+            assert len(side["samples"]["e2e_s"]) == 4
+        # ignore_eos: every request produced exactly the tokens it asked for, on both sides
+        assert ours["output_tokens_per_s"] * ours["seconds"] == pytest.approx(workload["output_tokens"])
+        assert hf["output_tokens_per_s"] * hf["seconds"] == pytest.approx(workload["output_tokens"])
+        assert point["ratio_vs_hf"]["output_tokens_per_s"] == pytest.approx(ours["output_tokens_per_s"] / hf["output_tokens_per_s"])
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_serve_poisson_rate_against_another_server(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--base-url drives any OpenAI-compatible server (here a separate `serve` process with an API
+    key); an unbounded rate is written as "inf"; the hf baseline says why it cannot run."""
+    with running_server(tmp_path, "--kv-cache-memory-gib", "0.05", "--api-key", "k1") as server:
+        out = tmp_path / "rate.json"
+        argv = ["serve", "--base-url", server.url, "--api-key", "k1", "--num-prompts", "3", "--input-len", "5", "9", "--output-len", "2", "4", "--request-rate", "inf", "50", "--max-concurrency", "2", "--baseline", "hf", "--json", str(out)]
+        assert bench.main(argv) == 0
+    report = _strict_load(out)
+    assert report["workload"]["loads"] == ["inf", 50.0] and report["workload"]["max_concurrency"] == 2
+    assert report["workload"]["server"] == server.url
+    assert report["environment"]["device"] == "remote server"
+    for point in report["results"]:
+        assert point["ours"]["completed"] == 3 and point["ours"]["errors"] == 0
+        assert "--concurrency" in point["hf"]["error"]
+    assert "baseline hf did not run" in capsys.readouterr().out
+
+
+def test_serve_counts_failed_requests_and_keeps_going(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with running_server(tmp_path, "--kv-cache-memory-gib", "0.05", "--max-model-len", "32") as server:
+        out = tmp_path / "fail.json"
+        argv = ["serve", "--base-url", server.url, "--num-prompts", "3", "--input-len", "40", "50", "--output-len", "2", "2", "--concurrency", "2", "--json", str(out)]
+        assert bench.main(argv) == 0
+    point = _strict_load(out)["results"][0]["ours"]
+    assert point["completed"] == 0 and point["errors"] == 3
+    assert point["error_examples"] and point["error_examples"][0].startswith("HTTP 400")
+    assert point["ttft_s"] == {} and point["output_tokens_per_s"] == 0
+    assert "3 requests failed" in capsys.readouterr().out
+
+
+def test_serve_to_an_unreachable_url_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    port = free_port()  # nothing listens there
+    assert bench.main(["serve", "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "1", "--concurrency", "1"]) == 2
+    assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["serve", "--concurrency", "0"], "--concurrency values must be at least 1"),
+        (["serve", "--request-rate", "0"], "--request-rate values must be positive"),
+        (["offline", "--input-len", "9", "3"], "--input-len MIN MAX needs 1 <= MIN <= MAX"),
+        (["offline", "--num-seqs", "0"], "--num-seqs must be at least 1"),
+        (["latency", "--prompt-len", "0"], "--prompt-len must be at least 1"),
+        (["latency", "--plot", "out.svg"], "ends in .png"),
+    ],
+)
+def test_bad_arguments_are_clear_errors_before_any_work(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main(argv) == 2
+    assert message.replace("ends in", "ending in") in capsys.readouterr().err
+
+
+def test_missing_matplotlib_is_reported_before_the_run(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    def unavailable() -> None:
+        raise PlotUnavailable("--plot needs matplotlib")
+
+    monkeypatch.setattr(bench, "check_plotting", unavailable)
+    monkeypatch.setattr(bench, "bench_latency", lambda *a: pytest.fail("the run started"))
+    assert bench.main(["latency", "--plot", str(tmp_path / "p.png")]) == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err
+
+
+def test_latency_and_offline_plots(tiny_model_factory: Callable[..., Path], tmp_path: Path) -> None:
+    model = str(tiny_model_factory("llama"))
+    for argv in (
+        ["latency", "--model", model, "--prompt-len", "8", "--output-len", "3", "--repeats", "1", "--baseline", "hf"],
+        ["offline", "--model", model, "--num-seqs", "2", "--input-len", "4", "6", "--output-len", "2", "3"],
+    ):
+        plot = tmp_path / f"{argv[0]}.png"
+        assert bench.main([*argv, "--kv-cache-memory-gib", "0.01", "--plot", str(plot)]) == 0
+        assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+# -- pieces ---------------------------------------------------------------------------------------
+
+
+def test_percentiles_are_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert percentiles(values) == {"mean": 50.5, "p50": 50.0, "p90": 90.0, "p99": 99.0}
+    assert percentiles([3.0]) == {"mean": 3.0, "p50": 3.0, "p90": 3.0, "p99": 3.0}
+    assert percentiles([]) == {}
+
+
+def test_summarize_counts_only_completed_requests() -> None:
+    records = [
+        RequestRecord(prompt_tokens=10, ok=True, ttft_s=0.1, e2e_s=0.5, output_tokens=5, itl_s=[0.1] * 4),
+        RequestRecord(prompt_tokens=20, ok=True, ttft_s=0.3, e2e_s=0.3, output_tokens=1),
+        RequestRecord(prompt_tokens=7, error="HTTP 429: busy"),
+    ]
+    summary = summarize(records, seconds=2.0)
+    assert summary["completed"] == 2 and summary["errors"] == 1 and summary["error_examples"] == ["HTTP 429: busy"]
+    assert summary["output_tokens_per_s"] == 3.0 and summary["total_tokens_per_s"] == 18.0
+    assert summary["request_throughput"] == 1.0
+    assert summary["tpot_s"]["p50"] == pytest.approx(0.1)  # one token gives no TPOT
+    assert summary["ttft_s"]["p99"] == 0.3 and summary["itl_s"]["mean"] == pytest.approx(0.1)
+
+
+def test_hf_as_server_times_each_request_from_its_batch(tiny_model_factory: Callable[..., Path]) -> None:
+    import torch
+
+    model = load_hf(tiny_model_factory("llama"), torch.float32, torch.device("cpu"))
+    workload = Workload(prompts=[[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]], output_lens=[4, 2, 3, 1])
+    records, seconds = run_hf_as_server(model, workload, concurrency=2, device=torch.device("cpu"))
+    assert [r.output_tokens for r in records] == [4, 2, 3, 1]
+    assert [len(r.itl_s) for r in records] == [3, 1, 2, 0]
+    for r in records:
+        assert r.ok and r.ttft_s is not None and r.e2e_s is not None and 0 < r.ttft_s <= r.e2e_s
+    # the two batches run one after the other; each ends with its longest request
+    assert seconds == pytest.approx(records[0].e2e_s + records[2].e2e_s)
+
+
+def test_nvtx_ranges_are_inert_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    from compiled_engine import profiling
+
+    monkeypatch.setenv(profiling.NVTX_ENV, "1")
+    monkeypatch.setattr(profiling.torch.cuda, "is_available", lambda: False)
+    assert not profiling.nvtx_enabled()
+    with profiling.nvtx_range("forward") as entered:
+        assert entered is None

@@ -1,35 +1,49 @@
-"""`python -m compiled_engine.bench latency|offline`: our figures, a same-run baseline, a ceiling.
+"""`python -m compiled_engine.bench latency|offline|serve`: our figures, a same-run baseline, a ceiling.
 
     python -m compiled_engine.bench latency --prompt-len 512 --output-len 128 --baseline hf --json out.json
     python -m compiled_engine.bench offline --num-seqs 32 --input-len 100 1024 --output-len 100 1024 --baseline hf
+    python -m compiled_engine.bench serve --concurrency 1 4 16 --baseline hf --plot serve.png
+    python -m compiled_engine.bench serve --base-url http://127.0.0.1:8000 --request-rate 2 8 inf
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import logging
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
+import httpx
+import torch
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from compiled_engine.bench.bandwidth import measure_read_bandwidth
 from compiled_engine.bench.environment import environment
 from compiled_engine.bench.hf_baseline import BaselineUnavailable, hf_generate_seconds, load_hf
-from compiled_engine.bench.runs import Workload, random_workload, run_hf, run_ours, weight_bytes
+from compiled_engine.bench.plots import PlotUnavailable, check_plotting, write_plot
+from compiled_engine.bench.runs import run_hf, run_hf_as_server, run_ours, weight_bytes
+from compiled_engine.bench.serving import run_load, summarize
+from compiled_engine.bench.workload import Workload, random_workload
 from compiled_engine.config import DTYPES, EngineConfig
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.errors import CompiledEngineError
+from compiled_engine.model.config import ModelConfig
+from compiled_engine.model.source import resolve_model_dir
+from compiled_engine.server.launch import serve_in_background
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m compiled_engine.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    for name in ("latency", "offline"):
+    for name in ("latency", "offline", "serve"):
         sub = commands.add_parser(name)
         sub.add_argument("--model", default=None)
         sub.add_argument("--device", choices=["cpu", "cuda"], default=None)
@@ -38,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--baseline", choices=["none", "hf"], default="none")
         sub.add_argument("--seed", type=int, default=0)
         sub.add_argument("--json", type=Path, default=None, help="write every figure and the environment here")
+        sub.add_argument("--plot", type=Path, default=None, help="draw ours vs the baseline into this PNG (needs matplotlib)")
     latency = commands.choices["latency"]
     latency.add_argument("--prompt-len", type=int, default=512)
     latency.add_argument("--output-len", type=int, default=128)
@@ -48,7 +63,47 @@ def _parser() -> argparse.ArgumentParser:
     offline.add_argument("--output-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
     offline.add_argument("--max-num-seqs", type=int, default=256)
     offline.add_argument("--hf-batch-size", type=int, default=32)
+    serve = commands.choices["serve"]
+    serve.add_argument("--base-url", default=None, help="an OpenAI-compatible server to drive instead of ours; --model names its model (prompts use its vocabulary)")
+    serve.add_argument("--api-key", default=None, help="bearer key for --base-url")
+    serve.add_argument("--num-prompts", type=int, default=64, help="requests per sweep point")
+    serve.add_argument("--input-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
+    serve.add_argument("--output-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
+    load = serve.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=int, nargs="+", default=None, help="closed loop: this many requests in flight (a sweep; default 1 4 16 64)")
+    load.add_argument("--request-rate", type=float, nargs="+", default=None, help="open loop: Poisson arrivals per second (a sweep; inf = all at once)")
+    serve.add_argument("--max-concurrency", type=int, default=None, help="with --request-rate: cap on requests in flight")
+    serve.add_argument("--max-num-seqs", type=int, default=256)
     return parser
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    for name in ("input_len", "output_len"):
+        bounds = getattr(args, name, None)
+        if not isinstance(bounds, list):
+            continue
+        low, high = bounds
+        if not 1 <= low <= high:
+            raise ValueError(f"--{name.replace('_', '-')} MIN MAX needs 1 <= MIN <= MAX, got {low} {high}")
+    for name in ("num_seqs", "num_prompts", "prompt_len", "output_len", "repeats", "hf_batch_size", "max_num_seqs"):
+        value = getattr(args, name, 1)
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    for value in getattr(args, "concurrency", None) or ():
+        if value < 1:
+            raise ValueError(f"--concurrency values must be at least 1, got {value}")
+    for rate in getattr(args, "request_rate", None) or ():
+        if not rate > 0:
+            raise ValueError(f"--request-rate values must be positive (or inf), got {rate}")
+
+
+@contextmanager
+def _progress(console: Console, description: str, total: int) -> Iterator[Callable[[int], None]]:
+    """A progress bar on a terminal; silent when the output is a file or a pipe."""
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
+        task = progress.add_task(description, total=total)
+        yield lambda n: progress.advance(task, n)
 
 
 def _engine(args: argparse.Namespace, **options: Any) -> LLMEngine:
@@ -126,7 +181,8 @@ def bench_offline(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     engine = _engine(args, max_num_seqs=args.max_num_seqs)
     workload: Workload = random_workload(engine.runner.model_config.vocab_size, args.num_seqs, tuple(args.input_len), tuple(args.output_len), args.seed)
     run_ours(engine, random_workload(engine.runner.model_config.vocab_size, 1, (8, 8), (2, 2), args.seed + 1))  # warm-up
-    ours_run = run_ours(engine, workload)
+    with _progress(console, "ours", workload.output_tokens) as advance:
+        ours_run = run_ours(engine, workload, advance)
     ceiling = measure_read_bandwidth(engine.runner.device)
     seconds = ours_run["seconds"]
     ours = {
@@ -158,17 +214,112 @@ def bench_offline(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     return {"benchmark": "offline", "workload": workload_info, "bandwidth_ceiling_bytes_per_s": ceiling, "results": result, "environment": environment(engine.runner.device, engine.runner.dtype, engine.model_dir)}
 
 
+def _serve_row(table: Table, load: str, side: str, r: dict[str, Any]) -> None:
+    def ms(figures: dict[str, float], key: str) -> str:
+        return f"{figures[key] * 1000:.0f}" if key in figures else "-"
+
+    table.add_row(
+        load, side, f"{r['completed']}/{r['completed'] + r['errors']}", f"{r['request_throughput']:.2f}", f"{r['output_tokens_per_s']:.1f}",
+        ms(r["ttft_s"], "p50"), ms(r["ttft_s"], "p99"), ms(r["itl_s"], "p50"), ms(r["tpot_s"], "p50"), ms(r["e2e_s"], "p50"), ms(r["e2e_s"], "p99"),
+    )
+
+
+def bench_serve(args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    model_dir = resolve_model_dir(args.model)
+    vocab = ModelConfig.from_model_dir(model_dir).vocab_size
+    workload = random_workload(vocab, args.num_prompts, tuple(args.input_len), tuple(args.output_len), args.seed)
+    sweep_name = "request_rate" if args.request_rate is not None else "concurrency"
+    loads: list[float] = list(args.request_rate) if args.request_rate is not None else list(args.concurrency or [1, 4, 16, 64])
+    engine = None if args.base_url else _engine(args, max_num_seqs=args.max_num_seqs)
+    server = serve_in_background(engine) if engine is not None else nullcontext(args.base_url.rstrip("/"))
+    points: list[dict[str, Any]] = []
+    with server as base_url:
+        warm = random_workload(vocab, 1, (8, 8), (2, 2), args.seed + 1)
+        asyncio.run(run_load(base_url, warm, concurrency=1, api_key=args.api_key))
+        for load in loads:
+            concurrency = int(load) if sweep_name == "concurrency" else args.max_concurrency
+            rate = load if sweep_name == "request_rate" else None
+            with _progress(console, f"ours, {sweep_name} {load:g}", len(workload.prompts)) as advance:
+                records, seconds = asyncio.run(run_load(
+                    base_url, workload, concurrency=concurrency, request_rate=rate, seed=args.seed,
+                    api_key=args.api_key, on_done=lambda _: advance(1),
+                ))
+            points.append({"load": load, "ours": summarize(records, seconds)})
+    device = engine.runner.device if engine is not None else torch.device("cpu")
+    dtype = engine.runner.dtype if engine is not None else DTYPES[args.dtype or "float32"]
+    if args.baseline == "hf":
+        model: Any = None
+        if sweep_name != "concurrency":
+            why: str | None = "the hf baseline is a static-batching server: it runs with --concurrency sweeps only"
+        else:
+            try:
+                model, why = load_hf(model_dir, dtype, device), None
+            except BaselineUnavailable as exc:
+                why = str(exc)
+        for point in points:
+            if why is None:
+                records, seconds = run_hf_as_server(model, workload, int(point["load"]), device)
+                point["hf"] = summarize(records, seconds)
+                point["ratio_vs_hf"] = {k: point["ours"][k] / point["hf"][k] for k in ("output_tokens_per_s", "request_throughput")}
+            else:
+                point["hf"] = {"error": why}
+    table = Table(title=f"serve: {args.num_prompts} requests per point, input {args.input_len}, output {args.output_len}" + (f" ({args.base_url})" if args.base_url else ""))
+    for column in (sweep_name, "", "ok", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "TPOT p50 ms", "E2E p50 ms", "E2E p99 ms"):
+        table.add_column(column)
+    for point in points:
+        _serve_row(table, f"{point['load']:g}", "ours" if args.base_url is None else "server", point["ours"])
+        if "output_tokens_per_s" in point.get("hf", {}):
+            _serve_row(table, "", "hf", point["hf"])
+    console.print(table)
+    for point in points:
+        if point["ours"]["errors"]:
+            console.print(f"[red]{point['ours']['errors']} requests failed at {sweep_name} {point['load']:g}: {point['ours']['error_examples']}[/red]")
+    if points and "error" in points[0].get("hf", {}):
+        console.print(f"[yellow]baseline hf did not run: {points[0]['hf']['error']}[/yellow]")
+    workload_info = {
+        "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+        "prompt_tokens": workload.prompt_tokens, "output_tokens": workload.output_tokens,
+        "sweep": sweep_name, "loads": loads, "max_concurrency": args.max_concurrency, "seed": args.seed, "ignore_eos": True,
+        "server": args.base_url or "ours, in-process on loopback",
+    }
+    env = environment(device if engine is not None else None, dtype if engine is not None else None, model_dir)
+    return {"benchmark": "serve", "workload": workload_info, "results": points, "environment": env}
+
+
+def _strict_json(value: Any) -> Any:
+    """JSON has no infinity: an unbounded request rate is written as the string "inf"."""
+    if isinstance(value, float) and value == float("inf"):
+        return "inf"
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_strict_json(v) for v in value]
+    return value
+
+
+BENCHMARKS = {"latency": bench_latency, "offline": bench_offline, "serve": bench_serve}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = Console(stderr=False)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     try:
-        report = bench_latency(args, console) if args.command == "latency" else bench_offline(args, console)
-    except (CompiledEngineError, ValueError) as exc:
+        _check_args(args)
+        if args.plot is not None:
+            if args.plot.suffix.lower() != ".png":
+                raise ValueError(f"--plot writes a PNG; give a file name ending in .png, not {args.plot.name!r}")
+            check_plotting()  # before a long run, not after it
+        report = BENCHMARKS[args.command](args, console)
+    except (CompiledEngineError, ValueError, httpx.HTTPError, PlotUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        args.json.write_text(json.dumps(_strict_json(report), indent=2, allow_nan=False) + "\n")
         console.print(f"results written to {args.json}")
+    if args.plot is not None:
+        write_plot(report, args.plot)
+        console.print(f"plot written to {args.plot}")
     return 0
 
 

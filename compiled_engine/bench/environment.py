@@ -43,7 +43,8 @@ def config_hash(model_dir: Path) -> str:
     return hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()[:16]
 
 
-def environment(device: torch.device, dtype: torch.dtype, model_dir: Path) -> dict[str, Any]:
+def environment(device: torch.device | None, dtype: torch.dtype | None, model_dir: Path) -> dict[str, Any]:
+    """`device` and `dtype` are None when the figures come from a server elsewhere."""
     env: dict[str, Any] = {
         "git_commit": _git_commit(),
         "python": platform.python_version(),
@@ -51,8 +52,8 @@ def environment(device: torch.device, dtype: torch.dtype, model_dir: Path) -> di
         "triton": _version("triton"),
         "flashinfer": _version("flashinfer-python"),
         "transformers": _version("transformers"),
-        "device": str(device),
-        "dtype": str(dtype).removeprefix("torch."),
+        "device": str(device) if device is not None else "remote server",
+        "dtype": str(dtype).removeprefix("torch.") if dtype is not None else None,
         "cpu_model": _cpu_model(),
         "cpu_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
@@ -60,7 +61,7 @@ def environment(device: torch.device, dtype: torch.dtype, model_dir: Path) -> di
         "model_config_hash": config_hash(model_dir),
         "model_config": json.loads((model_dir / "config.json").read_text()).get("architectures"),
     }
-    if device.type == "cuda":
+    if device is not None and device.type == "cuda":
         env["device_name"] = torch.cuda.get_device_name(device)
         env["cuda"] = torch.version.cuda
         try:

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+PAD = 0  # masked out; any id would do
+
 
 class BaselineUnavailable(Exception):
     pass
@@ -31,18 +33,46 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _left_padded(prompts: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    return input_ids, mask
+
+
 @torch.inference_mode()
 def hf_generate_seconds(model: Any, prompts: list[list[int]], new_tokens: int, device: torch.device) -> float:
     """Wall time of one greedy `generate` over a left-padded batch, exactly `new_tokens` each."""
-    width = max(len(p) for p in prompts)
-    pad = 0
-    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    input_ids, mask = _left_padded(prompts, device)
     _sync(device)
     start = time.perf_counter()
     model.generate(
         input_ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-        do_sample=False, pad_token_id=pad,
+        do_sample=False, pad_token_id=PAD,
     )
     _sync(device)
     return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def hf_generate_token_times(model: Any, prompts: list[list[int]], new_tokens: int, device: torch.device) -> list[float]:
+    """Like `hf_generate_seconds`, but the time (from the call) at which each of the
+    `new_tokens` generation steps finished: a stopping criterion that never stops records them."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    start = 0.0
+    times: list[float] = []
+
+    class RecordTimes(StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+            _sync(device)
+            times.append(time.perf_counter() - start)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    input_ids, mask = _left_padded(prompts, device)
+    start = time.perf_counter()
+    model.generate(
+        input_ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+        do_sample=False, pad_token_id=PAD, stopping_criteria=StoppingCriteriaList([RecordTimes()]),
+    )
+    return times

@@ -1,38 +1,20 @@
-"""The two offline workloads, for our engine and for the baseline."""
+"""A workload run through our engine directly, or through transformers as the baseline."""
 
 from __future__ import annotations
 
-import random
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from itertools import pairwise
 from typing import Any
 
 import torch
 
-from compiled_engine.bench.hf_baseline import hf_generate_seconds
+from compiled_engine.bench.hf_baseline import hf_generate_seconds, hf_generate_token_times
+from compiled_engine.bench.serving import RequestRecord
+from compiled_engine.bench.workload import Workload
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.outputs import RequestOutput
 from compiled_engine.engine.sampling_params import SamplingParams
-
-
-@dataclass(frozen=True)
-class Workload:
-    prompts: list[list[int]]
-    output_lens: list[int]
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts)
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(self.output_lens)
-
-
-def random_workload(vocab: int, num_seqs: int, input_len: tuple[int, int], output_len: tuple[int, int], seed: int) -> Workload:
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(10, vocab) for _ in range(rng.randint(*input_len))] for _ in range(num_seqs)]
-    return Workload(prompts, [rng.randint(*output_len) for _ in range(num_seqs)])
 
 
 def weight_bytes(engine: LLMEngine) -> int:
@@ -44,16 +26,26 @@ def kv_bytes_per_token(engine: LLMEngine) -> int:
     return c.num_layers * 2 * c.num_kv_heads * c.head_dim * engine.runner.kv_cache.element_size()
 
 
-def run_ours(engine: LLMEngine, workload: Workload) -> dict[str, Any]:
-    """All requests at once through the scheduler; counts steps and the bytes they read."""
+def run_ours(engine: LLMEngine, workload: Workload, on_tokens: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """All requests at once through the scheduler; counts steps and the bytes they read.
+    `on_tokens` hears how many output tokens each step produced (for a progress bar)."""
     for prompt, out_len in zip(workload.prompts, workload.output_lens, strict=True):
         engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True))
     steps = 0
     start = time.perf_counter()
     finished: list[RequestOutput] = []
+    seen: dict[str, int] = {}
     while engine.has_unfinished_requests():
-        finished.extend(o for o in engine.step() if o.finished)
+        outputs = engine.step()
+        finished.extend(o for o in outputs if o.finished)
         steps += 1
+        if on_tokens is not None:
+            fresh = 0
+            for o in outputs:
+                count = len(o.outputs[0].token_ids)
+                fresh += count - seen.get(o.request_id, 0)
+                seen[o.request_id] = count
+            on_tokens(fresh)
     if engine.runner.device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
@@ -80,3 +72,23 @@ def run_hf(model: Any, workload: Workload, batch_size: int, device: torch.device
         rows = order[start : start + batch_size]
         seconds += hf_generate_seconds(model, [workload.prompts[i] for i in rows], max(workload.output_lens[i] for i in rows), device)
     return {"seconds": seconds, "output_tokens": workload.output_tokens}
+
+
+def run_hf_as_server(model: Any, workload: Workload, concurrency: int, device: torch.device) -> tuple[list[RequestRecord], float]:
+    """transformers behind a static-batching server: `concurrency` requests at a time in one
+    padded `generate`, the next batch once it ends. Each request's times count from its batch's
+    start, as a closed-loop client at that concurrency would see them."""
+    records: list[RequestRecord] = []
+    seconds = 0.0
+    for start in range(0, len(workload.prompts), concurrency):
+        prompts = workload.prompts[start : start + concurrency]
+        lens = workload.output_lens[start : start + concurrency]
+        times = hf_generate_token_times(model, prompts, max(lens), device)
+        seconds += times[-1]
+        for prompt, n in zip(prompts, lens, strict=True):
+            own = times[:n]
+            records.append(RequestRecord(
+                prompt_tokens=len(prompt), ok=True, ttft_s=own[0], e2e_s=own[-1], output_tokens=n,
+                itl_s=[b - a for a, b in pairwise(own)],
+            ))
+    return records, seconds

@@ -22,6 +22,7 @@ from compiled_engine.engine.scheduler import Scheduler
 from compiled_engine.engine.sequence import FinishReason, Sequence
 from compiled_engine.errors import RequestError
 from compiled_engine.model.source import resolve_model_dir
+from compiled_engine.profiling import nvtx_range
 from compiled_engine.tokenizer import Tokenizer
 
 SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads the seeds of a request's n completions
@@ -133,14 +134,17 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         self._apply_aborts()
-        out = self.scheduler.schedule()
+        with nvtx_range("schedule"):
+            out = self.scheduler.schedule()
         if not out.is_empty:
             logits = self.runner.run([(item.seq, item.num_tokens) for item in out.scheduled])
             due = self.scheduler.advance(out)
             if due:
                 rows = {item.seq.seq_id: i for i, item in enumerate(out.scheduled)}
-                self._sample(logits[[rows[seq.seq_id] for seq in due]], due)
-        return self._collect_outputs()
+                with nvtx_range("sample"):
+                    self._sample(logits[[rows[seq.seq_id] for seq in due]], due)
+        with nvtx_range("detokenize"):
+            return self._collect_outputs()
 
     def _apply_aborts(self) -> None:
         for request_id in self._pending_aborts:

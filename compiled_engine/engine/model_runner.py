@@ -16,6 +16,7 @@ from compiled_engine.engine.sequence import Sequence
 from compiled_engine.errors import ModelConfigError, RequestError
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.loader import load_model
+from compiled_engine.profiling import nvtx_range
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,9 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run the new tokens of every sequence in `batch` (pages must already be allocated) and
         return the logits after each sequence's last new token, fp32 [num_seqs, vocab]."""
-        input_ids, positions, metadata = self.prepare_inputs(batch)
-        hidden = self.model(input_ids, positions, self.kv_cache, metadata)
-        last = torch.tensor(metadata.query_start_loc_cpu[1:], device=self.device) - 1
-        return self.model.compute_logits(hidden[last]).float()
+        with nvtx_range("prepare inputs"):
+            input_ids, positions, metadata = self.prepare_inputs(batch)
+        with nvtx_range("forward"):
+            hidden = self.model(input_ids, positions, self.kv_cache, metadata)
+            last = torch.tensor(metadata.query_start_loc_cpu[1:], device=self.device) - 1
+            return self.model.compute_logits(hidden[last]).float()

@@ -9,11 +9,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from litestar import Litestar, Request, Response, get, post
+from litestar.logging.config import LoggingConfig
 from litestar.openapi import OpenAPIConfig
+from litestar.params import Body
 from litestar.response import Stream
 
 from compiled_engine.engine.async_engine import AsyncEngine
@@ -212,7 +214,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
         return ModelList([ModelCard(settings.served_model_name, server.created, max_model_len=server.max_model_len)])
 
     @post("/v1/completions", status_code=200)
-    async def completions(request: Request[Any, Any, Any], data: CompletionRequest) -> Any:
+    async def completions(request: Request[Any, Any, Any], data: Annotated[CompletionRequest, Body()]) -> Any:
         """OpenAI text completions (prompt as text, token ids, or a list of either)."""
         salt = server.check_auth(request)
         server.check_model(data.model)
@@ -247,7 +249,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
         return CompletionResponse(request_id, created, model, choices, usage)
 
     @post("/v1/chat/completions", status_code=200)
-    async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletionRequest) -> Any:
+    async def chat_completions(request: Request[Any, Any, Any], data: Annotated[ChatCompletionRequest, Body()]) -> Any:
         """OpenAI chat completions: messages rendered with the model's chat template."""
         salt = server.check_auth(request)
         server.check_model(data.model)
@@ -281,6 +283,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
         exception_handlers={Exception: handle_exception},
         request_max_body_size=settings.max_body_bytes,
         openapi_config=OpenAPIConfig(title="compiled_engine", version="0.1.0", path="/docs"),
+        # Litestar would otherwise reconfigure the root logger of whatever process embeds the app.
+        logging_config=LoggingConfig(configure_root_logger=False),
     )
 
 

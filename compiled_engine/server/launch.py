@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import logging
+import socket
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import FrameType
 
 import uvicorn
@@ -55,3 +59,30 @@ class _DrainingServer(uvicorn.Server):
         captured = getattr(self, "_captured_signals", None)
         if isinstance(captured, list):
             captured.clear()
+
+
+@contextmanager
+def serve_in_background(engine: LLMEngine, served_model_name: str = "bench", max_waiting_requests: int = 4096) -> Iterator[str]:
+    """Our server for `engine` on a free loopback port, in a thread of this process, for the
+    serving bench. Yields the base URL; stops the server and the engine loop on exit."""
+    async_engine = AsyncEngine(engine, max_waiting_requests)
+    async_engine.start()
+    app = create_app(async_engine, ServerSettings(served_model_name))
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    port = int(listener.getsockname()[1])
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, name="bench-server", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the in-process server did not start")
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        async_engine.shutdown(grace_s=5)
+        listener.close()
