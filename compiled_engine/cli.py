@@ -21,7 +21,10 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help="tokens per KV page")
     parser.add_argument("--num-pages", type=int, default=None, help="KV pages (default: as many as --kv-cache-memory-gib holds)")
-    parser.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
+    parser.add_argument("--kv-cache-memory-gib", type=float, default=None, help="default: 1 GiB on CPU; on CUDA what --gpu-memory-utilization leaves")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory for weights, activations, CUDA graphs and the KV cache")
+    parser.add_argument("--enforce-eager", action="store_true", help="plain eager PyTorch: no torch.compile, no CUDA graphs")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="compiled, but decode without CUDA graphs")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -36,6 +39,9 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         page_size=args.page_size,
         num_pages=args.num_pages,
         kv_cache_memory_gib=args.kv_cache_memory_gib,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=True if args.enforce_eager else None,
+        cuda_graphs=not args.no_cuda_graphs,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

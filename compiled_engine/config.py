@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import msgspec
 import torch
 
 from compiled_engine.cache.kv_cache import DEFAULT_PAGE_SIZE
 
+ENFORCE_EAGER_ENV = "COMPILED_ENGINE_ENFORCE_EAGER"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -15,14 +18,21 @@ class EngineConfig(msgspec.Struct, frozen=True):
     device: str | None = None  # "cpu" or "cuda"; None = cuda when available
     dtype: str | None = None  # None = bfloat16 on cuda, float32 on cpu
     page_size: int = DEFAULT_PAGE_SIZE
-    num_pages: int | None = None  # None = as many as kv_cache_memory_gib holds
-    kv_cache_memory_gib: float = 1.0
+    num_pages: int | None = None  # None = as many as the KV cache memory holds
+    # None = 1 GiB on CPU; on CUDA what gpu_memory_utilization leaves after weights,
+    # activations and CUDA graphs.
+    kv_cache_memory_gib: float | None = None
+    gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     attention_backend: str = "torch"
     max_num_seqs: int = 256  # sequences running at once
     max_num_batched_tokens: int = 2048  # tokens in one forward (decodes plus prefill chunks)
     enable_prefix_caching: bool = True
     seed: int | None = None  # seeds the draw of per-request seeds for requests without one
+    # None = compile unless COMPILED_ENGINE_ENFORCE_EAGER=1; True = plain eager PyTorch, no
+    # torch.compile and no CUDA graphs (the slow twin every fast path is tested against).
+    enforce_eager: bool | None = None
+    cuda_graphs: bool = True  # decode through captured CUDA graphs (CUDA only, not with eager)
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -30,8 +40,10 @@ class EngineConfig(msgspec.Struct, frozen=True):
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"num_pages must be at least 1, got {self.num_pages}")
-        if self.kv_cache_memory_gib <= 0:
+        if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory_gib must be positive, got {self.kv_cache_memory_gib}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
     def resolved_device(self) -> torch.device:
         name = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -40,6 +52,11 @@ class EngineConfig(msgspec.Struct, frozen=True):
         if name == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
         return torch.device(name)
+
+    def resolved_enforce_eager(self) -> bool:
+        if self.enforce_eager is not None:
+            return self.enforce_eager
+        return os.environ.get(ENFORCE_EAGER_ENV, "0") == "1"
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype is None:

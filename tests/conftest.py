@@ -4,6 +4,7 @@ transformers itself, so our loader and model are checked against the library tha
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,13 @@ from typing import Any
 import pytest
 import torch
 
+from compiled_engine.config import ENFORCE_EAGER_ENV
 from compiled_engine.model.default_model import load_default_model_dir
+
+# Engines in tests run eager unless a test asks for the compiled path (tests/test_compile.py and
+# the compiled end-to-end runs): one process compiling many different models would spend the
+# suite's time in Inductor. Server subprocesses inherit this.
+os.environ.setdefault(ENFORCE_EAGER_ENV, "1")
 
 
 @pytest.fixture(scope="session")

@@ -341,3 +341,26 @@ def test_decode_steps_match_reference_one_by_one() -> None:
         out = run_batch([step], cache, torch.float64, 0.5)
         expected = dense_reference(step.q, step.k, step.v, 0.5)
         torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
+def test_decode_only_batch_uses_the_batched_path_and_matches_reference(num_kv_heads: int) -> None:
+    """Decode-only batches take one batched SDPA over padded block tables; contexts of different
+    lengths, across page boundaries, in a cache poisoned with NaN where nobody wrote."""
+    gen = torch.Generator().manual_seed(11)
+    seqs = [Sequence(cached=c, new=1, num_kv_heads=num_kv_heads, gen=gen) for c in (0, 3, 4, 9, 14)]
+    needed = [math.ceil(s.seq_len / PAGE_SIZE) for s in seqs]
+    num_pages = sum(needed) + 2
+    perm = torch.randperm(num_pages, generator=gen).tolist()
+    at = 0
+    for s, n in zip(seqs, needed, strict=True):
+        s.table, at = perm[at : at + n], at + n
+    cache = torch.full((num_pages, 2, PAGE_SIZE, num_kv_heads, HEAD_DIM), float("nan"), dtype=torch.float64)
+    for s in seqs:
+        place_prefix(cache, s)
+    md = AttentionMetadata.build([1] * len(seqs), [s.seq_len for s in seqs], [s.table for s in seqs], PAGE_SIZE, CPU)
+    assert md.decode_only
+    out = run_batch(seqs, cache, torch.float64, 0.3)
+    for i, s in enumerate(seqs):
+        torch.testing.assert_close(out[i : i + 1], dense_reference(s.q, s.k, s.v, 0.3), atol=1e-10, rtol=0)
+    assert not AttentionMetadata.build([2, 1], [5, 5], [[0, 1], [2, 3]], PAGE_SIZE, CPU).decode_only

@@ -24,6 +24,9 @@ class AttentionMetadata:
     # Host copies, so the reference backend can loop over sequences without device syncs.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Every sequence adds exactly one token. Backends then read only the device tensors, so the
+    # same metadata object can describe static buffers rewritten before each CUDA-graph replay.
+    decode_only: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -64,4 +67,5 @@ class AttentionMetadata:
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             query_start_loc_cpu=starts,
             seq_lens_cpu=list(seq_lens),
+            decode_only=all(q == 1 for q in query_lens),
         )

@@ -48,7 +48,10 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--model", default=None)
         sub.add_argument("--device", choices=["cpu", "cuda"], default=None)
         sub.add_argument("--dtype", choices=sorted(DTYPES), default=None)
-        sub.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
+        sub.add_argument("--kv-cache-memory-gib", type=float, default=None, help="default: 1 GiB on CPU; on CUDA what --gpu-memory-utilization leaves")
+        sub.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+        sub.add_argument("--enforce-eager", action="store_true", help="measure the eager model (no torch.compile, no CUDA graphs)")
+        sub.add_argument("--no-cuda-graphs", action="store_true")
         sub.add_argument("--baseline", choices=["none", "hf"], default="none")
         sub.add_argument("--seed", type=int, default=0)
         sub.add_argument("--json", type=Path, default=None, help="write every figure and the environment here")
@@ -107,7 +110,18 @@ def _progress(console: Console, description: str, total: int) -> Iterator[Callab
 
 
 def _engine(args: argparse.Namespace, **options: Any) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, kv_cache_memory_gib=args.kv_cache_memory_gib, **options))
+    return LLMEngine(EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype, kv_cache_memory_gib=args.kv_cache_memory_gib,
+        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=True if args.enforce_eager else None,
+        cuda_graphs=not args.no_cuda_graphs, **options,
+    ))
+
+
+def _engine_info(engine: LLMEngine | None) -> dict[str, Any]:
+    if engine is None:
+        return {}
+    runner = engine.runner
+    return {"compiled": runner.compiled, "cuda_graphs": runner.graphs is not None, "compile_seconds": runner.compile_seconds, "attention_backend": runner.model.backend.name}
 
 
 def _baseline(args: argparse.Namespace, engine: LLMEngine) -> tuple[Any, str | None]:
@@ -174,7 +188,7 @@ def bench_latency(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         (("prefill_tokens_per_s", "prefill tokens/s"), ("decode_tokens_per_s", "decode tokens/s"), ("decode_ms_per_token", "decode ms/token")),
         ("weight bandwidth", f"{ours['effective_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s ({ours['bandwidth_fraction']:.0%} of {ceiling / 1e9:.1f} measured)"),
     )
-    return {"benchmark": "latency", "workload": {"prompt_len": prompt_len, "output_len": output_len, "repeats": args.repeats, "seed": args.seed}, "bandwidth_ceiling_bytes_per_s": ceiling, "results": result, "environment": environment(engine.runner.device, engine.runner.dtype, engine.model_dir)}
+    return {"benchmark": "latency", "workload": {"prompt_len": prompt_len, "output_len": output_len, "repeats": args.repeats, "seed": args.seed}, "bandwidth_ceiling_bytes_per_s": ceiling, "results": result, "environment": environment(engine.runner.device, engine.runner.dtype, engine.model_dir), "engine": _engine_info(engine)}
 
 
 def bench_offline(args: argparse.Namespace, console: Console) -> dict[str, Any]:
@@ -211,7 +225,7 @@ def bench_offline(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         ("bandwidth used", f"{ours['bandwidth_fraction']:.0%} of {ceiling / 1e9:.1f} GB/s measured"),
     )
     workload_info = {"num_seqs": args.num_seqs, "input_len": args.input_len, "output_len": args.output_len, "prompt_tokens": workload.prompt_tokens, "output_tokens": workload.output_tokens, "seed": args.seed, "ignore_eos": True}
-    return {"benchmark": "offline", "workload": workload_info, "bandwidth_ceiling_bytes_per_s": ceiling, "results": result, "environment": environment(engine.runner.device, engine.runner.dtype, engine.model_dir)}
+    return {"benchmark": "offline", "workload": workload_info, "bandwidth_ceiling_bytes_per_s": ceiling, "results": result, "environment": environment(engine.runner.device, engine.runner.dtype, engine.model_dir), "engine": _engine_info(engine)}
 
 
 def _serve_row(table: Table, load: str, side: str, r: dict[str, Any]) -> None:
@@ -283,7 +297,7 @@ def bench_serve(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         "server": args.base_url or "ours, in-process on loopback",
     }
     env = environment(device if engine is not None else None, dtype if engine is not None else None, model_dir)
-    return {"benchmark": "serve", "workload": workload_info, "results": points, "environment": env}
+    return {"benchmark": "serve", "workload": workload_info, "results": points, "environment": env, "engine": _engine_info(engine)}
 
 
 def _strict_json(value: Any) -> Any:

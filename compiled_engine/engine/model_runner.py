@@ -3,7 +3,9 @@ into input tensors and attention metadata, and returns each sequence's next-toke
 
 from __future__ import annotations
 
+import functools
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -12,14 +14,19 @@ from compiled_engine.attention.backend import get_backend
 from compiled_engine.attention.metadata import AttentionMetadata
 from compiled_engine.cache.kv_cache import allocate_kv_cache, pages_for_budget
 from compiled_engine.config import EngineConfig
+from compiled_engine.engine.compilation import compile_layers, use_compile_cache
+from compiled_engine.engine.cuda_graphs import CudaGraphRunner, DecodeBuffers, capture_sizes
 from compiled_engine.engine.sequence import Sequence
 from compiled_engine.errors import ModelConfigError, RequestError
 from compiled_engine.model.config import ModelConfig
+from compiled_engine.model.default_model import cache_root
 from compiled_engine.model.loader import load_model
 from compiled_engine.profiling import nvtx_range
 
 logger = logging.getLogger(__name__)
 
+WARM_UP_TOKENS = 16
+DEFAULT_CPU_KV_CACHE_GIB = 1.0
 ScheduledBatch = list[tuple[Sequence, int]]  # each sequence with how many new tokens it runs
 
 
@@ -38,9 +45,18 @@ class ModelRunner:
         self.model = load_model(
             model_dir, self.model_config, get_backend(config.attention_backend), self.dtype, self.device
         )
-        budget = int(config.kv_cache_memory_gib * (1 << 30))
+        self.compiled = not config.resolved_enforce_eager()
+        self.use_cuda_graphs = self.compiled and config.cuda_graphs and self.device.type == "cuda"
+        self.compile_seconds = 0.0
+        if self.compiled:
+            use_compile_cache(cache_root() / "inductor")
+            compile_layers(self.model)
+            started = time.perf_counter()
+            self.warm_up(self._scratch_cache(WARM_UP_TOKENS))
+            self.compile_seconds = time.perf_counter() - started
+            logger.info("torch.compile: decoder layer compiled and warmed up in %.1f s", self.compile_seconds)
         self.num_pages = config.num_pages or pages_for_budget(
-            self.model_config, self.page_size, self.dtype, budget
+            self.model_config, self.page_size, self.dtype, self._kv_budget_bytes(config)
         )
         capacity = self.num_pages * self.page_size
         if capacity < self.max_model_len:
@@ -56,13 +72,91 @@ class ModelRunner:
                 self.max_model_len, capacity, capacity,
             )
             self.max_model_len = capacity
-        self.kv_cache = allocate_kv_cache(
-            self.model_config, self.num_pages, self.page_size, self.dtype, self.device
-        )
+        # With CUDA graphs one more page than the scheduler sees: padding rows write into it.
+        total_pages = self.num_pages + (1 if self.use_cuda_graphs else 0)
+        self.kv_cache = allocate_kv_cache(self.model_config, total_pages, self.page_size, self.dtype, self.device)
         logger.info(
             "KV cache: %d pages of %d tokens (%.2f GiB)",
             self.num_pages, self.page_size, self.kv_cache.numel() * self.kv_cache.element_size() / (1 << 30),
         )
+        self.graphs: CudaGraphRunner | None = None
+        if self.use_cuda_graphs:
+            sizes = capture_sizes(config.max_num_seqs)
+            buffers = DecodeBuffers(max(sizes), self.max_pages_per_seq, self.page_size, self.num_pages, self.device)
+            self.graphs = CudaGraphRunner(self.decode_logits, buffers, sizes)
+            with torch.inference_mode():
+                self.graphs.capture()
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.page_size)
+
+    def _scratch_cache(self, tokens: int) -> torch.Tensor:
+        """A small KV cache for start-up forwards, before the real pool exists."""
+        return allocate_kv_cache(self.model_config, -(-tokens // self.page_size) + 1, self.page_size, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def warm_up(self, kv_cache: torch.Tensor, tokens: int = WARM_UP_TOKENS) -> None:
+        """Run the shapes the engine will meet (many tokens, then one) once, so compilation
+        happens at start and not in the first requests."""
+        table = list(range(-(-tokens // self.page_size)))
+        for query_len in (tokens, 1):
+            metadata = AttentionMetadata.build([query_len], [tokens], [table], self.page_size, self.device)
+            ids = torch.zeros(query_len, dtype=torch.int64, device=self.device)
+            positions = torch.arange(tokens - query_len, tokens, device=self.device)
+            self.model(ids, positions, kv_cache, metadata)
+
+    def _kv_budget_bytes(self, config: EngineConfig) -> int:
+        if config.kv_cache_memory_gib is not None:
+            return int(config.kv_cache_memory_gib * (1 << 30))
+        if self.device.type != "cuda":
+            return int(DEFAULT_CPU_KV_CACHE_GIB * (1 << 30))
+        return self._cuda_kv_budget_bytes(config)
+
+    def _cuda_kv_budget_bytes(self, config: EngineConfig) -> int:
+        """--gpu-memory-utilization of the device, less the weights, the activations of the
+        largest forward (measured by running it) and the CUDA-graph pool (measured by capturing
+        the largest decode graph once against a scratch cache)."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        weights = torch.cuda.memory_allocated(self.device)
+        tokens = min(config.max_num_batched_tokens, self.max_model_len)
+        scratch = self._scratch_cache(tokens)
+        self.warm_up(scratch, tokens)
+        activations = torch.cuda.max_memory_allocated(self.device) - weights
+        graph_pool = 0
+        if self.use_cuda_graphs:
+            size = max(capture_sizes(config.max_num_seqs))
+            scratch_page = scratch.shape[1] - 1
+            buffers = DecodeBuffers(size, self.max_pages_per_seq, self.page_size, scratch_page, self.device)
+            before = torch.cuda.memory_reserved(self.device)
+            probe = CudaGraphRunner(functools.partial(self._logits, kv_cache=scratch), buffers, [size])
+            with torch.inference_mode():
+                probe.capture()
+            graph_pool = torch.cuda.memory_reserved(self.device) - before
+            del probe
+        del scratch
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = int(config.gpu_memory_utilization * total) - weights - activations - graph_pool
+        logger.info(
+            "GPU memory: %.1f GiB total x %.2f; weights %.2f GiB, activations %.2f GiB, CUDA graphs %.2f GiB; KV cache gets %.2f GiB",
+            total / 2**30, config.gpu_memory_utilization, weights / 2**30, activations / 2**30, graph_pool / 2**30, budget / 2**30,
+        )
+        if budget <= 0:
+            raise ModelConfigError(
+                f"no GPU memory is left for the KV cache at --gpu-memory-utilization {config.gpu_memory_utilization}: "
+                "raise it, or lower --max-num-batched-tokens / --max-num-seqs"
+            )
+        return budget
+
+    def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of every token (for decode batches: of every sequence)."""
+        return self.model.compute_logits(self.model(input_ids, positions, kv_cache, metadata)).float()
+
+    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        return self._logits(input_ids, positions, metadata, self.kv_cache)
 
     def check_prompt(self, prompt_ids: list[int], max_tokens: int) -> None:
         """A RequestError unless the prompt is non-empty, in the vocabulary, and fits the context
@@ -102,6 +196,15 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run the new tokens of every sequence in `batch` (pages must already be allocated) and
         return the logits after each sequence's last new token, fp32 [num_seqs, vocab]."""
+        if self.graphs is not None and all(n == 1 for _, n in batch):
+            with nvtx_range("prepare inputs"):
+                tokens = [seq.token_ids[seq.num_computed_tokens] for seq, _ in batch]
+                positions_ = [seq.num_computed_tokens for seq, _ in batch]
+                tables = [seq.block_table for seq, _ in batch]
+            with nvtx_range("forward"):
+                logits = self.graphs.replay(tokens, positions_, tables)
+            if logits is not None:
+                return logits.clone()  # the graph's output buffer is rewritten by the next replay
         with nvtx_range("prepare inputs"):
             input_ids, positions, metadata = self.prepare_inputs(batch)
         with nvtx_range("forward"):

@@ -2,7 +2,8 @@
 
 The model takes a flat batch: every sequence's new tokens concatenated, with their positions, plus
 AttentionMetadata saying which tokens belong to which sequence and where their K/V pages live. So
-prefill, decode and any mixture of the two are one code path. Parameter names follow the Hugging
+prefill, decode and any mixture of the two are one code path. Attention is one opaque operator
+(attention/op.py), so the decoder layer compiles as a single graph. Parameter names follow the Hugging
 Face checkpoints with the leading `model.` dropped (see loader.py).
 """
 
@@ -16,6 +17,7 @@ from torch import nn
 
 from compiled_engine.attention.backend import AttentionBackend
 from compiled_engine.attention.metadata import AttentionMetadata
+from compiled_engine.attention.op import attention_forward, paged_attention
 from compiled_engine.model.config import ModelConfig, RopeConfig
 
 
@@ -72,13 +74,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
-        self.backend = backend
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, config.q_size, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, config.kv_size, bias=bias)
@@ -87,14 +88,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         tokens = x.shape[0]
         q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
@@ -102,7 +96,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale)
+        out = paged_attention(q, k, v, kv_cache, self.scale)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
@@ -118,22 +112,17 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    """One decoder layer: the unit that torch.compile compiles once and reuses for every layer."""
+
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, backend)
+        self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = FeedForward(config)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, metadata)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -141,8 +130,9 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
+        self.backend = backend
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(TransformerBlock(config, backend) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim)
@@ -158,8 +148,14 @@ class Transformer(nn.Module):
         head_dim]. Returns the final hidden states, [tokens, hidden]."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache[i], metadata)
+        if x.shape[0] > 1:  # for torch.compile: the token count is the one shape that varies
+            for tensor in (x, cos, sin):
+                torch._dynamo.mark_dynamic(tensor, 0)
+        with attention_forward(self.backend, metadata):
+            for i, layer in enumerate(self.layers):
+                layer_cache = kv_cache[i]
+                torch._dynamo.maybe_mark_dynamic(layer_cache, 0)  # any pool size, one graph
+                x = layer(x, cos, sin, layer_cache)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,45 @@
+"""torch.compile for the model: regional (one decoder layer compiled, reused by every layer),
+the token count as the one dynamic dimension, Inductor's on-disk caches under the engine cache.
+
+Every layer has the same code and the same shapes, so Dynamo compiles `TransformerBlock.forward`
+once and the other layers hit the same compiled code (their weights are graph inputs, not
+constants). A whole-model compile traces all layers into one graph instead: several times the
+compile time for the same decode speed on this model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+import torch._inductor.config
+
+from compiled_engine.model.llama import Transformer
+
+logger = logging.getLogger(__name__)
+
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def use_compile_cache(cache_dir: Path) -> Path:
+    """Keep Inductor's FX-graph and AOTAutograd caches in `cache_dir` (unless the user already
+    chose a directory with TORCHINDUCTOR_CACHE_DIR), so a second start of the same model reuses
+    the first one's compiled kernels."""
+    chosen = os.environ.get(INDUCTOR_CACHE_ENV)
+    if chosen:
+        return Path(chosen)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    os.environ[INDUCTOR_CACHE_ENV] = str(cache_dir)
+    return cache_dir
+
+
+def compile_layers(model: Transformer) -> None:
+    """Compile each decoder layer's forward (one Dynamo graph, no breaks). Compilation itself
+    happens on the first calls; `ModelRunner.warm_up` makes those calls at start."""
+    torch._inductor.config.fx_graph_cache = True
+    # Each layer is one code object called 30-odd times per step; two graphs (one token, many
+    # tokens) per code object is the expected state, so the default limit of 8 is ample.
+    for layer in model.layers:
+        layer.compile(fullgraph=True)  # the token dimension is marked dynamic by the model

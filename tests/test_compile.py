@@ -1,0 +1,120 @@
+"""The compiled path (torch.compile, regional, token count dynamic) against its slow twin, eager:
+same logits on mixed prefill + decode batches, same greedy ids through the engine, one graph per
+shape class and no recompilation as batch composition changes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+from compiled_engine.attention.metadata import AttentionMetadata
+from compiled_engine.config import ENFORCE_EAGER_ENV, EngineConfig
+from compiled_engine.engine.compilation import INDUCTOR_CACHE_ENV, use_compile_cache
+from compiled_engine.engine.llm_engine import LLMEngine
+from compiled_engine.engine.model_runner import ModelRunner
+from compiled_engine.engine.sampling_params import SamplingParams
+from compiled_engine.prompts import DEFAULT_PROMPTS
+
+PROMPTS = [p.text for p in DEFAULT_PROMPTS]
+
+CPU = torch.device("cpu")
+
+
+def _runner(model_dir: Path, compiled: bool) -> ModelRunner:
+    return ModelRunner(model_dir, EngineConfig(model=str(model_dir), enforce_eager=not compiled, kv_cache_memory_gib=0.02))
+
+
+def _batches(vocab: int) -> list[list[tuple[int, int, int, list[int]]]]:
+    """Steps of (sequence, cached tokens, new tokens, page table): prefills, then decodes mixed
+    with a chunk of a longer prompt and a fresh prompt, then decode-only, then one token alone."""
+    tables = {0: [0, 1], 1: [2, 3, 4], 2: [5, 6], 3: [7]}
+    return [
+        [(0, 0, 20, tables[0]), (1, 0, 7, tables[1])],
+        [(0, 20, 1, tables[0]), (1, 7, 13, tables[1]), (2, 0, 9, tables[2])],
+        [(0, 21, 1, tables[0]), (1, 20, 1, tables[1]), (2, 9, 1, tables[2])],
+        [(3, 0, 1, tables[3])],
+        [(1, 21, 12, tables[1])],
+    ]
+
+
+@torch.inference_mode()
+def _run_steps(runner: ModelRunner, tokens: dict[int, list[int]]) -> list[torch.Tensor]:
+    outs = []
+    for step in _batches(runner.model_config.vocab_size):
+        ids: list[int] = []
+        positions: list[int] = []
+        for seq, cached, new, _ in step:
+            ids += tokens[seq][cached : cached + new]
+            positions += range(cached, cached + new)
+        metadata = AttentionMetadata.build(
+            [new for _, _, new, _ in step], [c + n for _, c, n, _ in step], [t for *_, t in step], runner.page_size, CPU
+        )
+        logits = runner._logits(torch.tensor(ids), torch.tensor(positions), metadata, runner.kv_cache)
+        outs.append(logits[torch.tensor(metadata.query_start_loc_cpu[1:]) - 1])
+    return outs
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_compiled_logits_match_eager_on_mixed_batches_without_recompiling(model_type: str, tiny_model_factory: Callable[..., Path]) -> None:
+    model_dir = tiny_model_factory(model_type, max_position_embeddings=64)
+    gen = torch.Generator().manual_seed(0)
+    tokens = {s: torch.randint(3, 320, (40,), generator=gen).tolist() for s in range(4)}
+    eager = _run_steps(_runner(model_dir, compiled=False), tokens)
+
+    torch._dynamo.reset()
+    counters.clear()
+    runner = _runner(model_dir, compiled=True)
+    after_warm_up = counters["stats"]["unique_graphs"]
+    assert after_warm_up == 2  # one graph for many tokens (dynamic), one for a single token
+    compiled = _run_steps(runner, tokens)
+    assert counters["stats"]["unique_graphs"] == after_warm_up, "batch composition caused a recompilation"
+    assert not counters["graph_break"], f"graph breaks: {dict(counters['graph_break'])}"
+    for e, c in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(c, e, atol=2e-4, rtol=1e-4)
+        assert torch.equal(c.argmax(-1), e.argmax(-1))
+
+
+def test_compiled_engine_greedy_ids_equal_eager_for_the_default_model(default_model_dir: Path) -> None:
+    """The default model through the whole engine: prompts of different lengths arriving while
+    others decode, in small prefill chunks, so batches mix prefill and decode."""
+    def generate(compiled: bool) -> list[list[int]]:
+        engine = LLMEngine(EngineConfig(enforce_eager=not compiled, kv_cache_memory_gib=0.1, max_num_batched_tokens=24))
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        ids = [engine.add_request(p, params) for p in PROMPTS[:2]]
+        outputs: dict[str, list[int]] = {}
+        late = list(PROMPTS[2:5])
+        while engine.has_unfinished_requests() or late:
+            if late:
+                ids.append(engine.add_request(late.pop(0), params))
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = out.outputs[0].token_ids
+        return [outputs[i] for i in ids]
+
+    torch._dynamo.reset()
+    assert generate(compiled=True) == generate(compiled=False)
+
+
+def test_enforce_eager_switches_compilation_off(tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    model_dir = tiny_model_factory("llama")
+    assert not _runner(model_dir, compiled=False).compiled
+    monkeypatch.setenv(ENFORCE_EAGER_ENV, "1")
+    assert EngineConfig().resolved_enforce_eager()
+    assert not EngineConfig(enforce_eager=False).resolved_enforce_eager()  # explicit wins
+    monkeypatch.setenv(ENFORCE_EAGER_ENV, "0")
+    assert not EngineConfig().resolved_enforce_eager()  # compiled is the default
+
+
+def test_compile_cache_lives_under_the_engine_cache_unless_the_user_chose(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(INDUCTOR_CACHE_ENV, raising=False)
+    assert use_compile_cache(tmp_path / "inductor") == tmp_path / "inductor"
+    assert os.environ[INDUCTOR_CACHE_ENV] == str(tmp_path / "inductor") and (tmp_path / "inductor").is_dir()
+    monkeypatch.setenv(INDUCTOR_CACHE_ENV, str(tmp_path / "mine"))
+    assert use_compile_cache(tmp_path / "other") == tmp_path / "mine"
+    assert not (tmp_path / "other").exists()
