@@ -17,7 +17,8 @@ from compiled_engine.attention.torch_backend import TorchAttentionBackend
 from compiled_engine.errors import ModelLoadError
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.llama import Transformer
-from compiled_engine.model.loader import INDEX_FILE, SINGLE_FILE, checkpoint_name, load_model
+from compiled_engine.model.llama import checkpoint_layout
+from compiled_engine.model.loader import INDEX_FILE, SINGLE_FILE, load_model
 
 CPU = torch.device("cpu")
 Factory = Callable[..., Path]
@@ -94,12 +95,19 @@ def test_loaded_parameters_equal_checkpoint(tiny_model_factory: Factory, model_t
     tensors = load_file(model_dir / SINGLE_FILE)
     model = load(model_dir)
     params = dict(model.named_parameters())
-    assert {checkpoint_name(n) for n in params} == set(tensors)
-    for name, param in params.items():
-        expected = tensors[checkpoint_name(name)]
+    layout = checkpoint_layout(model.config)
+    assert set(layout) == set(tensors)
+    assert {part.param for part in layout.values()} == set(params)  # every parameter is filled
+    for name, part in layout.items():
+        param = params[part.param]
         assert param.device == CPU
         assert param.dtype == torch.float32
-        assert torch.equal(param.detach(), expected), name
+        assert torch.equal(part.view(param.detach()), tensors[name]), name
+    # the fused weights hold q, k, v (and gate, up) side by side, transposed
+    q = tensors["model.layers.1.self_attn.q_proj.weight"]
+    v = tensors["model.layers.1.self_attn.v_proj.weight"]
+    assert torch.equal(model.layers[1].self_attn.qkv_proj.weight[:, : q.shape[0]], q.T)
+    assert torch.equal(model.layers[1].self_attn.qkv_proj.weight[:, -v.shape[0] :], v.T)
     assert not model.training
     assert model.rotary.inv_freq.device == CPU
     assert model.rotary.inv_freq.dtype == torch.float32
@@ -120,9 +128,10 @@ def test_weights_cast_to_bfloat16(tiny_model_factory: Factory) -> None:
     model_dir = tiny_model_factory("qwen3")
     tensors = load_file(model_dir / SINGLE_FILE)
     model = load(model_dir, dtype=torch.bfloat16)
-    for name, param in model.named_parameters():
-        assert param.dtype == torch.bfloat16, name
-        assert torch.equal(param, tensors[checkpoint_name(name)].to(torch.bfloat16)), name
+    params = dict(model.named_parameters())
+    for name, part in checkpoint_layout(model.config).items():
+        assert params[part.param].dtype == torch.bfloat16, name
+        assert torch.equal(part.view(params[part.param]), tensors[name].to(torch.bfloat16)), name
     # rotary frequencies stay float32 whatever the weights' dtype
     assert model.rotary.inv_freq.dtype == torch.float32
 
@@ -201,13 +210,13 @@ def test_old_rotary_buffers_are_skipped(tiny_model_factory: Factory, tmp_path: P
 # --- tied embeddings -------------------------------------------------------------------------
 
 
-def test_tied_embeddings_share_one_tensor(tiny_model_factory: Factory) -> None:
+def test_tied_embeddings_give_the_head_the_embedding(tiny_model_factory: Factory) -> None:
     model_dir = tiny_model_factory("llama", tie_word_embeddings=True)
     tensors = load_file(model_dir / SINGLE_FILE)
     assert "lm_head.weight" not in tensors  # transformers drops the tied copy
     model = load(model_dir)
-    assert model.lm_head.weight is model.embed_tokens.weight
-    assert torch.equal(model.lm_head.weight, tensors["model.embed_tokens.weight"])
+    assert torch.equal(model.lm_head.weight, tensors["model.embed_tokens.weight"].T)
+    assert model.lm_head.weight.is_contiguous()  # the [in, out] layout, not a strided view
     hidden = torch.randn(3, 64)
     torch.testing.assert_close(
         model.compute_logits(hidden), hidden @ tensors["model.embed_tokens.weight"].T
@@ -224,7 +233,7 @@ def test_tied_embeddings_ignore_a_stored_lm_head(
 
     rewrite(model_dir, add_head)
     model = load(model_dir)
-    assert model.lm_head.weight is model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, model.embed_tokens.weight.T)
     assert model.lm_head.weight.abs().sum() > 0
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,9 @@ class AttentionMetadata:
     # Every sequence adds exactly one token. Backends then read only the device tensors, so the
     # same metadata object can describe static buffers rewritten before each CUDA-graph replay.
     decode_only: bool = False
+    # Tensors derived once per forward and shared by every layer (for example the decode key
+    # mask); backends fill it. Not part of the metadata's identity.
+    per_forward: dict[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_seqs(self) -> int:

@@ -15,35 +15,58 @@ import torch.nn.functional as F
 from compiled_engine.attention.metadata import AttentionMetadata
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def kv_rows(slots: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The row of each slot's K in one layer's pages viewed flat as [pages * 2 * page_size,
+    kv_heads, head_dim] (K then V within a page); its V sits `page_size` rows further."""
+    return (slots // page_size) * (2 * page_size) + slots % page_size
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor | None = None
+) -> None:
+    """Store each new token's K and V in its slot; `rows` = kv_rows(slot_mapping), if known."""
     page_size = kv_cache.shape[2]
-    pages = slot_mapping // page_size
-    offsets = slot_mapping % page_size
-    kv_cache[pages, 0, offsets] = k.to(kv_cache.dtype)
-    kv_cache[pages, 1, offsets] = v.to(kv_cache.dtype)
+    rows = kv_rows(slot_mapping, page_size) if rows is None else rows
+    flat = kv_cache.view(-1, *kv_cache.shape[3:])
+    flat.index_copy_(0, rows, k.to(kv_cache.dtype))
+    flat.index_copy_(0, rows + page_size, v.to(kv_cache.dtype))
+
+
+def _per_forward(metadata: AttentionMetadata, page_size: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Index tensors and the key mask, built by the first layer of a forward and reused by the
+    others (so a decode step pays for them once, not once per layer)."""
+    cached = metadata.per_forward
+    if "write_rows" not in cached:
+        cached["write_rows"] = kv_rows(metadata.slot_mapping, page_size)
+    if metadata.decode_only and ("key_bias" not in cached or cached["key_bias"].dtype != dtype):
+        tables = metadata.block_tables.long()
+        width = tables.shape[1] * page_size
+        in_page = torch.arange(page_size, device=tables.device)
+        cached["read_rows"] = (tables[:, :, None] * (2 * page_size) + in_page).reshape(-1)  # [seqs * width]
+        visible = torch.arange(width, device=tables.device)[None, :] < metadata.seq_lens[:, None]
+        bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+        cached["key_bias"] = bias[:, None, None, :]  # [seqs, 1, 1, width]
+    return cached
 
 
 def decode_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
+    q: torch.Tensor, kv_cache: torch.Tensor, read_rows: torch.Tensor, key_bias: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """One new token per sequence. q: [seqs, heads, d]; block_tables: [seqs, width] (rows padded
-    with any valid page); seq_lens: [seqs]. Keys past a sequence's length are masked out."""
+    """One new token per sequence. q: [seqs, heads, d]; read_rows: the flat K rows of every
+    sequence's pages, padded to the widest block table ([seqs * width]); key_bias: [seqs, 1, 1,
+    width], 0 for a sequence's keys and -inf past its length. Slots past a sequence's length are
+    read but get zero weight: the pool is zero-initialised and only ever holds finite K/V."""
     num_seqs, num_heads, head_dim = q.shape
     _, _, page_size, num_kv_heads, _ = kv_cache.shape
-    width = block_tables.shape[1] * page_size
-    pages = kv_cache[block_tables.long()]  # [seqs, width / page, 2, page, kvh, d]
-    keys = pages[:, :, 0].reshape(num_seqs, width, num_kv_heads, head_dim).transpose(1, 2)
-    values = pages[:, :, 1].reshape(num_seqs, width, num_kv_heads, head_dim).transpose(1, 2)
-    visible = torch.arange(width, device=q.device)[None, :] < seq_lens[:, None]  # [seqs, width]
-    # Masked slots hold whatever an earlier owner left; a non-finite key or value there would
-    # still poison the result (NaN + -inf is NaN, 0 * NaN is NaN), so they are zeroed.
-    hidden = ~visible[:, None, :, None]
-    keys, values = keys.masked_fill(hidden, 0), values.masked_fill(hidden, 0)
+    width = key_bias.shape[-1]
+    flat = kv_cache.view(-1, num_kv_heads, head_dim)
+    keys = flat.index_select(0, read_rows).view(num_seqs, width, num_kv_heads, head_dim).transpose(1, 2)
+    values = flat.index_select(0, read_rows + page_size).view(num_seqs, width, num_kv_heads, head_dim).transpose(1, 2)
     attended = F.scaled_dot_product_attention(
         q[:, :, None, :],  # [seqs, heads, 1, d]
         keys.to(q.dtype),
         values.to(q.dtype),
-        attn_mask=visible[:, None, None, :],
+        attn_mask=key_bias,
         scale=scale,
         enable_gqa=num_heads != num_kv_heads,
     )
@@ -62,9 +85,10 @@ class TorchAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        write_kv(k, v, kv_cache, metadata.slot_mapping)
+        cached = _per_forward(metadata, kv_cache.shape[2], q.dtype)
+        write_kv(k, v, kv_cache, metadata.slot_mapping, cached["write_rows"])
         if metadata.decode_only:
-            return decode_attention(q, kv_cache, metadata.block_tables, metadata.seq_lens, scale)
+            return decode_attention(q, kv_cache, cached["read_rows"], cached["key_bias"], scale)
         _, _, page_size, num_kv_heads, head_dim = kv_cache.shape
         num_heads = q.shape[1]
         out = torch.empty_like(q)

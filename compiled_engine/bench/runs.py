@@ -18,7 +18,11 @@ from compiled_engine.engine.sampling_params import SamplingParams
 
 
 def weight_bytes(engine: LLMEngine) -> int:
-    return sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    """Weight bytes one forward step reads: every parameter but the embedding table, of which a
+    step reads only its tokens' rows (the head has its own copy, also for tied embeddings)."""
+    model = engine.runner.model
+    embedding = model.embed_tokens.weight
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding)
 
 
 def kv_bytes_per_token(engine: LLMEngine) -> int:

@@ -4,12 +4,14 @@ The model takes a flat batch: every sequence's new tokens concatenated, with the
 AttentionMetadata saying which tokens belong to which sequence and where their K/V pages live. So
 prefill, decode and any mixture of the two are one code path. Attention is one opaque operator
 (attention/op.py), so the decoder layer compiles as a single graph. Parameter names follow the Hugging
-Face checkpoints with the leading `model.` dropped (see loader.py).
+Face checkpoints with the leading `model.` dropped, except that q/k/v and gate/up are fused and
+weights are stored [in, out]; `checkpoint_layout` says where each checkpoint tensor lands.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,22 @@ from compiled_engine.attention.backend import AttentionBackend
 from compiled_engine.attention.metadata import AttentionMetadata
 from compiled_engine.attention.op import attention_forward, paged_attention
 from compiled_engine.model.config import ModelConfig, RopeConfig
+
+
+class Linear(nn.Module):
+    """y = x @ weight + bias, with the weight stored [in_features, out_features]: the transpose
+    of nn.Linear's. On CPU a one-token product streams this layout close to memory bandwidth and
+    nn.Linear's markedly slower (docs/benchmarks.md); on GPU either layout is one GEMM.
+    Checkpoints hold [out, in]; the loader transposes them."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(in_features, out_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.weight
+        return y + self.bias if self.bias is not None else y
 
 
 class RMSNorm(nn.Module):
@@ -80,19 +98,19 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, config.q_size, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, config.kv_size, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, config.kv_size, bias=bias)
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=bias)
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        # q, k and v side by side in one weight: one product per layer instead of three.
+        self.qkv_proj = Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.attention_bias)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.reshape(tokens, self.num_heads, self.head_dim)
+        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -103,12 +121,13 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)  # gate, then up
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):
@@ -134,7 +153,7 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)  # tied: a transposed copy of the embedding
         self.rotary = RotaryEmbedding(config.rope, config.head_dim)
 
     def forward(
@@ -160,3 +179,53 @@ class Transformer(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+
+@dataclass(frozen=True)
+class CheckpointTensor:
+    """Where one tensor of a Hugging Face checkpoint lands in this model: in parameter `param`,
+    from output feature `start` on; [out, in] checkpoint matrices are `transposed` into our
+    [in, out] weights."""
+
+    param: str
+    shape: tuple[int, ...]  # the checkpoint tensor's shape
+    start: int = 0
+    transposed: bool = False
+
+    def view(self, param: torch.Tensor) -> torch.Tensor:
+        """The part of `param` this tensor fills, seen in the checkpoint's layout (writable)."""
+        if self.transposed:
+            return param.narrow(1, self.start, self.shape[0]).t()
+        if param.dim() == 1:
+            return param.narrow(0, self.start, self.shape[0])
+        return param
+
+
+def checkpoint_layout(config: ModelConfig) -> dict[str, CheckpointTensor]:
+    """Every tensor a checkpoint for `config` must hold, by its Hugging Face name."""
+    h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+    T = CheckpointTensor
+    layout = {
+        "model.embed_tokens.weight": T("embed_tokens.weight", (config.vocab_size, h)),
+        "model.norm.weight": T("norm.weight", (h,)),
+    }
+    if not config.tie_word_embeddings:
+        layout["lm_head.weight"] = T("lm_head.weight", (config.vocab_size, h), transposed=True)
+    for i in range(config.num_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        for name, start, width in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
+            layout[f"{hf}self_attn.{name}.weight"] = T(f"{ours}self_attn.qkv_proj.weight", (width, h), start, True)
+            if config.attention_bias:
+                layout[f"{hf}self_attn.{name}.bias"] = T(f"{ours}self_attn.qkv_proj.bias", (width,), start)
+        layout[f"{hf}self_attn.o_proj.weight"] = T(f"{ours}self_attn.o_proj.weight", (h, q), transposed=True)
+        if config.attention_bias:
+            layout[f"{hf}self_attn.o_proj.bias"] = T(f"{ours}self_attn.o_proj.bias", (h,))
+        if config.qk_norm:
+            layout[f"{hf}self_attn.q_norm.weight"] = T(f"{ours}self_attn.q_norm.weight", (config.head_dim,))
+            layout[f"{hf}self_attn.k_norm.weight"] = T(f"{ours}self_attn.k_norm.weight", (config.head_dim,))
+        layout[f"{hf}mlp.gate_proj.weight"] = T(f"{ours}mlp.gate_up_proj.weight", (inter, h), 0, True)
+        layout[f"{hf}mlp.up_proj.weight"] = T(f"{ours}mlp.gate_up_proj.weight", (inter, h), inter, True)
+        layout[f"{hf}mlp.down_proj.weight"] = T(f"{ours}mlp.down_proj.weight", (h, inter), transposed=True)
+        layout[f"{hf}input_layernorm.weight"] = T(f"{ours}input_layernorm.weight", (h,))
+        layout[f"{hf}post_attention_layernorm.weight"] = T(f"{ours}post_attention_layernorm.weight", (h,))
+    return layout

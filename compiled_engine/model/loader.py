@@ -8,22 +8,18 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 
 from compiled_engine.attention.backend import AttentionBackend
 from compiled_engine.errors import ModelLoadError
 from compiled_engine.model.config import ModelConfig
-from compiled_engine.model.llama import RotaryEmbedding, Transformer
+from compiled_engine.model.llama import RotaryEmbedding, Transformer, checkpoint_layout
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 FLOAT_DTYPES = {"F32", "F16", "BF16"}
 # Buffers some older checkpoints saved; we recompute them, so they are skipped, not loaded.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
-
-
-def checkpoint_name(param_name: str) -> str:
-    """Our parameter name -> the Hugging Face checkpoint's tensor name."""
-    return param_name if param_name.startswith("lm_head.") else f"model.{param_name}"
 
 
 def weight_files(model_dir: Path) -> dict[Path, list[str] | None]:
@@ -83,12 +79,13 @@ def load_model(
     model_dir = Path(model_dir)
     with torch.device("meta"):
         model = Transformer(config, backend)
-    expected = {
-        checkpoint_name(name): (name, tuple(param.shape))
+    layout = checkpoint_layout(config)
+    params = {
+        name: torch.empty(param.shape, dtype=dtype, device=device)
         for name, param in model.named_parameters()
         if not (config.tie_word_embeddings and name == "lm_head.weight")
     }
-    state: dict[str, torch.Tensor] = {}
+    seen: set[str] = set()
     for path, names in weight_files(model_dir).items():
         try:
             handle = safe_open(str(path), framework="pt", device="cpu")
@@ -105,18 +102,18 @@ def load_model(
                     config.tie_word_embeddings and tensor_name == "lm_head.weight"
                 ):
                     continue
-                if tensor_name not in expected:
+                if tensor_name not in layout:
                     raise ModelLoadError(
                         f"unexpected tensor '{tensor_name}' in {path.name}: the "
                         f"{config.architecture} config has no such parameter"
                     )
-                param_name, shape = expected[tensor_name]
+                part = layout[tensor_name]
                 tensor_slice = f.get_slice(tensor_name)
                 found_shape = tuple(tensor_slice.get_shape())
-                if found_shape != shape:
+                if found_shape != part.shape:
                     raise ModelLoadError(
                         f"tensor '{tensor_name}' in {path.name} has shape {list(found_shape)}, "
-                        f"the config implies {list(shape)}"
+                        f"the config implies {list(part.shape)}"
                     )
                 found_dtype = tensor_slice.get_dtype()
                 if found_dtype not in FLOAT_DTYPES:
@@ -124,14 +121,16 @@ def load_model(
                         f"tensor '{tensor_name}' in {path.name} has dtype {found_dtype}; "
                         f"supported: {', '.join(sorted(FLOAT_DTYPES))}"
                     )
-                state[param_name] = f.get_tensor(tensor_name).to(device=device, dtype=dtype)
-    missing = [name for name in expected if expected[name][0] not in state]
+                part.view(params[part.param]).copy_(f.get_tensor(tensor_name))
+                seen.add(tensor_name)
+    missing = [name for name in layout if name not in seen]
     if missing:
         shown = ", ".join(f"'{n}'" for n in missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ModelLoadError(f"{model_dir}: missing tensors {shown}{more}")
-    model.load_state_dict(state, strict=False, assign=True)
+    model.load_state_dict(params, strict=False, assign=True)
     if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
+        # The head reads the embedding transposed; a copy in that layout (see Linear).
+        model.lm_head.weight = nn.Parameter(model.embed_tokens.weight.detach().t().contiguous(), requires_grad=False)
     model.rotary = RotaryEmbedding(config.rope, config.head_dim).to(device)
     return model.eval()
