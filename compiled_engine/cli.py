@@ -29,6 +29,8 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="split the model across this many processes (gloo on CPU, NCCL on CUDA; see docs/parallel.md)")
+    parser.add_argument("--distributed-timeout-s", type=float, default=60.0, help="a tensor-parallel collective waiting longer fails")
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -42,6 +44,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=True if args.enforce_eager else None,
         cuda_graphs=not args.no_cuda_graphs,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_timeout_s=args.distributed_timeout_s,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -112,12 +116,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine.add_request(prompt_ids, params)
     shown = 0
     final: RequestOutput | None = None
-    while engine.has_unfinished_requests():
-        for output in engine.step():  # stream the text as it is generated
-            sys.stdout.write(output.text[shown:])
-            sys.stdout.flush()
-            shown = len(output.text)
-            final = output
+    try:
+        while engine.has_unfinished_requests():
+            for output in engine.step():  # stream the text as it is generated
+                sys.stdout.write(output.text[shown:])
+                sys.stdout.flush()
+                shown = len(output.text)
+                final = output
+    finally:
+        engine.shutdown()
     print()
     assert final is not None and final.metrics is not None
     m = final.metrics
@@ -160,12 +167,34 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return verify(_engine_config(args), args.prompts, args.chat, args.max_tokens)
 
 
+def _torchrun_worker_rank() -> int | None:
+    """Under torchrun, the rank of this process when it is not rank 0."""
+    from compiled_engine.parallel.launch import under_torchrun
+
+    rank = int(os.environ.get("RANK", "0"))
+    return rank if under_torchrun() and rank > 0 else None
+
+
+def _run_torchrun_worker(args: argparse.Namespace) -> int:
+    """Ranks 1..N-1 under torchrun run the model's shard; rank 0 runs the command itself."""
+    from compiled_engine.model.source import resolve_model_dir
+    from compiled_engine.parallel.launch import run_worker
+
+    rank = _torchrun_worker_rank()
+    assert rank is not None
+    config = _engine_config(args)
+    run_worker(rank, config.tensor_parallel_size, "env://", str(resolve_model_dir(config.model)), config)
+    return 0
+
+
 COMMANDS = {"prepare": cmd_prepare, "generate": cmd_generate, "serve": cmd_serve, "verify": cmd_verify}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if getattr(args, "tensor_parallel_size", 1) > 1 and _torchrun_worker_rank() is not None:
+        return _run_torchrun_worker(args)
     try:
         return COMMANDS[args.command](args)
     except (CompiledEngineError, ValueError) as exc:

@@ -33,9 +33,11 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # torch.compile and no CUDA graphs (the slow twin every fast path is tested against).
     enforce_eager: bool | None = None
     cuda_graphs: bool = True  # decode through captured CUDA graphs (CUDA only, not with eager)
+    tensor_parallel_size: int = 1  # ranks the model is split across (parallel/)
+    distributed_timeout_s: float = 60.0  # a collective that waits longer fails (a rank died or hung)
 
     def __post_init__(self) -> None:
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.num_pages is not None and self.num_pages < 1:

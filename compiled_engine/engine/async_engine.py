@@ -94,6 +94,21 @@ class AsyncEngine:
         if self._thread.is_alive():
             self._thread.join(timeout=10.0)
 
+    def fail(self, error: BaseException) -> None:
+        """Declare the engine dead from outside the loop (a lost tensor-parallel rank): not ready
+        from now on, in-flight requests get the error, the loop stops."""
+        self.error = error
+        with self._lock:
+            request_ids = list(self._streams)
+        for request_id in request_ids:
+            self._deliver(request_id, EngineDeadError(str(error)))
+        self._stop.set()
+        self._wake.set()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait until the loop thread has stopped (shut down, or died: see `error`)."""
+        self._thread.join(timeout)
+
     def _in_flight(self) -> bool:
         with self._lock:
             return bool(self._streams)

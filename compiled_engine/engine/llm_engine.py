@@ -21,7 +21,10 @@ from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.engine.scheduler import Scheduler
 from compiled_engine.engine.sequence import FinishReason, Sequence
 from compiled_engine.errors import RequestError
+from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.source import resolve_model_dir
+from compiled_engine.parallel.launch import TensorParallelGroup
+from compiled_engine.parallel.shard import TPShard
 from compiled_engine.profiling import nvtx_range
 from compiled_engine.tokenizer import Tokenizer
 
@@ -48,7 +51,14 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_dir = resolve_model_dir(config.model)
-        self.runner = ModelRunner(self.model_dir, config)
+        self.tensor_parallel: TensorParallelGroup | None = None
+        if config.tensor_parallel_size > 1:
+            # Uneven head counts fail here, before any process starts or weight is read.
+            TPShard(0, config.tensor_parallel_size).check(ModelConfig.from_model_dir(self.model_dir))
+            self.tensor_parallel = TensorParallelGroup.start(self.model_dir, config)
+            self.runner = ModelRunner(self.model_dir, config, self.tensor_parallel.shard, self.tensor_parallel.mesh)
+        else:
+            self.runner = ModelRunner(self.model_dir, config)
         has_tokenizer = (self.model_dir / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer(self.model_dir) if has_tokenizer else None
         self.eos_token_ids = (
@@ -132,7 +142,18 @@ class LLMEngine:
 
     # -- the loop -------------------------------------------------------------------------------
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks, if any (the engine is unusable afterwards)."""
+        if self.tensor_parallel is not None:
+            try:
+                self.runner.stop_workers()
+            finally:
+                self.tensor_parallel.stop()
+                self.tensor_parallel = None
+
     def step(self) -> list[RequestOutput]:
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.check_alive()
         self._apply_aborts()
         with nvtx_range("schedule"):
             out = self.scheduler.schedule()

@@ -8,7 +8,9 @@ import logging
 import time
 from pathlib import Path
 
+import msgspec
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from compiled_engine.attention.backend import get_backend
 from compiled_engine.attention.metadata import AttentionMetadata
@@ -21,6 +23,9 @@ from compiled_engine.errors import ModelConfigError, RequestError
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.default_model import cache_root
 from compiled_engine.model.loader import load_model
+from compiled_engine.parallel.distributed import StepInputs, broadcast_step
+from compiled_engine.parallel.plan import parallelize
+from compiled_engine.parallel.shard import NO_SHARD, TPShard
 from compiled_engine.profiling import nvtx_range
 
 logger = logging.getLogger(__name__)
@@ -31,7 +36,9 @@ ScheduledBatch = list[tuple[Sequence, int]]  # each sequence with how many new t
 
 
 class ModelRunner:
-    def __init__(self, model_dir: Path, config: EngineConfig) -> None:
+    def __init__(self, model_dir: Path, config: EngineConfig, shard: TPShard = NO_SHARD, mesh: DeviceMesh | None = None) -> None:
+        """`shard` and `mesh`: this rank's part of a tensor-parallel model (parallel/)."""
+        self.shard = shard
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
         self.model_config = ModelConfig.from_model_dir(model_dir)
@@ -43,9 +50,18 @@ class ModelRunner:
                 f"max_position_embeddings={self.model_config.max_position_embeddings}"
             )
         self.model = load_model(
-            model_dir, self.model_config, get_backend(config.attention_backend), self.dtype, self.device
+            model_dir, self.model_config, get_backend(config.attention_backend), self.dtype, self.device, shard
         )
+        # The KV pool holds this rank's KV heads only.
+        self.kv_config = msgspec.structs.replace(self.model_config, num_kv_heads=shard.kv_heads(self.model_config)[1])
+        if shard.size > 1:
+            if mesh is None:
+                raise ValueError("a tensor-parallel shard needs its device mesh")
+            parallelize(self.model, mesh)
         self.compiled = not config.resolved_enforce_eager()
+        if self.compiled and shard.size > 1:
+            logger.info("tensor parallelism runs the model eager (compiling DTensor layers is not enabled yet)")
+            self.compiled = False
         self.use_cuda_graphs = self.compiled and config.cuda_graphs and self.device.type == "cuda"
         self.compile_seconds = 0.0
         if self.compiled:
@@ -56,7 +72,7 @@ class ModelRunner:
             self.compile_seconds = time.perf_counter() - started
             logger.info("torch.compile: decoder layer compiled and warmed up in %.1f s", self.compile_seconds)
         self.num_pages = config.num_pages or pages_for_budget(
-            self.model_config, self.page_size, self.dtype, self._kv_budget_bytes(config)
+            self.kv_config, self.page_size, self.dtype, self._kv_budget_bytes(config)
         )
         capacity = self.num_pages * self.page_size
         if capacity < self.max_model_len:
@@ -74,7 +90,7 @@ class ModelRunner:
             self.max_model_len = capacity
         # With CUDA graphs one more page than the scheduler sees: padding rows write into it.
         total_pages = self.num_pages + (1 if self.use_cuda_graphs else 0)
-        self.kv_cache = allocate_kv_cache(self.model_config, total_pages, self.page_size, self.dtype, self.device)
+        self.kv_cache = allocate_kv_cache(self.kv_config, total_pages, self.page_size, self.dtype, self.device)
         logger.info(
             "KV cache: %d pages of %d tokens (%.2f GiB)",
             self.num_pages, self.page_size, self.kv_cache.numel() * self.kv_cache.element_size() / (1 << 30),
@@ -93,7 +109,7 @@ class ModelRunner:
 
     def _scratch_cache(self, tokens: int) -> torch.Tensor:
         """A small KV cache for start-up forwards, before the real pool exists."""
-        return allocate_kv_cache(self.model_config, -(-tokens // self.page_size) + 1, self.page_size, self.dtype, self.device)
+        return allocate_kv_cache(self.kv_config, -(-tokens // self.page_size) + 1, self.page_size, self.dtype, self.device)
 
     @torch.inference_mode()
     def warm_up(self, kv_cache: torch.Tensor, tokens: int = WARM_UP_TOKENS) -> None:
@@ -174,7 +190,8 @@ class ModelRunner:
                 f"{total} exceeds the context length {self.max_model_len}"
             )
 
-    def prepare_inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def step_inputs(self, batch: ScheduledBatch) -> StepInputs:
+        """The step as plain lists: what tensor-parallel workers receive."""
         token_ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens = [], []
@@ -185,12 +202,34 @@ class ModelRunner:
             positions.extend(range(start, end))
             query_lens.append(num_new)
             seq_lens.append(end)
-        metadata = AttentionMetadata.build(
-            query_lens, seq_lens, [seq.block_table for seq, _ in batch], self.page_size, self.device
-        )
-        input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
-        position_ids = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        return StepInputs(token_ids, positions, query_lens, seq_lens, [list(seq.block_table) for seq, _ in batch])
+
+    def tensors(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        metadata = AttentionMetadata.build(inputs.query_lens, inputs.seq_lens, inputs.block_tables, self.page_size, self.device)
+        input_ids = torch.tensor(inputs.token_ids, dtype=torch.int64, device=self.device)
+        position_ids = torch.tensor(inputs.positions, dtype=torch.int64, device=self.device)
         return input_ids, position_ids, metadata
+
+    def prepare_inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        return self.tensors(self.step_inputs(batch))
+
+    @torch.inference_mode()
+    def forward_step(self, inputs: StepInputs) -> torch.Tensor:
+        """Every rank's part of a step: the forward (whose row-parallel layers all-reduce);
+        returns the final hidden states of each sequence's last new token."""
+        input_ids, positions, metadata = self.tensors(inputs)
+        hidden = self.model(input_ids, positions, self.kv_cache, metadata)
+        last = torch.tensor(metadata.query_start_loc_cpu[1:], device=self.device) - 1
+        return hidden[last]
+
+    def serve_as_worker(self) -> None:
+        """A tensor-parallel rank other than 0: run each step rank 0 broadcasts, until it says stop."""
+        while (inputs := broadcast_step(None)) is not None:
+            self.forward_step(inputs)
+
+    def stop_workers(self) -> None:
+        if self.shard.size > 1 and self.shard.rank == 0:
+            broadcast_step(None)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -206,8 +245,8 @@ class ModelRunner:
             if logits is not None:
                 return logits.clone()  # the graph's output buffer is rewritten by the next replay
         with nvtx_range("prepare inputs"):
-            input_ids, positions, metadata = self.prepare_inputs(batch)
+            inputs = self.step_inputs(batch)
+            if self.shard.size > 1:
+                broadcast_step(inputs)
         with nvtx_range("forward"):
-            hidden = self.model(input_ids, positions, self.kv_cache, metadata)
-            last = torch.tensor(metadata.query_start_loc_cpu[1:], device=self.device) - 1
-            return self.model.compute_logits(hidden[last]).float()
+            return self.model.compute_logits(self.forward_step(inputs)).float()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,7 @@ from compiled_engine.attention.backend import AttentionBackend
 from compiled_engine.attention.metadata import AttentionMetadata
 from compiled_engine.attention.op import attention_forward, paged_attention
 from compiled_engine.model.config import ModelConfig, RopeConfig
+from compiled_engine.parallel.shard import NO_SHARD, TPShard
 
 
 class Linear(nn.Module):
@@ -92,16 +94,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """With tensor parallelism, this rank's query heads and the KV heads they read (TPShard);
+    q/k/v are then column-parallel and o_proj row-parallel (parallel/plan.py)."""
+
+    def __init__(self, config: ModelConfig, shard: TPShard) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.num_heads = shard.heads(config)[1]
+        self.num_kv_heads = shard.kv_heads(config)[1]
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
-        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         # q, k and v side by side in one weight: one product per layer instead of three.
-        self.qkv_proj = Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
-        self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.attention_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
@@ -119,11 +124,11 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: TPShard) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)  # gate, then up
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        self.intermediate_size = shard.intermediate(config)[1]
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size)  # gate, then up
+        self.down_proj = Linear(self.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -133,12 +138,12 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """One decoder layer: the unit that torch.compile compiles once and reuses for every layer."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: TPShard) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, shard)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = FeedForward(config)
+        self.mlp = FeedForward(config, shard)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache)
@@ -146,12 +151,13 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, shard: TPShard = NO_SHARD) -> None:
         super().__init__()
         self.config = config
+        self.shard = shard
         self.backend = backend
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(TransformerBlock(config, shard) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)  # tied: a transposed copy of the embedding
         self.rotary = RotaryEmbedding(config.rope, config.head_dim)
@@ -185,25 +191,52 @@ class Transformer(nn.Module):
 class CheckpointTensor:
     """Where one tensor of a Hugging Face checkpoint lands in this model: in parameter `param`,
     from output feature `start` on; [out, in] checkpoint matrices are `transposed` into our
-    [in, out] weights."""
+    [in, out] weights. With tensor parallelism a rank reads only `part` of the tensor: (dim,
+    first, count) of the checkpoint's own layout."""
 
     param: str
-    shape: tuple[int, ...]  # the checkpoint tensor's shape
+    shape: tuple[int, ...]  # the checkpoint tensor's whole shape
     start: int = 0
     transposed: bool = False
+    part: tuple[int, int, int] | None = None
+
+    @property
+    def read_shape(self) -> tuple[int, ...]:
+        if self.part is None:
+            return self.shape
+        dim, _, count = self.part
+        return tuple(count if d == dim else n for d, n in enumerate(self.shape))
+
+    def read(self, tensor_slice: Any) -> torch.Tensor:
+        """This rank's part of a safetensors slice (only that part is read from disk)."""
+        if self.part is None:
+            return tensor_slice[:]
+        dim, first, count = self.part
+        return tensor_slice[first : first + count] if dim == 0 else tensor_slice[:, first : first + count]
 
     def view(self, param: torch.Tensor) -> torch.Tensor:
         """The part of `param` this tensor fills, seen in the checkpoint's layout (writable)."""
+        width = self.read_shape[0]
         if self.transposed:
-            return param.narrow(1, self.start, self.shape[0]).t()
+            return param.narrow(1, self.start, width).t()
         if param.dim() == 1:
-            return param.narrow(0, self.start, self.shape[0])
+            return param.narrow(0, self.start, width)
         return param
 
 
-def checkpoint_layout(config: ModelConfig) -> dict[str, CheckpointTensor]:
-    """Every tensor a checkpoint for `config` must hold, by its Hugging Face name."""
-    h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+def checkpoint_layout(config: ModelConfig, shard: TPShard = NO_SHARD) -> dict[str, CheckpointTensor]:
+    """Every tensor a checkpoint for `config` must hold, by its Hugging Face name, and which part
+    of it `shard` reads: q/k/v and gate/up rows (column parallel), o_proj and down_proj columns
+    (row parallel); embeddings, norms and the head whole."""
+    h, hd, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    q_first, q_heads = shard.heads(config)
+    kv_first, kv_heads = shard.kv_heads(config)
+    i_first, i_count = shard.intermediate(config)
+    q, kv = q_heads * hd, kv_heads * hd  # local widths
+    split = shard.size > 1
+    rows_q = (0, q_first * hd, q) if split else None
+    rows_kv = (0, kv_first * hd, kv) if split else None
+    rows_i = (0, i_first, i_count) if split else None
     T = CheckpointTensor
     layout = {
         "model.embed_tokens.weight": T("embed_tokens.weight", (config.vocab_size, h)),
@@ -213,19 +246,22 @@ def checkpoint_layout(config: ModelConfig) -> dict[str, CheckpointTensor]:
         layout["lm_head.weight"] = T("lm_head.weight", (config.vocab_size, h), transposed=True)
     for i in range(config.num_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        for name, start, width in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
-            layout[f"{hf}self_attn.{name}.weight"] = T(f"{ours}self_attn.qkv_proj.weight", (width, h), start, True)
+        qkv = (("q_proj", 0, config.q_size, rows_q), ("k_proj", q, config.kv_size, rows_kv), ("v_proj", q + kv, config.kv_size, rows_kv))
+        for name, start, width, rows in qkv:
+            layout[f"{hf}self_attn.{name}.weight"] = T(f"{ours}self_attn.qkv_proj.weight", (width, h), start, True, rows)
             if config.attention_bias:
-                layout[f"{hf}self_attn.{name}.bias"] = T(f"{ours}self_attn.qkv_proj.bias", (width,), start)
-        layout[f"{hf}self_attn.o_proj.weight"] = T(f"{ours}self_attn.o_proj.weight", (h, q), transposed=True)
+                layout[f"{hf}self_attn.{name}.bias"] = T(f"{ours}self_attn.qkv_proj.bias", (width,), start, part=rows)
+        cols_q = (1, rows_q[1], rows_q[2]) if rows_q else None
+        layout[f"{hf}self_attn.o_proj.weight"] = T(f"{ours}self_attn.o_proj.weight", (h, config.q_size), transposed=True, part=cols_q)
         if config.attention_bias:
             layout[f"{hf}self_attn.o_proj.bias"] = T(f"{ours}self_attn.o_proj.bias", (h,))
         if config.qk_norm:
-            layout[f"{hf}self_attn.q_norm.weight"] = T(f"{ours}self_attn.q_norm.weight", (config.head_dim,))
-            layout[f"{hf}self_attn.k_norm.weight"] = T(f"{ours}self_attn.k_norm.weight", (config.head_dim,))
-        layout[f"{hf}mlp.gate_proj.weight"] = T(f"{ours}mlp.gate_up_proj.weight", (inter, h), 0, True)
-        layout[f"{hf}mlp.up_proj.weight"] = T(f"{ours}mlp.gate_up_proj.weight", (inter, h), inter, True)
-        layout[f"{hf}mlp.down_proj.weight"] = T(f"{ours}mlp.down_proj.weight", (h, inter), transposed=True)
+            layout[f"{hf}self_attn.q_norm.weight"] = T(f"{ours}self_attn.q_norm.weight", (hd,))
+            layout[f"{hf}self_attn.k_norm.weight"] = T(f"{ours}self_attn.k_norm.weight", (hd,))
+        layout[f"{hf}mlp.gate_proj.weight"] = T(f"{ours}mlp.gate_up_proj.weight", (inter, h), 0, True, rows_i)
+        layout[f"{hf}mlp.up_proj.weight"] = T(f"{ours}mlp.gate_up_proj.weight", (inter, h), i_count, True, rows_i)
+        cols_i = (1, i_first, i_count) if split else None
+        layout[f"{hf}mlp.down_proj.weight"] = T(f"{ours}mlp.down_proj.weight", (h, inter), transposed=True, part=cols_i)
         layout[f"{hf}input_layernorm.weight"] = T(f"{ours}input_layernorm.weight", (h,))
         layout[f"{hf}post_attention_layernorm.weight"] = T(f"{ours}post_attention_layernorm.weight", (h,))
     return layout

@@ -14,6 +14,7 @@ from compiled_engine.attention.backend import AttentionBackend
 from compiled_engine.errors import ModelLoadError
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.llama import RotaryEmbedding, Transformer, checkpoint_layout
+from compiled_engine.parallel.shard import NO_SHARD, TPShard
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -74,12 +75,15 @@ def load_model(
     backend: AttentionBackend,
     dtype: torch.dtype,
     device: torch.device,
+    shard: TPShard = NO_SHARD,
 ) -> Transformer:
-    """Build the model on the meta device and fill it from the checkpoint, cast to `dtype`."""
+    """Build the model on the meta device and fill it from the checkpoint, cast to `dtype`.
+    With tensor parallelism, only `shard`'s parts of the sharded tensors are read."""
     model_dir = Path(model_dir)
+    shard.check(config)
     with torch.device("meta"):
-        model = Transformer(config, backend)
-    layout = checkpoint_layout(config)
+        model = Transformer(config, backend, shard)
+    layout = checkpoint_layout(config, shard)
     params = {
         name: torch.empty(param.shape, dtype=dtype, device=device)
         for name, param in model.named_parameters()
@@ -121,7 +125,7 @@ def load_model(
                         f"tensor '{tensor_name}' in {path.name} has dtype {found_dtype}; "
                         f"supported: {', '.join(sorted(FLOAT_DTYPES))}"
                     )
-                part.view(params[part.param]).copy_(f.get_tensor(tensor_name))
+                part.view(params[part.param]).copy_(part.read(tensor_slice))
                 seen.add(tensor_name)
     missing = [name for name in layout if name not in seen]
     if missing:

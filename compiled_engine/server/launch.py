@@ -15,6 +15,7 @@ import uvicorn
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine.async_engine import AsyncEngine
 from compiled_engine.engine.llm_engine import LLMEngine
+from compiled_engine.errors import EngineDeadError
 from compiled_engine.server.app import ServerSettings, create_app
 
 logger = logging.getLogger("compiled_engine.server")
@@ -46,8 +47,34 @@ def run_server(
     app.on_shutdown.append(lambda: async_engine.shutdown(grace_s=shutdown_grace_s))
     logger.info("serving on http://%s:%d/v1 (OpenAPI schema at /docs/openapi.json)", host, port)
     config_ = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=int(shutdown_grace_s))
-    _DrainingServer(config_).run()
-    return 0
+    server = _DrainingServer(config_)
+    if engine.tensor_parallel is not None:
+        threading.Thread(target=_exit_when_the_loop_dies, args=(async_engine, server), name="tp-watchdog", daemon=True).start()
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    return 1 if async_engine.error is not None else 0
+
+
+def _exit_when_the_loop_dies(async_engine: AsyncEngine, server: uvicorn.Server, poll_s: float = 1.0, not_ready_s: float = 2.0) -> None:
+    """With tensor parallelism a lost rank cannot be brought back from this process: once a
+    worker is gone (checked every `poll_s`, even when idle) or the loop has died, report not
+    ready for a moment (load balancers see it), then exit non-zero."""
+    group = async_engine.engine.tensor_parallel
+    while True:
+        if group is not None:
+            try:
+                group.check_alive()
+            except EngineDeadError as exc:
+                async_engine.fail(exc)
+        if not async_engine.is_alive:
+            break
+        time.sleep(poll_s)
+    if async_engine.error is not None:
+        logger.error("the engine died (%s); the server exits", async_engine.error)
+        time.sleep(not_ready_s)
+        server.should_exit = True
 
 
 class _DrainingServer(uvicorn.Server):

@@ -1,0 +1,45 @@
+"""Process groups and the per-step broadcast for tensor parallelism.
+
+Rank 0 owns the scheduler, the tokenizer and the server. Each step it broadcasts what the step
+runs (`StepInputs`, plain lists); every rank builds the same tensors and runs the forward, whose
+row-parallel layers all-reduce; rank 0 alone computes logits and samples. gloo on CPU, NCCL on
+CUDA; every collective has a timeout, so a dead or hung rank is an error, never a hang.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One forward: the new tokens of every sequence, flat, and where their pages are."""
+
+    token_ids: list[int]
+    positions: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+
+
+def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> DeviceMesh:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s))
+    return init_device_mesh(device.type, (size,))
+
+
+def broadcast_step(inputs: StepInputs | None) -> StepInputs | None:
+    """Rank 0 sends the step (None = stop); the other ranks receive it."""
+    box: list[StepInputs | None] = [inputs]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -1,0 +1,90 @@
+"""Starting and stopping the ranks of a tensor-parallel engine.
+
+On one machine, rank 0 (the process that serves) spawns ranks 1..N-1 as child processes that
+rendezvous over TCP on loopback. Under `torchrun` (several machines, `env://` rendezvous), every
+process is started by torchrun: rank 0 runs the command as usual and the others run
+`run_worker`. A rank that dies makes the next step fail on rank 0 (the child is checked before
+every step, and collectives time out), so the engine reports itself dead instead of hanging.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import socket
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from compiled_engine.config import EngineConfig
+from compiled_engine.errors import EngineDeadError
+from compiled_engine.parallel.distributed import init_tensor_parallel
+from compiled_engine.parallel.shard import TPShard
+
+logger = logging.getLogger(__name__)
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ)
+
+
+def _loopback_init_method() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+@dataclass
+class TensorParallelGroup:
+    shard: TPShard
+    mesh: DeviceMesh
+    workers: list[BaseProcess] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, model_dir: Path, config: EngineConfig) -> TensorParallelGroup:
+        """Rank 0's side: spawn the other ranks (unless torchrun did) and join the group."""
+        size = config.tensor_parallel_size
+        device = config.resolved_device()
+        if under_torchrun():
+            rank = int(os.environ["RANK"])
+            if int(os.environ["WORLD_SIZE"]) != size:
+                raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} processes, --tensor-parallel-size is {size}")
+            return cls(TPShard(rank, size), init_tensor_parallel(rank, size, "env://", device, config.distributed_timeout_s))
+        init_method = _loopback_init_method()
+        context = multiprocessing.get_context("spawn")
+        workers: list[BaseProcess] = []
+        for rank in range(1, size):
+            worker = context.Process(target=run_worker, args=(rank, size, init_method, str(model_dir), config), name=f"tp-rank-{rank}", daemon=True)
+            worker.start()
+            workers.append(worker)
+        logger.info("tensor parallel: %d ranks on %s (%s)", size, device, "nccl" if device.type == "cuda" else "gloo")
+        mesh = init_tensor_parallel(0, size, init_method, device, config.distributed_timeout_s)
+        return cls(TPShard(0, size), mesh, workers)
+
+    def check_alive(self) -> None:
+        for worker in self.workers:
+            if not worker.is_alive():
+                raise EngineDeadError(f"tensor-parallel worker {worker.name} exited with code {worker.exitcode}")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        for worker in self.workers:
+            worker.join(timeout=timeout_s)
+            if worker.is_alive():
+                worker.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_worker(rank: int, size: int, init_method: str, model_dir: str, config: EngineConfig) -> None:
+    """Ranks 1..N-1: load this rank's shard, then run every step rank 0 broadcasts."""
+    from compiled_engine.engine.model_runner import ModelRunner  # the runner imports this package
+
+    mesh = init_tensor_parallel(rank, size, init_method, config.resolved_device(), config.distributed_timeout_s)
+    try:
+        ModelRunner(Path(model_dir), config, TPShard(rank, size), mesh).serve_as_worker()
+    finally:
+        dist.destroy_process_group()

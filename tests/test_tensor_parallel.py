@@ -1,0 +1,215 @@
+"""Tensor parallelism on CPU with gloo: TP = N against TP = 1 (same greedy ids, close logprobs),
+KV heads split and replicated, each rank reading only its slices, uneven head counts refused
+before anything starts, and a dead or hung rank failing the engine instead of hanging it.
+
+Engines with N > 1 run in a spawned child process (rank 0), which spawns its own workers, so
+the test process never joins a process group."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from compiled_engine.attention.torch_backend import TorchAttentionBackend
+from compiled_engine.config import EngineConfig
+from compiled_engine.engine.llm_engine import LLMEngine
+from compiled_engine.engine.sampling_params import SamplingParams
+from compiled_engine.errors import ModelConfigError
+from compiled_engine.model.config import ModelConfig
+from compiled_engine.model.loader import load_model
+from compiled_engine.parallel.shard import TPShard
+
+PROMPTS = [[5, 17, 42, 99, 7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [200, 201]]
+
+
+def _generate(config: EngineConfig, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
+    engine = LLMEngine(config)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+        ids = [engine.add_request(p, params) for p in prompts]
+        done: dict[str, tuple[list[int], list[float]]] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    c = out.outputs[0]
+                    assert c.logprobs is not None
+                    done[out.request_id] = (c.token_ids, [lp.logprob for lp in c.logprobs])
+        return [done[i] for i in ids]
+    finally:
+        engine.shutdown()
+
+
+def _child(queue: Any, config: EngineConfig, prompts: list[list[int]], max_tokens: int) -> None:
+    try:
+        queue.put(("ok", _generate(config, prompts, max_tokens)))
+    except BaseException as exc:  # hand any failure to the test
+        queue.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def _in_child(config: EngineConfig, prompts: list[list[int]], max_tokens: int, timeout_s: float = 600) -> list[tuple[list[int], list[float]]]:
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    child = context.Process(target=_child, args=(queue, config, prompts, max_tokens))
+    child.start()
+    try:
+        status, value = queue.get(timeout=timeout_s)
+    finally:
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()
+    assert status == "ok", value
+    return value  # type: ignore[no-any-return]
+
+
+def _assert_same(tp: list[tuple[list[int], list[float]]], single: list[tuple[list[int], list[float]]]) -> None:
+    for (ids_n, lps_n), (ids_1, lps_1) in zip(tp, single, strict=True):
+        assert ids_n == ids_1
+        torch.testing.assert_close(torch.tensor(lps_n), torch.tensor(lps_1), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "size", "overrides"),
+    [
+        ("qwen3", 2, {}),  # 4 query heads, 2 KV heads: one KV head per rank
+        ("llama", 4, {}),  # 4 query heads, 2 KV heads on 4 ranks: each KV head on two ranks
+        ("llama", 2, {"attention_bias": True}),  # sharded biases, replicated o_proj bias
+    ],
+)
+def test_tp_matches_single_process_on_tiny_models(model_type: str, size: int, overrides: dict[str, Any], tiny_model_factory: Callable[..., Path]) -> None:
+    model_dir = str(tiny_model_factory(model_type, **overrides))
+    base = EngineConfig(model=model_dir, kv_cache_memory_gib=0.01, enforce_eager=True, max_num_batched_tokens=8)
+    single = _generate(base, PROMPTS, 6)
+    parallel = _in_child(EngineConfig(**{**_fields(base), "tensor_parallel_size": size}), PROMPTS, 6)
+    _assert_same(parallel, single)
+
+
+def test_default_model_tp3_matches_tp1(default_model_dir: Path) -> None:
+    """The default model has 9 query and 3 KV heads, so it splits 3 ways (not 2)."""
+    from compiled_engine.prompts import DEFAULT_PROMPTS
+    from compiled_engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(default_model_dir)
+    prompts = [tokenizer.encode_prompt(p.text, p.chat) for p in DEFAULT_PROMPTS[:2]]
+    base = EngineConfig(kv_cache_memory_gib=0.05, enforce_eager=True)
+    _assert_same(_in_child(EngineConfig(**{**_fields(base), "tensor_parallel_size": 3}), prompts, 8), _generate(base, prompts, 8))
+
+
+def _fields(config: EngineConfig) -> dict[str, Any]:
+    return {name: getattr(config, name) for name in config.__struct_fields__}
+
+
+def test_uneven_head_counts_are_refused_before_anything_starts(tiny_model_factory: Callable[..., Path]) -> None:
+    model_dir = str(tiny_model_factory("llama"))  # 4 query heads, 2 KV heads, intermediate 128
+    started = time.perf_counter()
+    with pytest.raises(ModelConfigError, match=r"--tensor-parallel-size 3 must divide num_attention_heads=4, num_key_value_heads=2"):
+        LLMEngine(EngineConfig(model=model_dir, tensor_parallel_size=3, enforce_eager=True))
+    assert time.perf_counter() - started < 5  # no process was spawned, no weight read
+    with pytest.raises(ValueError, match="tensor_parallel_size must be at least 1"):
+        EngineConfig(tensor_parallel_size=0)
+
+
+def test_kv_heads_split_or_replicated() -> None:
+    config = ModelConfig.from_dict(dict(
+        model_type="llama", vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+    ))
+    assert [TPShard(r, 2).kv_heads(config) for r in range(2)] == [(0, 1), (1, 1)]
+    assert [TPShard(r, 4).kv_heads(config) for r in range(4)] == [(0, 1), (0, 1), (1, 1), (1, 1)]
+    # rank r's query heads read exactly its KV head (group of 4 query heads per KV head)
+    for r in range(4):
+        first, count = TPShard(r, 4).heads(config)
+        assert {h // 4 for h in range(first, first + count)} == {TPShard(r, 4).kv_heads(config)[0]}
+    assert TPShard(1, 2).intermediate(config) == (32, 32)
+
+
+def test_each_rank_reads_only_its_slices(tiny_model_factory: Callable[..., Path]) -> None:
+    model_dir = tiny_model_factory("qwen3")
+    config = ModelConfig.from_model_dir(model_dir)
+    whole = load_model(model_dir, config, TorchAttentionBackend(), torch.float32, torch.device("cpu"))
+    halves = [load_model(model_dir, config, TorchAttentionBackend(), torch.float32, torch.device("cpu"), TPShard(r, 2)) for r in range(2)]
+
+    def sharded_bytes(model: torch.nn.Module) -> int:
+        return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.endswith(("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")))
+
+    assert sharded_bytes(halves[0]) == sharded_bytes(halves[1]) == sharded_bytes(whole) // 2
+    # the two ranks' slices put side by side are the whole weight
+    q, kv = config.q_size // 2, config.kv_size // 2
+    w0, w1, w = (m.layers[0].self_attn.qkv_proj.weight for m in (*halves, whole))
+    assert torch.equal(torch.cat([w0[:, :q], w1[:, :q]], 1), w[:, : config.q_size])
+    assert torch.equal(torch.cat([w0[:, q : q + kv], w1[:, q : q + kv]], 1), w[:, config.q_size : config.q_size + config.kv_size])
+    d0, d1, d = (m.layers[1].mlp.down_proj.weight for m in (*halves, whole))
+    assert torch.equal(torch.cat([d0, d1], 0), d)
+
+
+def _dead_worker_child(queue: Any, model_dir: str, how: str) -> None:
+    engine = LLMEngine(EngineConfig(model=model_dir, tensor_parallel_size=2, enforce_eager=True, kv_cache_memory_gib=0.01, distributed_timeout_s=5))
+    assert engine.tensor_parallel is not None
+    engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    engine.step()
+    worker = engine.tensor_parallel.workers[0]
+    assert worker.pid is not None
+    os.kill(worker.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+    if how == "killed":
+        worker.join(timeout=10)
+    started = time.perf_counter()
+    try:
+        for _ in range(50):
+            engine.step()
+        queue.put(("no error", 0.0))
+    except Exception as exc:
+        queue.put((f"{type(exc).__name__}: {exc}", time.perf_counter() - started))
+    finally:
+        if how == "hung":
+            os.kill(worker.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("how", ["killed", "hung"])
+def test_a_dead_or_hung_worker_fails_the_engine_instead_of_hanging(how: str, tiny_model_factory: Callable[..., Path]) -> None:
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    child = context.Process(target=_dead_worker_child, args=(queue, str(tiny_model_factory("qwen3")), how))
+    child.start()
+    try:
+        message, seconds = queue.get(timeout=180)
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+    assert message != "no error"
+    if how == "killed":
+        assert "EngineDeadError" in message and "tp-rank-1" in message
+    assert seconds < 30  # the 5 s collective timeout, not forever
+
+
+def test_server_with_a_lost_worker_reports_not_ready_and_exits_non_zero(tmp_path: Path) -> None:
+    import httpx
+
+    from tests.server_process import running_server
+
+    with running_server(tmp_path, "--tensor-parallel-size", "3", "--device", "cpu", "--kv-cache-memory-gib", "0.05", "--distributed-timeout-s", "10") as server:
+        children = Path(f"/proc/{server.process.pid}/task/{server.process.pid}/children").read_text().split()
+        # the spawned ranks (not multiprocessing's resource tracker)
+        workers = [int(pid) for pid in children if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+        assert len(workers) == 2, children
+        reply = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=60)
+        assert reply.status_code == 200
+        os.kill(workers[0], signal.SIGKILL)
+        saw_not_ready = False
+        deadline = time.monotonic() + 30
+        while server.process.poll() is None and time.monotonic() < deadline:
+            try:
+                saw_not_ready |= httpx.get(f"{server.url}/ready", timeout=1).status_code == 503
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        assert server.process.poll() == 1, server.log_text()[-2000:]
+        assert saw_not_ready
+        assert "tensor-parallel worker" in server.log_text()
