@@ -7,6 +7,7 @@ the test process never joins a process group."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -205,10 +206,8 @@ def test_server_with_a_lost_worker_reports_not_ready_and_exits_non_zero(tmp_path
         saw_not_ready = False
         deadline = time.monotonic() + 30
         while server.process.poll() is None and time.monotonic() < deadline:
-            try:
+            with contextlib.suppress(httpx.HTTPError):
                 saw_not_ready |= httpx.get(f"{server.url}/ready", timeout=1).status_code == 503
-            except httpx.HTTPError:
-                pass
             time.sleep(0.2)
         assert server.process.poll() == 1, server.log_text()[-2000:]
         assert saw_not_ready
