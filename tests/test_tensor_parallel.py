@@ -92,6 +92,15 @@ def test_tp_matches_single_process_on_tiny_models(model_type: str, size: int, ov
     _assert_same(parallel, single)
 
 
+def test_compiled_tp_matches_eager_single_process(tiny_model_factory: Callable[..., Path]) -> None:
+    """The DTensor layers compile with fullgraph=True (the all-reduces are traced as functional
+    collectives; a graph break would raise) and agree with plain eager on one process."""
+    model_dir = str(tiny_model_factory("qwen3"))
+    base = EngineConfig(model=model_dir, kv_cache_memory_gib=0.01, enforce_eager=True, max_num_batched_tokens=8)
+    compiled = _in_child(EngineConfig(**{**_fields(base), "tensor_parallel_size": 2, "enforce_eager": False}), PROMPTS, 6)
+    _assert_same(compiled, _generate(base, PROMPTS, 6))
+
+
 def test_default_model_tp3_matches_tp1(default_model_dir: Path) -> None:
     """The default model has 9 query and 3 KV heads, so it splits 3 ways (not 2)."""
     from compiled_engine.prompts import DEFAULT_PROMPTS

@@ -59,10 +59,9 @@ class ModelRunner:
                 raise ValueError("a tensor-parallel shard needs its device mesh")
             parallelize(self.model, mesh)
         self.compiled = not config.resolved_enforce_eager()
-        if self.compiled and shard.size > 1:
-            logger.info("tensor parallelism runs the model eager (compiling DTensor layers is not enabled yet)")
-            self.compiled = False
-        self.use_cuda_graphs = self.compiled and config.cuda_graphs and self.device.type == "cuda"
+        # Workers run each step eagerly-shaped (unpadded), so with tensor parallelism rank 0 must
+        # not replay padded graphs: their all-reduces would not match the workers'.
+        self.use_cuda_graphs = self.compiled and config.cuda_graphs and self.device.type == "cuda" and shard.size == 1
         self.compile_seconds = 0.0
         if self.compiled:
             use_compile_cache(cache_root() / "inductor")
