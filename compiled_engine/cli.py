@@ -24,6 +24,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory-gib", type=float, default=None, help="default: 1 GiB on CPU; on CUDA what --gpu-memory-utilization leaves")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory for weights, activations, CUDA graphs and the KV cache")
     parser.add_argument("--enforce-eager", action="store_true", help="plain eager PyTorch: no torch.compile, no CUDA graphs")
+    parser.add_argument("--attention-backend", choices=["torch", "flashinfer"], default=None, help="default: flashinfer on CUDA when it can run the model, else torch")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="compiled, but decode without CUDA graphs")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -45,6 +46,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=True if args.enforce_eager else None,
         cuda_graphs=not args.no_cuda_graphs,
         tensor_parallel_size=args.tensor_parallel_size,
+        attention_backend=args.attention_backend,
         distributed_timeout_s=args.distributed_timeout_s,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,

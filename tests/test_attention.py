@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compiled_engine.attention.backend import get_backend
+from compiled_engine.attention.backend import AttentionShape, get_backend
 from compiled_engine.attention.metadata import AttentionMetadata
 from compiled_engine.attention.torch_backend import TorchAttentionBackend, write_kv
 
@@ -146,8 +146,12 @@ def test_build_errors(
 def test_get_backend() -> None:
     assert isinstance(get_backend("torch"), TorchAttentionBackend)
     assert get_backend("torch").name == "torch"
-    with pytest.raises(ValueError, match=r"unknown attention backend 'flash' \(available: torch\)"):
+    with pytest.raises(ValueError, match=r"unknown attention backend 'flash' \(available: torch, flashinfer\)"):
         get_backend("flash")
+    # on CPU, both the default and an explicit flashinfer give the torch backend
+    shape = AttentionShape(4, 2, 64, 16, torch.float32, CPU)
+    assert get_backend(None, shape).name == "torch"
+    assert get_backend("flashinfer", shape).name == "torch"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         sub.add_argument("--enforce-eager", action="store_true", help="measure the eager model (no torch.compile, no CUDA graphs)")
         sub.add_argument("--no-cuda-graphs", action="store_true")
+        sub.add_argument("--attention-backend", choices=["torch", "flashinfer"], default=None)
         sub.add_argument("--baseline", choices=["none", "hf"], default="none")
         sub.add_argument("--seed", type=int, default=0)
         sub.add_argument("--json", type=Path, default=None, help="write every figure and the environment here")
@@ -113,7 +114,7 @@ def _engine(args: argparse.Namespace, **options: Any) -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, kv_cache_memory_gib=args.kv_cache_memory_gib,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=True if args.enforce_eager else None,
-        cuda_graphs=not args.no_cuda_graphs, **options,
+        cuda_graphs=not args.no_cuda_graphs, attention_backend=args.attention_backend, **options,
     ))
 
 

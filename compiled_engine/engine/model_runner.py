@@ -12,7 +12,7 @@ import msgspec
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from compiled_engine.attention.backend import get_backend
+from compiled_engine.attention.backend import AttentionShape, get_backend
 from compiled_engine.attention.metadata import AttentionMetadata
 from compiled_engine.cache.kv_cache import allocate_kv_cache, pages_for_budget
 from compiled_engine.config import EngineConfig
@@ -49,9 +49,12 @@ class ModelRunner:
                 f"max_model_len={self.max_model_len} exceeds the model's "
                 f"max_position_embeddings={self.model_config.max_position_embeddings}"
             )
-        self.model = load_model(
-            model_dir, self.model_config, get_backend(config.attention_backend), self.dtype, self.device, shard
+        shape = AttentionShape(
+            shard.heads(self.model_config)[1], shard.kv_heads(self.model_config)[1], self.model_config.head_dim,
+            self.page_size, self.dtype, self.device,
         )
+        backend = get_backend(config.attention_backend, shape)
+        self.model = load_model(model_dir, self.model_config, backend, self.dtype, self.device, shard)
         # The KV pool holds this rank's KV heads only.
         self.kv_config = msgspec.structs.replace(self.model_config, num_kv_heads=shard.kv_heads(self.model_config)[1])
         if shard.size > 1:
@@ -61,7 +64,10 @@ class ModelRunner:
         self.compiled = not config.resolved_enforce_eager()
         # Workers run each step eagerly-shaped (unpadded), so with tensor parallelism rank 0 must
         # not replay padded graphs: their all-reduces would not match the workers'.
-        self.use_cuda_graphs = self.compiled and config.cuda_graphs and self.device.type == "cuda" and shard.size == 1
+        # FlashInfer's plan() must run outside a graph, with one wrapper per size: not wired yet.
+        self.use_cuda_graphs = (
+            self.compiled and config.cuda_graphs and self.device.type == "cuda" and shard.size == 1 and backend.name == "torch"
+        )
         self.compile_seconds = 0.0
         if self.compiled:
             use_compile_cache(cache_root() / "inductor")

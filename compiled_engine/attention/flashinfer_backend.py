@@ -1,0 +1,110 @@
+"""FlashInfer paged attention on CUDA, behind the same interface as the torch backend.
+
+Per forward, the first layer plans (host-side scheduling of the batch over the GPU) and every
+layer runs: a paged prefill wrapper (causal, over each sequence's cached prefix plus its new
+tokens) for batches with prompt tokens, a decode wrapper (tensor cores, for grouped-query
+attention) for decode-only batches. New K/V are written with the same scatter as the torch
+backend. The page layout [pages, 2, page_size, kv_heads, head_dim] per layer is FlashInfer's NHD
+layout. The calls sit inside the `paged_attention` custom op, so torch.compile never traces into
+FlashInfer.
+
+CUDA graphs need `plan()` outside the graph and one wrapper per captured size; until that is
+wired, the runner does not capture graphs with this backend (see docs/backends.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from compiled_engine.attention.metadata import AttentionMetadata
+from compiled_engine.attention.torch_backend import kv_rows, write_kv
+
+WORKSPACE_BYTES = 128 << 20
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def flashinfer_unsupported_reason(head_dim: int, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why FlashInfer cannot run this model here, or None if it can."""
+    if device.type != "cuda":
+        return "FlashInfer needs a CUDA device"
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return "flashinfer is not installed (pip install 'compiled_engine[cuda]')"
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim {head_dim} is not one of FlashInfer's {SUPPORTED_HEAD_DIMS}"
+    if dtype not in SUPPORTED_DTYPES:
+        return f"dtype {dtype} is not float16 or bfloat16"
+    return None
+
+
+def paged_kv_layout(metadata: AttentionMetadata, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashInfer's page table: (indptr [seqs + 1], indices [pages in use], last_page_len
+    [seqs]), int32, built from the host copies of the sequence lengths."""
+    pages = [-(-n // page_size) for n in metadata.seq_lens_cpu]
+    indptr = [0]
+    for p in pages:
+        indptr.append(indptr[-1] + p)
+    device = metadata.block_tables.device
+    width = metadata.block_tables.shape[1]
+    keep = torch.arange(width, device=device)[None, :] < torch.tensor(pages, device=device)[:, None]
+    indices = metadata.block_tables[keep].to(torch.int32)
+    last = [(n - 1) % page_size + 1 for n in metadata.seq_lens_cpu]
+    return (
+        torch.tensor(indptr, dtype=torch.int32, device=device),
+        indices,
+        torch.tensor(last, dtype=torch.int32, device=device),
+    )
+
+
+class FlashInferAttentionBackend:
+    name = "flashinfer"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        import flashinfer
+
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.page_size, self.dtype = page_size, dtype
+        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=num_heads != num_kv_heads)
+
+    def _plan(self, metadata: AttentionMetadata, scale: float) -> Any:
+        """Plan once per forward (the first layer); later layers reuse it."""
+        planned = metadata.per_forward.get("flashinfer_planned")
+        if planned is not None:
+            return planned
+        indptr, indices, last = paged_kv_layout(metadata, self.page_size)
+        if metadata.decode_only:
+            self.decode.plan(
+                indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
+                pos_encoding_mode="NONE", sm_scale=scale, q_data_type=self.dtype, kv_data_type=self.dtype,
+            )
+            wrapper = self.decode
+        else:
+            self.prefill.plan(
+                metadata.query_start_loc, indptr, indices, last, self.num_heads, self.num_kv_heads,
+                self.head_dim, self.page_size, causal=True, sm_scale=scale, q_data_type=self.dtype, kv_data_type=self.dtype,
+            )
+            wrapper = self.prefill
+        metadata.per_forward["flashinfer_planned"] = planned = torch.empty(0)  # a marker tensor
+        metadata.per_forward["write_rows"] = kv_rows(metadata.slot_mapping, self.page_size)
+        self._wrapper = wrapper
+        return planned
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        self._plan(metadata, scale)
+        write_kv(k, v, kv_cache, metadata.slot_mapping, metadata.per_forward["write_rows"])
+        out: torch.Tensor = self._wrapper.run(q.contiguous(), kv_cache)
+        return out
