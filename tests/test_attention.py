@@ -195,9 +195,9 @@ def test_write_kv_casts_to_cache_dtype() -> None:
 PAGE_SIZE = 4
 NUM_HEADS = 4
 HEAD_DIM = 8
-# Fills slots nobody wrote. Prompt paths never read them (NaN proves it); decode batches read
-# whole pages and give the slots past a sequence's end zero weight, which needs finite values
-# (the real pool is zero-initialised), so decode tests poison with a huge finite value instead.
+# Fills slots nobody wrote. Decoding rows read whole pages and give the slots past a sequence's
+# end zero weight, which needs finite values (the real pool is zero-initialised), so the tests
+# poison with a huge finite value: read with any weight, it would dominate the output.
 GARBAGE = 1e4
 
 
@@ -258,8 +258,8 @@ def test_mixed_batch_matches_dense_reference(
     at = 0
     for s, n in zip(seqs, needed, strict=True):
         s.table, at = perm[at : at + n], at + n
-    # NaN everywhere no sequence writes: reading a wrong slot poisons the output.
-    cache = torch.full((num_pages, 2, PAGE_SIZE, num_kv_heads, HEAD_DIM), float("nan"), dtype=dtype)
+    # Garbage everywhere no sequence writes: reading a wrong slot with any weight poisons the output.
+    cache = torch.full((num_pages, 2, PAGE_SIZE, num_kv_heads, HEAD_DIM), GARBAGE, dtype=dtype)
     for s in seqs:
         place_prefix(cache, s)
     scale = 1 / math.sqrt(HEAD_DIM)
@@ -280,7 +280,7 @@ def test_mixed_batch_matches_dense_reference(
             torch.testing.assert_close(cache[page, 0, off].double(), s.k[pos], atol=1e-6, rtol=0)
             torch.testing.assert_close(cache[page, 1, off].double(), s.v[pos], atol=1e-6, rtol=0)
             touched[page, off] = True
-    assert torch.isnan(cache.permute(0, 2, 1, 3, 4)[~touched]).all()
+    assert (cache.permute(0, 2, 1, 3, 4)[~touched] == GARBAGE).all()
 
 
 def test_reference_is_not_trivially_satisfied() -> None:

@@ -32,20 +32,36 @@ def write_kv(
     flat.index_copy_(0, rows + page_size, v.to(kv_cache.dtype))
 
 
+def _decode_rows(block_tables: torch.Tensor, seq_lens: torch.Tensor, page_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """For decoding sequences: the flat K rows of their pages ([seqs * width]) and the key mask
+    ([seqs, 1, 1, width]: 0 for a sequence's keys, -inf past its length)."""
+    tables = block_tables.long()
+    width = tables.shape[1] * page_size
+    in_page = torch.arange(page_size, device=tables.device)
+    rows = (tables[:, :, None] * (2 * page_size) + in_page).reshape(-1)
+    visible = torch.arange(width, device=tables.device)[None, :] < seq_lens[:, None]
+    bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+    return rows, bias[:, None, None, :]
+
+
 def _per_forward(metadata: AttentionMetadata, page_size: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Index tensors and the key mask, built by the first layer of a forward and reused by the
-    others (so a decode step pays for them once, not once per layer)."""
+    """Index tensors and key masks, built by the first layer of a forward and reused by the
+    others (so a step pays for them once, not once per layer). In a mixed batch, the decoding
+    sequences (one new token each) are picked out to run batched too."""
     cached = metadata.per_forward
-    if "write_rows" not in cached:
-        cached["write_rows"] = kv_rows(metadata.slot_mapping, page_size)
-    if metadata.decode_only and ("key_bias" not in cached or cached["key_bias"].dtype != dtype):
-        tables = metadata.block_tables.long()
-        width = tables.shape[1] * page_size
-        in_page = torch.arange(page_size, device=tables.device)
-        cached["read_rows"] = (tables[:, :, None] * (2 * page_size) + in_page).reshape(-1)  # [seqs * width]
-        visible = torch.arange(width, device=tables.device)[None, :] < metadata.seq_lens[:, None]
-        bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
-        cached["key_bias"] = bias[:, None, None, :]  # [seqs, 1, 1, width]
+    if "write_rows" in cached and ("key_bias" not in cached or cached["key_bias"].dtype == dtype):
+        return cached
+    cached["write_rows"] = kv_rows(metadata.slot_mapping, page_size)
+    if metadata.decode_only:
+        cached["read_rows"], cached["key_bias"] = _decode_rows(metadata.block_tables, metadata.seq_lens, page_size, dtype)
+        return cached
+    starts = metadata.query_start_loc_cpu
+    decoding = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] == 1]
+    if len(decoding) > 1:
+        device = metadata.block_tables.device
+        seqs = torch.tensor(decoding, device=device)
+        cached["decode_tokens"] = torch.tensor([starts[i] for i in decoding], device=device)
+        cached["read_rows"], cached["key_bias"] = _decode_rows(metadata.block_tables[seqs], metadata.seq_lens[seqs], page_size, dtype)
     return cached
 
 
@@ -92,10 +108,16 @@ class TorchAttentionBackend:
         _, _, page_size, num_kv_heads, head_dim = kv_cache.shape
         num_heads = q.shape[1]
         out = torch.empty_like(q)
+        batched = "decode_tokens" in cached
+        if batched:  # the decoding sequences of a mixed batch, in one call
+            tokens = cached["decode_tokens"]
+            out[tokens] = decode_attention(q[tokens], kv_cache, cached["read_rows"], cached["key_bias"], scale)
         starts = metadata.query_start_loc_cpu
         for i, seq_len in enumerate(metadata.seq_lens_cpu):
             start, end = starts[i], starts[i + 1]
             q_len = end - start
+            if batched and q_len == 1:
+                continue
             num_pages = -(-seq_len // page_size)
             pages = kv_cache[metadata.block_tables[i, :num_pages]]  # [p, 2, page, kvh, d]
             keys = pages[:, 0].reshape(-1, num_kv_heads, head_dim)[:seq_len]

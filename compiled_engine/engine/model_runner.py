@@ -62,12 +62,10 @@ class ModelRunner:
                 raise ValueError("a tensor-parallel shard needs its device mesh")
             parallelize(self.model, mesh)
         self.compiled = not config.resolved_enforce_eager()
-        # Workers run each step eagerly-shaped (unpadded), so with tensor parallelism rank 0 must
-        # not replay padded graphs: their all-reduces would not match the workers'.
         # FlashInfer's plan() must run outside a graph, with one wrapper per size: not wired yet.
-        self.use_cuda_graphs = (
-            self.compiled and config.cuda_graphs and self.device.type == "cuda" and shard.size == 1 and backend.name == "torch"
-        )
+        # With tensor parallelism every rank captures the same sizes in the same order and
+        # replays the same padded size each step (`execute`), so the all-reduces match.
+        self.use_cuda_graphs = self.compiled and config.cuda_graphs and self.device.type == "cuda" and backend.name == "torch"
         self.compile_seconds = 0.0
         if self.compiled:
             use_compile_cache(cache_root() / "inductor")
@@ -230,7 +228,7 @@ class ModelRunner:
     def serve_as_worker(self) -> None:
         """A tensor-parallel rank other than 0: run each step rank 0 broadcasts, until it says stop."""
         while (inputs := broadcast_step(None)) is not None:
-            self.forward_step(inputs)
+            self.execute(inputs, logits=False)
 
     def stop_workers(self) -> None:
         if self.shard.size > 1 and self.shard.rank == 0:
@@ -240,18 +238,23 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run the new tokens of every sequence in `batch` (pages must already be allocated) and
         return the logits after each sequence's last new token, fp32 [num_seqs, vocab]."""
-        if self.graphs is not None and all(n == 1 for _, n in batch):
-            with nvtx_range("prepare inputs"):
-                tokens = [seq.token_ids[seq.num_computed_tokens] for seq, _ in batch]
-                positions_ = [seq.num_computed_tokens for seq, _ in batch]
-                tables = [seq.block_table for seq, _ in batch]
-            with nvtx_range("forward"):
-                logits = self.graphs.replay(tokens, positions_, tables)
-            if logits is not None:
-                return logits.clone()  # the graph's output buffer is rewritten by the next replay
         with nvtx_range("prepare inputs"):
             inputs = self.step_inputs(batch)
             if self.shard.size > 1:
                 broadcast_step(inputs)
+        logits = self.execute(inputs)
+        assert logits is not None
+        return logits
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs, logits: bool = True) -> torch.Tensor | None:
+        """Every rank runs each step here, the same way: a decode batch that fits a captured
+        size replays its CUDA graph (so tensor-parallel ranks issue the same all-reduces), any
+        other batch runs the model. Only rank 0 asks for the logits of eager steps."""
         with nvtx_range("forward"):
-            return self.model.compute_logits(self.forward_step(inputs)).float()
+            if self.graphs is not None and all(q == 1 for q in inputs.query_lens):
+                replayed = self.graphs.replay(inputs.token_ids, inputs.positions, inputs.block_tables)
+                if replayed is not None:
+                    return replayed.clone()  # the graph's output buffer is rewritten by the next replay
+            hidden = self.forward_step(inputs)
+            return self.model.compute_logits(hidden).float() if logits else None
