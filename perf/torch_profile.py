@@ -3,12 +3,17 @@ requests through LLMEngine after a warm-up; prints the top operators by self tim
 Chrome trace.
 
     .venv/bin/python perf/torch_profile.py --max-tokens 32
+    .venv/bin/python perf/torch_profile.py --prompt-len 512 --max-tokens 17   # decode at 512 context
     .venv/bin/python perf/torch_profile.py --batch 16 --enforce-eager --trace eager.json
+
+Only the steps after the prompts are in (decode steps) are profiled; the mean step time is printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
+import time
 from pathlib import Path
 
 import torch
@@ -24,6 +29,7 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None)
     parser.add_argument("--prompt", default="The three primary colors are")
+    parser.add_argument("--prompt-len", type=int, default=None, help="random token prompts of this length instead of --prompt")
     parser.add_argument("--batch", type=int, default=1, help="requests running together")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--enforce-eager", action="store_true")
@@ -31,18 +37,38 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
 
-    engine = LLMEngine(EngineConfig(model=args.model, device=args.device, kv_cache_memory_gib=0.25, enforce_eager=True if args.enforce_eager else None))
+    engine = LLMEngine(EngineConfig(
+        model=args.model, device=args.device, kv_cache_memory_gib=1.0, max_num_seqs=max(args.batch, 1),
+        enforce_eager=True if args.enforce_eager else None,
+    ))
 
-    def run(max_tokens: int) -> None:
+    rng = random.Random(0)
+    vocab = engine.runner.model_config.vocab_size
+
+    def prompt() -> str | list[int]:
+        return [rng.randrange(10, vocab) for _ in range(args.prompt_len)] if args.prompt_len else args.prompt
+
+    def start(max_tokens: int) -> None:
         for _ in range(args.batch):
-            engine.add_request(args.prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+            engine.add_request(prompt(), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        while engine.scheduler.waiting or any(s.num_computed_tokens < len(s.prompt_token_ids) for s in engine.scheduler.running):
+            engine.step()
+
+    def finish() -> None:
         while engine.has_unfinished_requests():
             engine.step()
 
-    run(2)  # warm-up
+    start(3)  # warm-up
+    finish()
+    start(args.max_tokens)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    steps = 0
+    began = time.perf_counter()
     with profile(activities=activities) as prof:
-        run(args.max_tokens)
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+    print(f"{steps} decode steps of batch {args.batch}, {1000 * (time.perf_counter() - began) / max(steps, 1):.1f} ms per step (profiled)")
     sort_key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=sort_key, row_limit=args.top))
     prof.export_chrome_trace(str(args.trace))
