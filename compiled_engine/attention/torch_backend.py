@@ -129,15 +129,17 @@ class TorchAttentionBackend:
                 query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
                 key_pos = torch.arange(seq_len, device=q.device)
                 mask = key_pos[None, :] <= query_pos[:, None]
+            # 4-D inputs: with a batch dimension SDPA takes its fused CPU kernel, without one
+            # the unfused math path (about 20x slower for a 512-token prompt here).
             attended = F.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1),  # [heads, q_len, d]
-                keys.transpose(0, 1).to(q.dtype),
-                values.transpose(0, 1).to(q.dtype),
+                q[start:end].transpose(0, 1)[None],  # [1, heads, q_len, d]
+                keys.transpose(0, 1).to(q.dtype)[None],
+                values.transpose(0, 1).to(q.dtype)[None],
                 attn_mask=mask,
                 # A whole prompt at once is plain causal attention, which SDPA runs without a mask.
                 is_causal=q_len == seq_len and q_len > 1,
                 scale=scale,
                 enable_gqa=num_heads != num_kv_heads,
             )
-            out[start:end] = attended.transpose(0, 1)
+            out[start:end] = attended[0].transpose(0, 1)
         return out
