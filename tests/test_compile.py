@@ -4,10 +4,12 @@ shape class and no recompilation as batch composition changes."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 import torch._dynamo
@@ -20,6 +22,7 @@ from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.prompts import DEFAULT_PROMPTS
+from tests.server_process import running_server
 
 PROMPTS = [p.text for p in DEFAULT_PROMPTS]
 
@@ -118,3 +121,19 @@ def test_compile_cache_lives_under_the_engine_cache_unless_the_user_chose(tmp_pa
     monkeypatch.setenv(INDUCTOR_CACHE_ENV, str(tmp_path / "mine"))
     assert use_compile_cache(tmp_path / "other") == tmp_path / "mine"
     assert not (tmp_path / "other").exists()
+
+
+def test_the_default_compiled_server_answers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, default_model_dir: Path) -> None:
+    """`serve` as users start it: compiled (the engine loop thread runs the compiled layers)."""
+    monkeypatch.setenv(ENFORCE_EAGER_ENV, "0")
+    with running_server(tmp_path, "--kv-cache-memory-gib", "0.05") as server:
+        assert "torch.compile: decoder layer compiled" in server.log_text()
+        question = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 16, "temperature": 0}
+        reply = httpx.post(f"{server.url}/v1/chat/completions", json=question, timeout=120).json()
+        assert "Paris" in reply["choices"][0]["message"]["content"]
+        body = {"prompt": "The three primary colors are", "max_tokens": 12, "temperature": 0}
+        whole = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+        with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=120) as stream:
+            chunks = [line[5:].strip() for line in stream.iter_lines() if line.startswith("data:")]
+        streamed = "".join(json.loads(c)["choices"][0]["text"] for c in chunks if c != "[DONE]" and json.loads(c)["choices"])
+        assert streamed == whole
