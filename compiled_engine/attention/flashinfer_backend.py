@@ -14,8 +14,6 @@ wired, the runner does not capture graphs with this backend (see docs/backends.m
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from compiled_engine.attention.metadata import AttentionMetadata
@@ -72,28 +70,22 @@ class FlashInferAttentionBackend:
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=num_heads != num_kv_heads)
 
-    def _plan(self, metadata: AttentionMetadata, scale: float) -> Any:
-        """Plan once per forward (the first layer); later layers reuse it."""
-        planned = metadata.per_forward.get("flashinfer_planned")
-        if planned is not None:
-            return planned
+    def _plan(self, metadata: AttentionMetadata, scale: float) -> None:
+        """Plan once per forward, in its first layer (the K/V write rows mark it done)."""
+        if "write_rows" in metadata.per_forward:
+            return
         indptr, indices, last = paged_kv_layout(metadata, self.page_size)
         if metadata.decode_only:
             self.decode.plan(
                 indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
                 pos_encoding_mode="NONE", sm_scale=scale, q_data_type=self.dtype, kv_data_type=self.dtype,
             )
-            wrapper = self.decode
         else:
             self.prefill.plan(
                 metadata.query_start_loc, indptr, indices, last, self.num_heads, self.num_kv_heads,
                 self.head_dim, self.page_size, causal=True, sm_scale=scale, q_data_type=self.dtype, kv_data_type=self.dtype,
             )
-            wrapper = self.prefill
-        metadata.per_forward["flashinfer_planned"] = planned = torch.empty(0)  # a marker tensor
         metadata.per_forward["write_rows"] = kv_rows(metadata.slot_mapping, self.page_size)
-        self._wrapper = wrapper
-        return planned
 
     def forward(
         self,
@@ -106,5 +98,6 @@ class FlashInferAttentionBackend:
     ) -> torch.Tensor:
         self._plan(metadata, scale)
         write_kv(k, v, kv_cache, metadata.slot_mapping, metadata.per_forward["write_rows"])
-        out: torch.Tensor = self._wrapper.run(q.contiguous(), kv_cache)
+        wrapper = self.decode if metadata.decode_only else self.prefill
+        out: torch.Tensor = wrapper.run(q.contiguous(), kv_cache)
         return out
