@@ -74,7 +74,8 @@ def test_compiled_logits_match_eager_on_mixed_batches_without_recompiling(model_
     counters.clear()
     runner = _runner(model_dir, compiled=True)
     after_warm_up = counters["stats"]["unique_graphs"]
-    assert after_warm_up == 2  # one graph for many tokens (dynamic), one for a single token
+    # the decoder layer and the head (compiled on CPU): one graph for many tokens, one for a single one
+    assert after_warm_up == 4
     compiled = _run_steps(runner, tokens)
     assert counters["stats"]["unique_graphs"] == after_warm_up, "batch composition caused a recompilation"
     assert not counters["graph_break"], f"graph breaks: {dict(counters['graph_break'])}"

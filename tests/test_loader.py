@@ -102,11 +102,11 @@ def test_loaded_parameters_equal_checkpoint(tiny_model_factory: Factory, model_t
         assert param.device == CPU
         assert param.dtype == torch.float32
         assert torch.equal(part.view(param.detach()), tensors[name]), name
-    # the fused weights hold q, k, v (and gate, up) side by side, transposed
+    # the fused weights stack q, k, v (and gate, up) row after row
     q = tensors["model.layers.1.self_attn.q_proj.weight"]
     v = tensors["model.layers.1.self_attn.v_proj.weight"]
-    assert torch.equal(model.layers[1].self_attn.qkv_proj.weight[:, : q.shape[0]], q.T)
-    assert torch.equal(model.layers[1].self_attn.qkv_proj.weight[:, -v.shape[0] :], v.T)
+    assert torch.equal(model.layers[1].self_attn.qkv_proj.weight[: q.shape[0]], q)
+    assert torch.equal(model.layers[1].self_attn.qkv_proj.weight[-v.shape[0] :], v)
     assert not model.training
     assert model.rotary.inv_freq.device == CPU
     assert model.rotary.inv_freq.dtype == torch.float32
@@ -214,8 +214,8 @@ def test_tied_embeddings_give_the_head_the_embedding(tiny_model_factory: Factory
     tensors = load_file(model_dir / SINGLE_FILE)
     assert "lm_head.weight" not in tensors  # transformers drops the tied copy
     model = load(model_dir)
-    assert torch.equal(model.lm_head.weight, tensors["model.embed_tokens.weight"].T)
-    assert model.lm_head.weight.is_contiguous()  # the [in, out] layout, not a strided view
+    assert model.lm_head.weight is model.embed_tokens.weight  # shared, not a copy
+    assert torch.equal(model.lm_head.weight, tensors["model.embed_tokens.weight"])
     hidden = torch.randn(3, 64)
     torch.testing.assert_close(
         model.compute_logits(hidden), hidden @ tensors["model.embed_tokens.weight"].T
@@ -232,7 +232,7 @@ def test_tied_embeddings_ignore_a_stored_lm_head(
 
     rewrite(model_dir, add_head)
     model = load(model_dir)
-    assert torch.equal(model.lm_head.weight, model.embed_tokens.weight.T)
+    assert model.lm_head.weight is model.embed_tokens.weight
     assert model.lm_head.weight.abs().sum() > 0
 
 

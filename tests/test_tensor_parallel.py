@@ -153,10 +153,10 @@ def test_each_rank_reads_only_its_slices(tiny_model_factory: Callable[..., Path]
     # the two ranks' slices put side by side are the whole weight
     q, kv = config.q_size // 2, config.kv_size // 2
     w0, w1, w = (m.layers[0].self_attn.qkv_proj.weight for m in (*halves, whole))
-    assert torch.equal(torch.cat([w0[:, :q], w1[:, :q]], 1), w[:, : config.q_size])
-    assert torch.equal(torch.cat([w0[:, q : q + kv], w1[:, q : q + kv]], 1), w[:, config.q_size : config.q_size + config.kv_size])
+    assert torch.equal(torch.cat([w0[:q], w1[:q]]), w[: config.q_size])
+    assert torch.equal(torch.cat([w0[q : q + kv], w1[q : q + kv]]), w[config.q_size : config.q_size + config.kv_size])
     d0, d1, d = (m.layers[1].mlp.down_proj.weight for m in (*halves, whole))
-    assert torch.equal(torch.cat([d0, d1], 0), d)
+    assert torch.equal(torch.cat([d0, d1], 1), d)
 
 
 def _dead_worker_child(queue: Any, model_dir: str, how: str) -> None:

@@ -4,8 +4,8 @@ The model takes a flat batch: every sequence's new tokens concatenated, with the
 AttentionMetadata saying which tokens belong to which sequence and where their K/V pages live. So
 prefill, decode and any mixture of the two are one code path. Attention is one opaque operator
 (attention/op.py), so the decoder layer compiles as a single graph. Parameter names follow the Hugging
-Face checkpoints with the leading `model.` dropped, except that q/k/v and gate/up are fused and
-weights are stored [in, out]; `checkpoint_layout` says where each checkpoint tensor lands.
+Face checkpoints with the leading `model.` dropped, except that q/k/v and gate/up are fused (their rows stacked); `checkpoint_layout` says where each
+checkpoint tensor lands.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from compiled_engine.attention.backend import AttentionBackend
 from compiled_engine.attention.metadata import AttentionMetadata
@@ -26,19 +27,24 @@ from compiled_engine.parallel.shard import NO_SHARD, TPShard
 
 
 class Linear(nn.Module):
-    """y = x @ weight + bias, with the weight stored [in_features, out_features]: the transpose
-    of nn.Linear's. On CPU a one-token product streams this layout close to memory bandwidth and
-    nn.Linear's markedly slower (docs/benchmarks.md); on GPU either layout is one GEMM.
-    Checkpoints hold [out, in]; the loader transposes them."""
+    """y = x @ weight.T + bias, with the weight stored [out_features, in_features] as in the
+    checkpoints and nn.Linear.
+
+    Under torch.compile on CPU, a one-token product is written as a multiply-and-sum over each
+    weight row. Inductor makes that one vectorised loop, split across cores by output row, which
+    streams the weight at close to memory bandwidth; the GEMV that F.linear calls keeps one core
+    busy on this machine (docs/benchmarks.md). Every other case is F.linear."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(in_features, out_features))
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x @ self.weight
-        return y + self.bias if self.bias is not None else y
+        if x.shape[0] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling() and not isinstance(self.weight, DTensor):
+            y = (x[:, None, :] * self.weight[None]).sum(-1)
+            return y + self.bias if self.bias is not None else y
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -159,7 +165,7 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(TransformerBlock(config, shard) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)  # tied: a transposed copy of the embedding
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)  # tied: the embedding's own weight
         self.rotary = RotaryEmbedding(config.rope, config.head_dim)
 
     def forward(
@@ -184,20 +190,20 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[0] > 1:  # as in forward: one compiled graph for one row, one for many
+            torch._dynamo.mark_dynamic(hidden, 0)
         return self.lm_head(hidden)
 
 
 @dataclass(frozen=True)
 class CheckpointTensor:
     """Where one tensor of a Hugging Face checkpoint lands in this model: in parameter `param`,
-    from output feature `start` on; [out, in] checkpoint matrices are `transposed` into our
-    [in, out] weights. With tensor parallelism a rank reads only `part` of the tensor: (dim,
-    first, count) of the checkpoint's own layout."""
+    from output feature (row) `start` on. With tensor parallelism a rank reads only `part` of the
+    tensor: (dim, first, count)."""
 
     param: str
     shape: tuple[int, ...]  # the checkpoint tensor's whole shape
     start: int = 0
-    transposed: bool = False
     part: tuple[int, int, int] | None = None
 
     @property
@@ -215,13 +221,8 @@ class CheckpointTensor:
         return tensor_slice[first : first + count] if dim == 0 else tensor_slice[:, first : first + count]
 
     def view(self, param: torch.Tensor) -> torch.Tensor:
-        """The part of `param` this tensor fills, seen in the checkpoint's layout (writable)."""
-        width = self.read_shape[0]
-        if self.transposed:
-            return param.narrow(1, self.start, width).t()
-        if param.dim() == 1:
-            return param.narrow(0, self.start, width)
-        return param
+        """The part of `param` this tensor fills (writable)."""
+        return param.narrow(0, self.start, self.read_shape[0])
 
 
 def checkpoint_layout(config: ModelConfig, shard: TPShard = NO_SHARD) -> dict[str, CheckpointTensor]:
@@ -243,25 +244,25 @@ def checkpoint_layout(config: ModelConfig, shard: TPShard = NO_SHARD) -> dict[st
         "model.norm.weight": T("norm.weight", (h,)),
     }
     if not config.tie_word_embeddings:
-        layout["lm_head.weight"] = T("lm_head.weight", (config.vocab_size, h), transposed=True)
+        layout["lm_head.weight"] = T("lm_head.weight", (config.vocab_size, h))
     for i in range(config.num_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         qkv = (("q_proj", 0, config.q_size, rows_q), ("k_proj", q, config.kv_size, rows_kv), ("v_proj", q + kv, config.kv_size, rows_kv))
         for name, start, width, rows in qkv:
-            layout[f"{hf}self_attn.{name}.weight"] = T(f"{ours}self_attn.qkv_proj.weight", (width, h), start, True, rows)
+            layout[f"{hf}self_attn.{name}.weight"] = T(f"{ours}self_attn.qkv_proj.weight", (width, h), start, rows)
             if config.attention_bias:
                 layout[f"{hf}self_attn.{name}.bias"] = T(f"{ours}self_attn.qkv_proj.bias", (width,), start, part=rows)
         cols_q = (1, rows_q[1], rows_q[2]) if rows_q else None
-        layout[f"{hf}self_attn.o_proj.weight"] = T(f"{ours}self_attn.o_proj.weight", (h, config.q_size), transposed=True, part=cols_q)
+        layout[f"{hf}self_attn.o_proj.weight"] = T(f"{ours}self_attn.o_proj.weight", (h, config.q_size), part=cols_q)
         if config.attention_bias:
             layout[f"{hf}self_attn.o_proj.bias"] = T(f"{ours}self_attn.o_proj.bias", (h,))
         if config.qk_norm:
             layout[f"{hf}self_attn.q_norm.weight"] = T(f"{ours}self_attn.q_norm.weight", (hd,))
             layout[f"{hf}self_attn.k_norm.weight"] = T(f"{ours}self_attn.k_norm.weight", (hd,))
-        layout[f"{hf}mlp.gate_proj.weight"] = T(f"{ours}mlp.gate_up_proj.weight", (inter, h), 0, True, rows_i)
-        layout[f"{hf}mlp.up_proj.weight"] = T(f"{ours}mlp.gate_up_proj.weight", (inter, h), i_count, True, rows_i)
+        layout[f"{hf}mlp.gate_proj.weight"] = T(f"{ours}mlp.gate_up_proj.weight", (inter, h), 0, rows_i)
+        layout[f"{hf}mlp.up_proj.weight"] = T(f"{ours}mlp.gate_up_proj.weight", (inter, h), i_count, rows_i)
         cols_i = (1, i_first, i_count) if split else None
-        layout[f"{hf}mlp.down_proj.weight"] = T(f"{ours}mlp.down_proj.weight", (h, inter), transposed=True, part=cols_i)
+        layout[f"{hf}mlp.down_proj.weight"] = T(f"{ours}mlp.down_proj.weight", (h, inter), part=cols_i)
         layout[f"{hf}input_layernorm.weight"] = T(f"{ours}input_layernorm.weight", (h,))
         layout[f"{hf}post_attention_layernorm.weight"] = T(f"{ours}post_attention_layernorm.weight", (h,))
     return layout

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from torch import nn
 
 from compiled_engine.attention.backend import AttentionBackend
 from compiled_engine.errors import ModelLoadError
@@ -134,7 +133,6 @@ def load_model(
         raise ModelLoadError(f"{model_dir}: missing tensors {shown}{more}")
     model.load_state_dict(params, strict=False, assign=True)
     if config.tie_word_embeddings:
-        # The head reads the embedding transposed; a copy in that layout (see Linear).
-        model.lm_head.weight = nn.Parameter(model.embed_tokens.weight.detach().t().contiguous(), requires_grad=False)
+        model.lm_head.weight = model.embed_tokens.weight  # one tensor, as in the checkpoint
     model.rotary = RotaryEmbedding(config.rope, config.head_dim).to(device)
     return model.eval()

@@ -8,7 +8,7 @@ simpler and no slower on CPU than a vocab-parallel one plus an all-gather.
 
 Weights arrive already sliced (each rank reads only its part of the checkpoint), so the styles
 wrap local tensors with `DTensor.from_local` instead of scattering full ones. Our `Linear`
-stores [in, out]: column-parallel is Shard(1), row-parallel Shard(0).
+stores [out, in]: column-parallel is Shard(0), row-parallel Shard(1).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class ColwiseLinear(ParallelStyle):
             raise TypeError(f"ColwiseLinear applies to compiled_engine Linear, not {type(module).__name__}")
 
         def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
-            _wrap_local(mod, mesh, Shard(1), Shard(0))
+            _wrap_local(mod, mesh, Shard(0), Shard(0))
 
         def prepare_input(mod: nn.Module, inputs: Any, mesh: DeviceMesh) -> DTensor:
             return DTensor.from_local(inputs[0], mesh, [Replicate()], run_check=False)
@@ -58,7 +58,7 @@ class RowwiseLinear(ParallelStyle):
             raise TypeError(f"RowwiseLinear applies to compiled_engine Linear, not {type(module).__name__}")
 
         def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
-            _wrap_local(mod, mesh, Shard(0), Replicate())
+            _wrap_local(mod, mesh, Shard(1), Replicate())
 
         def prepare_input(mod: nn.Module, inputs: Any, mesh: DeviceMesh) -> DTensor:
             local = inputs[0]
