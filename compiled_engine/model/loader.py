@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 
 from compiled_engine.attention.backend import AttentionBackend
 from compiled_engine.errors import ModelLoadError
@@ -133,6 +135,6 @@ def load_model(
         raise ModelLoadError(f"{model_dir}: missing tensors {shown}{more}")
     model.load_state_dict(params, strict=False, assign=True)
     if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight  # one tensor, as in the checkpoint
+        model.lm_head.weight = cast(nn.Parameter, model.embed_tokens.weight)  # one tensor, as in the checkpoint
     model.rotary = RotaryEmbedding(config.rope, config.head_dim).to(device)
     return model.eval()
