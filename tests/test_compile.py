@@ -13,6 +13,7 @@ import httpx
 import pytest
 import torch
 import torch._dynamo
+import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from compiled_engine.attention.metadata import AttentionMetadata
@@ -21,6 +22,7 @@ from compiled_engine.engine.compilation import INDUCTOR_CACHE_ENV, use_compile_c
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.engine.sampling_params import SamplingParams
+from compiled_engine.model.llama import Linear
 from compiled_engine.prompts import DEFAULT_PROMPTS
 from tests.server_process import running_server
 
@@ -74,8 +76,9 @@ def test_compiled_logits_match_eager_on_mixed_batches_without_recompiling(model_
     counters.clear()
     runner = _runner(model_dir, compiled=True)
     after_warm_up = counters["stats"]["unique_graphs"]
-    # the decoder layer and the head (compiled on CPU): one graph for many tokens, one for a single one
-    assert after_warm_up == 4
+    # the decoder layer: one graph for many tokens (dynamic), one for a single token; on CPU the
+    # head's one-row graph
+    assert after_warm_up == 3
     compiled = _run_steps(runner, tokens)
     assert counters["stats"]["unique_graphs"] == after_warm_up, "batch composition caused a recompilation"
     assert not counters["graph_break"], f"graph breaks: {dict(counters['graph_break'])}"
@@ -138,3 +141,31 @@ def test_the_default_compiled_server_answers(tmp_path: Path, monkeypatch: pytest
             chunks = [line[5:].strip() for line in stream.iter_lines() if line.startswith("data:")]
         streamed = "".join(json.loads(c)["choices"][0]["text"] for c in chunks if c != "[DONE]" and json.loads(c)["choices"])
         assert streamed == whole
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_compiled_one_token_product_equals_f_linear(bias: bool) -> None:
+    """A one-token product compiles to a multiply-and-sum over weight rows (Linear), the many-token
+    graph to F.linear; both must give F.linear's result."""
+    torch.manual_seed(0)
+    linear = Linear(96, 80, bias=bias)
+    torch.nn.init.normal_(linear.weight)
+    if linear.bias is not None:
+        torch.nn.init.normal_(linear.bias)
+    compiled = torch.compile(linear.forward, fullgraph=True, dynamic=False)
+    with torch.inference_mode():
+        for rows in (1, 5):
+            x = torch.randn(rows, 96)
+            torch.testing.assert_close(compiled(x), F.linear(x, linear.weight, linear.bias), atol=1e-4, rtol=1e-5)
+
+
+def test_compiled_head_of_one_row_equals_eager(tiny_model_factory: Callable[..., Path]) -> None:
+    model_dir = tiny_model_factory("llama", max_position_embeddings=64)
+    runner = _runner(model_dir, compiled=True)
+    model = runner.model
+    assert model.one_row_head is not None  # compiled on CPU
+    hidden = torch.randn(1, model.config.hidden_size)
+    with torch.inference_mode():
+        torch.testing.assert_close(model.compute_logits(hidden), F.linear(hidden, model.lm_head.weight), atol=1e-4, rtol=1e-5)
+        many = torch.randn(3, model.config.hidden_size)
+        assert torch.equal(model.compute_logits(many), F.linear(many, model.lm_head.weight))

@@ -124,7 +124,7 @@ class ModelRunner:
             ids = torch.zeros(query_len, dtype=torch.int64, device=self.device)
             positions = torch.arange(tokens - query_len, tokens, device=self.device)
             hidden = self.model(ids, positions, kv_cache, metadata)
-            self.model.compute_logits(hidden[: min(query_len, 2)])  # the head: many rows, then one
+            self.model.compute_logits(hidden[-1:])
 
     def _kv_budget_bytes(self, config: EngineConfig) -> int:
         if config.kv_cache_memory_gib is not None:

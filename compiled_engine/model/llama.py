@@ -11,6 +11,7 @@ checkpoint tensor lands.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,6 +168,8 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)  # tied: the embedding's own weight
         self.rotary = RotaryEmbedding(config.rope, config.head_dim)
+        # The head for a single row, compiled on CPU (engine/compilation.py); else lm_head itself.
+        self.one_row_head: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(
         self,
@@ -190,8 +193,8 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.shape[0] > 1:  # as in forward: one compiled graph for one row, one for many
-            torch._dynamo.mark_dynamic(hidden, 0)
+        if hidden.shape[0] == 1 and self.one_row_head is not None:
+            return self.one_row_head(hidden)
         return self.lm_head(hidden)
 
 
