@@ -15,8 +15,10 @@ from pathlib import Path
 
 import torch
 import torch._inductor.config
+from torch.distributed.tensor import DTensor
 
-from compiled_engine.model.llama import Transformer
+from compiled_engine.model.llama import Linear, Transformer
+from compiled_engine.model.packed_linear import can_pack, pack
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,10 @@ def compile_layers(model: Transformer) -> None:
     # Each layer is one code object called 30-odd times per step; two graphs (one token, many
     # tokens) per code object is the expected state, so the default limit of 8 is ample.
     for layer in model.layers:
+        for module in layer.modules():
+            if isinstance(module, Linear) and not isinstance(module.weight, DTensor) and can_pack(module.weight):
+                pack(module.weight)
+                module.packed = True
         layer.compile(fullgraph=True)  # the token dimension is marked dynamic by the model
     if model.lm_head.weight.device.type == "cpu":
         # On CPU the head's one-row product is the largest GEMV of a decode step, and compiled it

@@ -24,6 +24,7 @@ from compiled_engine.attention.backend import AttentionBackend
 from compiled_engine.attention.metadata import AttentionMetadata
 from compiled_engine.attention.op import attention_forward, paged_attention
 from compiled_engine.model.config import ModelConfig, RopeConfig
+from compiled_engine.model.packed_linear import packed_linear
 from compiled_engine.parallel.shard import NO_SHARD, TPShard
 
 
@@ -34,17 +35,22 @@ class Linear(nn.Module):
     Under torch.compile on CPU, a one-token product is written as a multiply-and-sum over each
     weight row. Inductor makes that one vectorised loop, split across cores by output row, which
     streams the weight at close to memory bandwidth; the GEMV that F.linear calls keeps one core
-    busy on this machine (docs/benchmarks.md). Every other case is F.linear."""
+    busy on this machine (docs/benchmarks.md). Products of more rows go through the weight's
+    oneDNN-packed copy when it has one (`packed`, model/packed_linear.py), else F.linear."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        # Set when the weight has a oneDNN-packed copy (model/packed_linear.py, compiled CPU runs).
+        self.packed = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling() and not isinstance(self.weight, DTensor):
             y = (x[:, None, :] * self.weight[None]).sum(-1)
             return y + self.bias if self.bias is not None else y
+        if self.packed:
+            return packed_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -1,0 +1,56 @@
+"""oneDNN-packed weights for the CPU products of a few rows (batched decode, small prefills).
+
+For 8 to 32 rows, oneDNN's linear on a weight reordered once into its blocked layout ran the
+decoder layer's products about 1.3x (32 rows) to 1.7x (8 rows) faster than F.linear on this CPU;
+from about 128 rows on the two are even (docs/benchmarks.md). Inductor only uses these kernels
+when it freezes the weights into constants, which would give every layer its own compiled graph,
+so the compiled layer calls them through the opaque operator `compiled_engine::packed_linear`,
+which finds the packed copy of the weight it is given. The packed copies are kept beside the
+dense weights (which one-token products and the eager model read), so packing costs one more
+copy of the layer weights in memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
+
+# weight Parameter -> its oneDNN-packed copy; entries go with their weights.
+_packed: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def pack(weight: torch.Tensor) -> None:
+    """Keep a oneDNN-packed copy of `weight` ([out, in], fp32, CPU) for `packed_linear`."""
+    if not can_pack(weight):
+        raise ValueError(f"cannot pack a {weight.dtype} weight on {weight.device} for oneDNN")
+    _packed[weight] = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
+def is_packed(weight: torch.Tensor) -> bool:
+    return weight in _packed
+
+
+torch.library.define("compiled_engine::packed_linear", "(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+
+
+@torch.library.impl("compiled_engine::packed_linear", "CompositeExplicitAutograd")
+def _packed_linear_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    packed = _packed.get(weight)
+    if packed is None:  # not packed (or packed for another tensor): the plain product
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@torch.library.register_fake("compiled_engine::packed_linear")
+def _packed_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for 2-D x, through the packed copy of `weight` when there is one."""
+    return torch.ops.compiled_engine.packed_linear(x, weight, bias)
