@@ -45,7 +45,7 @@ def test_packing_refuses_what_onednn_does_not_run_here() -> None:
         pack(torch.randn(4, 4, dtype=torch.bfloat16))
 
 
-def test_the_compiled_model_packs_its_layer_weights_and_the_eager_one_does_not(tiny_model_factory: Callable[..., Path]) -> None:
+def test_the_compiled_model_packs_its_layer_and_head_weights_and_the_eager_one_does_not(tiny_model_factory: Callable[..., Path]) -> None:
     model_dir = tiny_model_factory("qwen3", max_position_embeddings=64)
 
     def build(compiled: bool) -> tuple[ModelRunner, list[Linear]]:
@@ -54,11 +54,16 @@ def test_the_compiled_model_packs_its_layer_weights_and_the_eager_one_does_not(t
 
     runner, compiled = build(compiled=True)
     assert compiled and all(m.packed and is_packed(m.weight) for m in compiled)
+    head = runner.model.lm_head
+    assert head.packed and is_packed(head.weight)
+    hidden = torch.randn(4, runner.model.config.hidden_size)
+    with torch.inference_mode():
+        torch.testing.assert_close(runner.model.compute_logits(hidden), F.linear(hidden, head.weight), atol=1e-4, rtol=1e-5)
     # and the compiled graph for many tokens really runs the packed products
     metadata = AttentionMetadata.build([5], [5], [[0]], runner.page_size, torch.device("cpu"))
     with torch.inference_mode(), torch.profiler.profile() as prof:
         runner.model(torch.arange(3, 8), torch.arange(5), runner.kv_cache, metadata)
     ops = {event.key: event.count for event in prof.key_averages()}
     assert ops.get("mkldnn::_linear_pointwise", 0) == len(compiled)
-    _, eager = build(compiled=False)
-    assert not any(m.packed or is_packed(m.weight) for m in eager)
+    eager_runner, eager = build(compiled=False)
+    assert not any(m.packed or is_packed(m.weight) for m in [*eager, eager_runner.model.lm_head])
