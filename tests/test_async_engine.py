@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.outputs import RequestOutput
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.errors import (
+    CompiledEngineError,
     EngineDeadError,
     EngineOverloadedError,
     EngineShuttingDownError,
@@ -88,3 +90,32 @@ def test_shutdown_stops_admission(engine: AsyncEngine) -> None:
     engine.shutdown(grace_s=1)
     with pytest.raises((EngineShuttingDownError, EngineDeadError)):
         asyncio.run(collect(engine, [1, 2], SamplingParams(max_tokens=2)))
+
+
+def test_a_build_function_builds_the_engine_on_the_loop_thread(tiny_model_factory: Callable[..., Path]) -> None:
+    model_dir = str(tiny_model_factory("llama"))
+    built_on: list[str] = []
+
+    def build() -> LLMEngine:
+        built_on.append(threading.current_thread().name)
+        return LLMEngine(EngineConfig(model=model_dir, page_size=4, num_pages=64))
+
+    async_engine = AsyncEngine(build)
+    async_engine.start()
+    try:
+        assert built_on == ["engine-loop"]
+        assert isinstance(async_engine.engine, LLMEngine)
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        outputs = asyncio.run(collect(async_engine, [5, 6, 7], params))
+        assert outputs[-1].finished and len(outputs[-1].token_ids) == 4
+    finally:
+        async_engine.shutdown(grace_s=1)
+
+
+def test_a_failing_build_is_raised_by_start(tmp_path: Path) -> None:
+    async_engine = AsyncEngine(lambda: LLMEngine(EngineConfig(model=str(tmp_path / "missing"))))
+    with pytest.raises(CompiledEngineError, match="missing"):
+        async_engine.start()
+    assert not async_engine.is_alive
+    with pytest.raises(EngineDeadError):
+        asyncio.run(collect(async_engine, [5, 6], SamplingParams(max_tokens=2)))

@@ -12,9 +12,11 @@ import pytest
 from compiled_engine.bench import __main__ as bench
 from compiled_engine.bench.hf_baseline import BaselineUnavailable, load_hf
 from compiled_engine.bench.plots import PlotUnavailable
-from compiled_engine.bench.runs import run_hf_as_server
+from compiled_engine.bench.runs import run_hf_as_server, weight_bytes
 from compiled_engine.bench.serving import RequestRecord, percentiles, summarize
 from compiled_engine.bench.workload import Workload
+from compiled_engine.config import EngineConfig
+from compiled_engine.engine.llm_engine import LLMEngine
 from tests.server_process import free_port, running_server
 
 ENV_KEYS = {"git_commit", "python", "torch", "transformers", "device", "dtype", "cpu_model", "cpu_threads", "model_config_hash"}
@@ -229,3 +231,15 @@ def test_nvtx_ranges_are_inert_without_cuda(monkeypatch: pytest.MonkeyPatch) -> 
     assert not profiling.nvtx_enabled()
     with profiling.nvtx_range("forward") as entered:
         assert entered is None
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_weight_bytes_counts_the_head_once_and_the_embedding_never(tied: bool, tiny_model_factory: Callable[..., Path]) -> None:
+    model_dir = tiny_model_factory("llama", tie_word_embeddings=tied)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory_gib=0.01))
+    model = engine.runner.model
+    assert (model.lm_head.weight is model.embed_tokens.weight) == tied
+    layers = sum(p.numel() * p.element_size() for p in model.layers.parameters())
+    head = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    final_norm = model.norm.weight.numel() * model.norm.weight.element_size()
+    assert weight_bytes(engine) == layers + head + final_norm

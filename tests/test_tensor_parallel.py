@@ -205,7 +205,8 @@ def test_server_with_a_lost_worker_reports_not_ready_and_exits_non_zero(tmp_path
     from tests.server_process import running_server
 
     with running_server(tmp_path, "--tensor-parallel-size", "3", "--device", "cpu", "--kv-cache-memory-gib", "0.05", "--distributed-timeout-s", "10") as server:
-        children = Path(f"/proc/{server.process.pid}/task/{server.process.pid}/children").read_text().split()
+        # children of any of the server's threads (the engine loop thread starts the ranks)
+        children = [pid for task in Path(f"/proc/{server.process.pid}/task").iterdir() for pid in (task / "children").read_text().split()]
         # the spawned ranks (not multiprocessing's resource tracker)
         workers = [int(pid) for pid in children if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
         assert len(workers) == 2, children

@@ -33,6 +33,7 @@ from compiled_engine.bench.runs import run_hf, run_hf_as_server, run_ours, weigh
 from compiled_engine.bench.serving import run_load, summarize
 from compiled_engine.bench.workload import Workload, random_workload
 from compiled_engine.config import DTYPES, EngineConfig
+from compiled_engine.engine.async_engine import AsyncEngine
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.errors import CompiledEngineError
 from compiled_engine.model.config import ModelConfig
@@ -245,8 +246,12 @@ def bench_serve(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     workload = random_workload(vocab, args.num_prompts, tuple(args.input_len), tuple(args.output_len), args.seed)
     sweep_name = "request_rate" if args.request_rate is not None else "concurrency"
     loads: list[float] = list(args.request_rate) if args.request_rate is not None else list(args.concurrency or [1, 4, 16, 64])
-    engine = None if args.base_url else _engine(args, max_num_seqs=args.max_num_seqs)
-    server = serve_in_background(engine) if engine is not None else nullcontext(args.base_url.rstrip("/"))
+    async_engine = None
+    if not args.base_url:  # built on its loop thread, which runs all its steps (see AsyncEngine)
+        async_engine = AsyncEngine(lambda: _engine(args, max_num_seqs=args.max_num_seqs), max_waiting_requests=4096)
+        async_engine.start()
+    engine = async_engine.engine if async_engine is not None else None
+    server = serve_in_background(async_engine) if async_engine is not None else nullcontext(args.base_url.rstrip("/"))
     points: list[dict[str, Any]] = []
     with server as base_url:
         warm = random_workload(vocab, 1, (8, 8), (2, 2), args.seed + 1)

@@ -18,11 +18,14 @@ from compiled_engine.engine.sampling_params import SamplingParams
 
 
 def weight_bytes(engine: LLMEngine) -> int:
-    """Weight bytes one forward step reads: every parameter but the embedding table, of which a
-    step reads only its tokens' rows (the head has its own copy, also for tied embeddings)."""
+    """Weight bytes one forward step reads: every parameter once, except the embedding table, of
+    which a step reads only its tokens' rows; a tied head reads that whole table as its weight."""
     model = engine.runner.model
     embedding = model.embed_tokens.weight
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding)
+    total = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding)
+    if model.lm_head.weight is embedding:
+        total += embedding.numel() * embedding.element_size()
+    return total
 
 
 def kv_bytes_per_token(engine: LLMEngine) -> int:

@@ -32,7 +32,10 @@ def run_server(
     shutdown_grace_s: float,
 ) -> int:
     started = time.perf_counter()
-    engine = LLMEngine(config)
+    # The engine is built on the loop thread that will run it (see AsyncEngine).
+    async_engine = AsyncEngine(lambda: LLMEngine(config), max_waiting_requests)
+    async_engine.start()
+    engine = async_engine.engine
     load_s = time.perf_counter() - started
     name = served_model_name or (config.model or "SmolLM2-135M-Instruct")
     runner = engine.runner
@@ -41,8 +44,6 @@ def run_server(
         name, engine.model_dir, load_s, runner.device, str(runner.dtype).removeprefix("torch."),
         runner.num_pages, runner.page_size, engine.max_model_len,
     )
-    async_engine = AsyncEngine(engine, max_waiting_requests)
-    async_engine.start()
     app = create_app(async_engine, ServerSettings(name, api_keys, max_body_bytes))
     app.on_shutdown.append(lambda: async_engine.shutdown(grace_s=shutdown_grace_s))
     logger.info("serving on http://%s:%d/v1 (OpenAPI schema at /docs/openapi.json)", host, port)
@@ -89,11 +90,10 @@ class _DrainingServer(uvicorn.Server):
 
 
 @contextmanager
-def serve_in_background(engine: LLMEngine, served_model_name: str = "bench", max_waiting_requests: int = 4096) -> Iterator[str]:
-    """Our server for `engine` on a free loopback port, in a thread of this process, for the
-    serving bench. Yields the base URL; stops the server and the engine loop on exit."""
-    async_engine = AsyncEngine(engine, max_waiting_requests)
-    async_engine.start()
+def serve_in_background(async_engine: AsyncEngine, served_model_name: str = "bench") -> Iterator[str]:
+    """Our server for `async_engine` (started) on a free loopback port, in a thread of this
+    process, for the serving bench. Yields the base URL; stops the server and the engine loop on
+    exit."""
     app = create_app(async_engine, ServerSettings(served_model_name))
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
