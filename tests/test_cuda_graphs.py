@@ -12,7 +12,12 @@ import torch
 
 from compiled_engine.attention.metadata import AttentionMetadata
 from compiled_engine.config import EngineConfig
-from compiled_engine.engine.cuda_graphs import DecodeBuffers, capture_sizes, padded_size
+from compiled_engine.engine.cuda_graphs import (
+    CudaGraphRunner,
+    DecodeBuffers,
+    capture_sizes,
+    padded_size,
+)
 from compiled_engine.engine.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
@@ -100,12 +105,67 @@ def test_padded_decode_batch_in_static_buffers_matches_the_batch_alone(tiny_mode
     assert runner.kv_cache[:, scratch].abs().sum() > 0
 
 
+class _RecordingGraph:
+    """Stands in for torch.cuda.CUDAGraph on CPU: records captures and replays."""
+
+    capturing = False
+
+    def __init__(self) -> None:
+        self.replays = 0
+
+    def pool(self) -> tuple[int, int]:
+        return (0, 0)
+
+    def replay(self) -> None:
+        self.replays += 1
+
+
+class _Capture:
+    def __init__(self, graph: _RecordingGraph, pool: object = None) -> None:
+        self.graph = graph
+
+    def __enter__(self) -> None:
+        _RecordingGraph.capturing = True
+
+    def __exit__(self, *exc: object) -> None:
+        _RecordingGraph.capturing = False
+
+
+def test_capture_derives_per_forward_tensors_inside_the_graph_and_keeps_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a backend derives once per forward (metadata.per_forward) must be computed during the
+    capture, so that replays recompute it from the buffers: the warm-up's copy is stale (and
+    freed). Checked on CPU with stand-ins for the CUDA graph API."""
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _RecordingGraph)
+    monkeypatch.setattr(torch.cuda, "graph", _Capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    seen: list[tuple[bool, int, AttentionMetadata]] = []
+
+    def forward(ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        seen.append((_RecordingGraph.capturing, len(metadata.per_forward), metadata))
+        metadata.per_forward.setdefault("rows", metadata.slot_mapping * 2)
+        return torch.zeros(ids.shape[0], 8)
+
+    buffers = DecodeBuffers(max_size=8, max_pages=4, page_size=4, scratch_page=9, device=torch.device("cpu"))
+    runner = CudaGraphRunner(forward, buffers, [1, 2, 4, 8])
+    runner.capture()
+    captured = [(per_forward, metadata) for capturing, per_forward, metadata in seen if capturing]
+    warm_ups = [metadata for capturing, _, metadata in seen if not capturing]
+    assert len(captured) == len(warm_ups) == 4
+    assert all(per_forward == 0 for per_forward, _ in captured)  # nothing carried over from the warm-up
+    assert all(c is not w for (_, c), w in zip(captured, warm_ups, strict=True))
+    assert [runner.metadata[size] for size in (8, 4, 2, 1)] == [m for _, m in captured]
+    assert all("rows" in runner.metadata[size].per_forward for size in (1, 2, 4, 8))  # kept alive
+    logits = runner.replay([5, 6, 7], [3, 4, 5], [[0, 1], [2, 3], [5, 6]])
+    assert logits is not None and logits.shape == (3, 8)
+    assert isinstance(runner.graphs[4], _RecordingGraph) and runner.graphs[4].replays == 1
+
+
 @pytest.mark.gpu
 @torch.inference_mode()
 def test_every_captured_size_replays_like_eager_on_cuda(tiny_model_factory: Callable[..., Path]) -> None:
     model_dir = tiny_model_factory("llama")
     config = dict(model=str(model_dir), device="cuda", dtype="float32", kv_cache_memory_gib=0.05, max_num_seqs=20)
-    graphed = ModelRunner(model_dir, EngineConfig(**config))  # type: ignore[arg-type]
+    graphed = ModelRunner(model_dir, EngineConfig(**config, enforce_eager=False))  # type: ignore[arg-type]  # the tests default to eager
     eager = ModelRunner(model_dir, EngineConfig(**config, enforce_eager=True))  # type: ignore[arg-type]
     assert graphed.graphs is not None and sorted(graphed.graphs.graphs) == capture_sizes(20)
     gen = torch.Generator().manual_seed(0)

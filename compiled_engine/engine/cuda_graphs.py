@@ -110,6 +110,9 @@ class CudaGraphRunner:
         self.sizes = sizes
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        # The metadata each graph was captured with, kept alive with it: the tensors a backend
+        # derives from it during the capture (metadata.per_forward) live in the graph's pool.
+        self.metadata: dict[int, AttentionMetadata] = {}
         self.capture_seconds = 0.0
 
     def capture(self) -> None:
@@ -117,13 +120,17 @@ class CudaGraphRunner:
         pool = None
         b = self.buffers
         for size in sorted(self.sizes, reverse=True):  # largest first: the pool fits the rest
-            metadata = b.metadata(size)
             ids, positions = b.input_ids[:size], b.positions[:size]
-            self.forward(ids, positions, metadata)  # warm-up outside capture (lazy inits, autotuning)
+            self.forward(ids, positions, b.metadata(size))  # warm-up outside capture (lazy inits, autotuning)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
+            # A fresh metadata, so that what backends derive from it once per forward (index rows,
+            # key masks) is computed inside the graph and recomputed from the buffers at every
+            # replay, not taken from the warm-up's (stale, and freed after it).
+            metadata = b.metadata(size)
             with torch.cuda.graph(graph, pool=pool):
                 self.outputs[size] = self.forward(ids, positions, metadata)
+            self.metadata[size] = metadata
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
