@@ -45,9 +45,8 @@ def compile_layers(model: Transformer) -> None:
     # tokens) per code object is the expected state, so the default limit of 8 is ample.
     for layer in model.layers:
         for module in layer.modules():
-            if isinstance(module, Linear) and not isinstance(module.weight, DTensor) and can_pack(module.weight):
-                pack(module.weight)
-                module.packed = True
+            if isinstance(module, Linear):
+                _pack_if_possible(module)
         layer.compile(fullgraph=True)  # the token dimension is marked dynamic by the model
     if model.lm_head.weight.device.type == "cpu":
         # On CPU the head's one-row product is the largest GEMV of a decode step, and compiled it
@@ -55,6 +54,11 @@ def compile_layers(model: Transformer) -> None:
         # GPU one cuBLAS call either way), so they stay eager, one graph less to build at start;
         # on CPU they go through the packed head, 2-4x faster than F.linear for 2-32 rows here.
         model.one_row_head = torch.compile(model.lm_head.forward, fullgraph=True, dynamic=False)
-        if can_pack(model.lm_head.weight):
-            pack(model.lm_head.weight)
-            model.lm_head.packed = True
+        _pack_if_possible(model.lm_head)
+
+
+def _pack_if_possible(linear: Linear) -> None:
+    """Give `linear` a oneDNN-packed weight where one can run (fp32 on CPU, not tensor-parallel)."""
+    if not isinstance(linear.weight, DTensor) and can_pack(linear.weight):
+        pack(linear.weight)
+        linear.packed = True

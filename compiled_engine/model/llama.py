@@ -4,8 +4,8 @@ The model takes a flat batch: every sequence's new tokens concatenated, with the
 AttentionMetadata saying which tokens belong to which sequence and where their K/V pages live. So
 prefill, decode and any mixture of the two are one code path. Attention is one opaque operator
 (attention/op.py), so the decoder layer compiles as a single graph. Parameter names follow the Hugging
-Face checkpoints with the leading `model.` dropped, except that q/k/v and gate/up are fused (their rows stacked); `checkpoint_layout` says where each
-checkpoint tensor lands.
+Face checkpoints with the leading `model.` dropped, except that q/k/v and gate/up are fused (their
+rows stacked); `checkpoint_layout` says where each checkpoint tensor lands.
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ decoder layer's products about 1.3x (32 rows) to 1.7x (8 rows) faster than F.lin
 from about 128 rows on the two are even (docs/benchmarks.md). Inductor only uses these kernels
 when it freezes the weights into constants, which would give every layer its own compiled graph,
 so the compiled layer calls them through the opaque operator `compiled_engine::packed_linear`,
-which finds the packed copy of the weight it is given. The packed copies are kept beside the
-dense weights (which one-token products and the eager model read), so packing costs one more
-copy of the layer weights in memory.
+which finds the packed copy of the weight it is given. The packed copies (layers and head) are
+kept beside the dense weights (which one-token products and the eager model read), so packing
+costs one more copy of those weights in memory.
 """
 
 from __future__ import annotations
