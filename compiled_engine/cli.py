@@ -24,7 +24,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory-gib", type=float, default=None, help="default: 1 GiB on CPU; on CUDA what --gpu-memory-utilization leaves")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory for weights, activations, CUDA graphs and the KV cache")
     parser.add_argument("--enforce-eager", action="store_true", help="plain eager PyTorch: no torch.compile, no CUDA graphs")
-    parser.add_argument("--attention-backend", choices=["torch", "flashinfer"], default=None, help="default: flashinfer on CUDA when it can run the model, else torch")
+    parser.add_argument("--attention-backend", choices=["torch", "cpu", "flashinfer"], default=None, help="default: flashinfer on CUDA, cpu (native decode kernel) on the CPU, when they can run the model; else torch")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="compiled, but decode without CUDA graphs")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)

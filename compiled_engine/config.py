@@ -24,7 +24,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     kv_cache_memory_gib: float | None = None
     gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None  # None = the model's max_position_embeddings
-    attention_backend: str | None = None  # "torch" or "flashinfer"; None = flashinfer on CUDA when it can run
+    attention_backend: str | None = None  # "torch", "cpu" or "flashinfer"; None = flashinfer on CUDA, cpu on the CPU, when they can run
     max_num_seqs: int = 256  # sequences running at once
     max_num_batched_tokens: int = 2048  # tokens in one forward (decodes plus prefill chunks)
     enable_prefix_caching: bool = True

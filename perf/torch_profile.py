@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="requests running together")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--attention-backend", choices=["torch", "cpu", "flashinfer"], default=None)
     parser.add_argument("--trace", type=Path, default=Path("torch_trace.json"))
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
@@ -40,6 +41,7 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(
         model=args.model, device=args.device, kv_cache_memory_gib=1.0, max_num_seqs=max(args.batch, 1),
         enforce_eager=True if args.enforce_eager else None,
+        attention_backend=args.attention_backend,
     ))
 
     rng = random.Random(0)

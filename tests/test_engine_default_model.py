@@ -39,7 +39,10 @@ def golden(default_model_dir: Path) -> dict[str, Any]:
 
 CONFIGS = {
     "chunk1-page4-prefix": dict(max_num_batched_tokens=1, page_size=4, num_pages=400),
-    "chunk7-page4-no-prefix": dict(max_num_batched_tokens=7, page_size=4, num_pages=400, enable_prefix_caching=False),
+    # the torch reference backend here; the others take the CPU default (the native decode kernel)
+    "chunk7-page4-no-prefix-torch": dict(
+        max_num_batched_tokens=7, page_size=4, num_pages=400, enable_prefix_caching=False, attention_backend="torch"
+    ),
     "chunk64-page16-preempt": dict(max_num_batched_tokens=64, page_size=16, num_pages=12),
     "chunk64-page4-preempt-no-prefix": dict(
         max_num_batched_tokens=64, page_size=4, num_pages=30, enable_prefix_caching=False
@@ -54,6 +57,7 @@ def llm(request: pytest.FixtureRequest, default_model_dir: Path) -> Iterator[tup
 
 def test_concurrent_requests_match_the_oracle(llm: tuple[str, LLM], golden: dict[str, Any]) -> None:
     name, engine = llm
+    assert engine.engine.runner.model.backend.name == ("torch" if name.endswith("-torch") else "cpu")
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     outputs = engine.generate(golden["prompts"], params, use_tqdm=False)
     for i, (output, expected) in enumerate(zip(outputs, golden["tokens"], strict=True)):

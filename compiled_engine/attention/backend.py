@@ -34,7 +34,7 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
-BACKENDS = ("torch", "flashinfer")
+BACKENDS = ("torch", "cpu", "flashinfer")
 
 
 @dataclass(frozen=True)
@@ -50,15 +50,16 @@ class AttentionShape:
 
 
 def get_backend(name: str | None, shape: AttentionShape | None = None) -> AttentionBackend:
-    """`name` None picks FlashInfer on CUDA when it can run this model and the torch backend
-    otherwise (with one warning saying why, on CUDA). An explicit "flashinfer" that cannot run
-    falls back to torch with a warning: never a silently wrong result."""
+    """`name` None picks FlashInfer on CUDA and the CPU backend (native decode kernel) on the CPU
+    when they can run this model, else the torch backend, with one warning saying why. An
+    explicit "cpu" or "flashinfer" that cannot run falls back to torch with a warning: never a
+    silently wrong result."""
     if name is not None and name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r} (available: {', '.join(BACKENDS)})")
-    if name == "torch" or shape is None or (name is None and shape.device.type != "cuda"):
-        from compiled_engine.attention.torch_backend import TorchAttentionBackend
-
-        return TorchAttentionBackend()
+    if name == "torch" or shape is None:
+        return _torch_backend()
+    if name == "cpu" or (name is None and shape.device.type != "cuda"):
+        return _cpu_backend(shape)
     from compiled_engine.attention.flashinfer_backend import (
         FlashInferAttentionBackend,
         flashinfer_unsupported_reason,
@@ -67,5 +68,31 @@ def get_backend(name: str | None, shape: AttentionShape | None = None) -> Attent
     reason = flashinfer_unsupported_reason(shape.head_dim, shape.dtype, shape.device)
     if reason is not None:
         logger.warning("attention backend: torch, because %s", reason)
-        return get_backend("torch")
+        return _torch_backend()
     return FlashInferAttentionBackend(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.page_size, shape.dtype, shape.device)
+
+
+def _torch_backend() -> AttentionBackend:
+    from compiled_engine.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend()
+
+
+def _cpu_backend(shape: AttentionShape) -> AttentionBackend:
+    from compiled_engine.attention.cpu_backend import CpuAttentionBackend
+    from compiled_engine.attention.native_decode import (
+        KernelBuildError,
+        load_native_decode,
+        unsupported_reason,
+    )
+
+    reason = unsupported_reason(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.page_size, shape.dtype)
+    if shape.device.type != "cpu":
+        reason = f"the cpu backend runs on the CPU, not {shape.device.type}"
+    if reason is None:
+        try:
+            return CpuAttentionBackend(load_native_decode())
+        except KernelBuildError as error:
+            reason = str(error)
+    logger.warning("attention backend: torch, because %s", reason)
+    return _torch_backend()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -27,9 +28,9 @@ class AttentionMetadata:
     # Every sequence adds exactly one token. Backends then read only the device tensors, so the
     # same metadata object can describe static buffers rewritten before each CUDA-graph replay.
     decode_only: bool = False
-    # Tensors derived once per forward and shared by every layer (for example the decode key
-    # mask); backends fill it. Not part of the metadata's identity.
-    per_forward: dict[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    # What a backend derives once per forward and shares between the layers (for example the
+    # decode key mask); backends fill it. Not part of the metadata's identity.
+    per_forward: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_seqs(self) -> int:

@@ -9,6 +9,8 @@ captured in a CUDA graph.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -44,7 +46,7 @@ def _decode_rows(block_tables: torch.Tensor, seq_lens: torch.Tensor, page_size: 
     return rows, bias[:, None, None, :]
 
 
-def _per_forward(metadata: AttentionMetadata, page_size: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _per_forward(metadata: AttentionMetadata, page_size: int, dtype: torch.dtype) -> dict[str, Any]:
     """Index tensors and key masks, built by the first layer of a forward and reused by the
     others (so a step pays for them once, not once per layer). In a mixed batch, the decoding
     sequences (one new token each) are picked out to run batched too."""
@@ -60,6 +62,7 @@ def _per_forward(metadata: AttentionMetadata, page_size: int, dtype: torch.dtype
     if len(decoding) > 1:
         device = metadata.block_tables.device
         seqs = torch.tensor(decoding, device=device)
+        cached["decode_seqs"] = frozenset(decoding)
         cached["decode_tokens"] = torch.tensor([starts[i] for i in decoding], device=device)
         cached["read_rows"], cached["key_bias"] = _decode_rows(metadata.block_tables[seqs], metadata.seq_lens[seqs], page_size, dtype)
     return cached
@@ -92,6 +95,43 @@ def decode_attention(
     return attended.reshape(num_seqs, num_heads, head_dim)
 
 
+def attend_prompts(q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float, out: torch.Tensor, skip: frozenset[int] = frozenset()) -> None:
+    """One SDPA per sequence of the batch (except those in `skip`), written into `out`; their
+    K/V must already be in the cache. A whole prompt runs `is_causal`; a chunk after a cached
+    prefix, or one new token, a mask offset by the prefix."""
+    _, _, page_size, num_kv_heads, head_dim = kv_cache.shape
+    num_heads = q.shape[1]
+    starts = metadata.query_start_loc_cpu
+    for i, seq_len in enumerate(metadata.seq_lens_cpu):
+        if i in skip:
+            continue
+        start, end = starts[i], starts[i + 1]
+        q_len = end - start
+        num_pages = -(-seq_len // page_size)
+        pages = kv_cache[metadata.block_tables[i, :num_pages]]  # [p, 2, page, kvh, d]
+        keys = pages[:, 0].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        values = pages[:, 1].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        mask = None
+        if 1 < q_len < seq_len:
+            # A chunk after a cached prefix: query j sits at seq_len - q_len + j.
+            query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+            key_pos = torch.arange(seq_len, device=q.device)
+            mask = key_pos[None, :] <= query_pos[:, None]
+        # 4-D inputs: with a batch dimension SDPA takes its fused CPU kernel, without one
+        # the unfused math path (about 20x slower for a 512-token prompt here).
+        attended = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1)[None],  # [1, heads, q_len, d]
+            keys.transpose(0, 1).to(q.dtype)[None],
+            values.transpose(0, 1).to(q.dtype)[None],
+            attn_mask=mask,
+            # A whole prompt at once is plain causal attention, which SDPA runs without a mask.
+            is_causal=q_len == seq_len and q_len > 1,
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
+        out[start:end] = attended[0].transpose(0, 1)
+
+
 class TorchAttentionBackend:
     name = "torch"
 
@@ -108,41 +148,11 @@ class TorchAttentionBackend:
         write_kv(k, v, kv_cache, metadata.slot_mapping, cached["write_rows"])
         if metadata.decode_only:
             return decode_attention(q, kv_cache, cached["read_rows"], cached["key_bias"], scale)
-        _, _, page_size, num_kv_heads, head_dim = kv_cache.shape
-        num_heads = q.shape[1]
         out = torch.empty_like(q)
-        batched = "decode_tokens" in cached
-        if batched:  # the decoding sequences of a mixed batch, in one call
+        skip: frozenset[int] = frozenset()
+        if "decode_tokens" in cached:  # the decoding sequences of a mixed batch, in one call
             tokens = cached["decode_tokens"]
             out[tokens] = decode_attention(q[tokens], kv_cache, cached["read_rows"], cached["key_bias"], scale)
-        starts = metadata.query_start_loc_cpu
-        for i, seq_len in enumerate(metadata.seq_lens_cpu):
-            start, end = starts[i], starts[i + 1]
-            q_len = end - start
-            if batched and q_len == 1:
-                continue
-            num_pages = -(-seq_len // page_size)
-            pages = kv_cache[metadata.block_tables[i, :num_pages]]  # [p, 2, page, kvh, d]
-            keys = pages[:, 0].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-            values = pages[:, 1].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-            # Query j sits at position seq_len - q_len + j and sees keys 0..that position.
-            mask = None
-            if 1 < q_len < seq_len:
-                # A chunk after a cached prefix: query j sits at seq_len - q_len + j.
-                query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-                key_pos = torch.arange(seq_len, device=q.device)
-                mask = key_pos[None, :] <= query_pos[:, None]
-            # 4-D inputs: with a batch dimension SDPA takes its fused CPU kernel, without one
-            # the unfused math path (about 20x slower for a 512-token prompt here).
-            attended = F.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1)[None],  # [1, heads, q_len, d]
-                keys.transpose(0, 1).to(q.dtype)[None],
-                values.transpose(0, 1).to(q.dtype)[None],
-                attn_mask=mask,
-                # A whole prompt at once is plain causal attention, which SDPA runs without a mask.
-                is_causal=q_len == seq_len and q_len > 1,
-                scale=scale,
-                enable_gqa=num_heads != num_kv_heads,
-            )
-            out[start:end] = attended[0].transpose(0, 1)
+            skip = cached["decode_seqs"]
+        attend_prompts(q, kv_cache, metadata, scale, out, skip)
         return out

@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         sub.add_argument("--enforce-eager", action="store_true", help="measure the eager model (no torch.compile, no CUDA graphs)")
         sub.add_argument("--no-cuda-graphs", action="store_true")
-        sub.add_argument("--attention-backend", choices=["torch", "flashinfer"], default=None)
+        sub.add_argument("--attention-backend", choices=["torch", "cpu", "flashinfer"], default=None)
         sub.add_argument("--baseline", choices=["none", "hf"], default="none")
         sub.add_argument("--seed", type=int, default=0)
         sub.add_argument("--json", type=Path, default=None, help="write every figure and the environment here")

@@ -1,0 +1,231 @@
+"""The CPU backend's native decode-attention kernel: built from `kernels/paged_decode.c` with the
+machine's C compiler (the one Inductor already needs on CPU), cached under the engine cache, and
+called through ctypes.
+
+The shared library is keyed by the source, the compiler's identity and the CPU's feature flags
+(it is built with `-march=native`), so a cache copied to another machine rebuilds rather than
+runs instructions that CPU lacks. It links OpenMP as `libgomp.so.1`, the name of the runtime
+PyTorch has already loaded, so both share one thread pool. Building takes well under a second.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from compiled_engine.model.default_model import cache_root
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels") / "paged_decode.c"
+# Limits compiled into the kernel; shapes outside them take the torch backend's decode path.
+MAX_CHUNK = 512
+MAX_HEADS = 128
+MAX_HEAD_DIM = 256
+LANES = 8
+# Each sequence's keys are split into chunks so that there are at least this many work items
+# per thread (one sequence alone must still use every core).
+ITEMS_PER_THREAD = 4
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared")
+OPENMP = ("-fopenmp",)
+
+
+class KernelBuildError(RuntimeError):
+    """The C compiler is missing or failed; the message says which and why."""
+
+
+def unsupported_reason(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype) -> str | None:
+    """Why the native kernel cannot run this attention shape, or None if it can."""
+    if dtype != torch.float32:
+        return f"the native kernel is fp32 only (got {dtype})"
+    if num_heads % num_kv_heads != 0 or num_heads > MAX_HEADS:
+        return f"{num_heads} query heads over {num_kv_heads} KV heads: the kernel needs whole groups and at most {MAX_HEADS} heads"
+    if head_dim % LANES != 0 or head_dim > MAX_HEAD_DIM:
+        return f"head_dim {head_dim} is not a multiple of {LANES} up to {MAX_HEAD_DIM}"
+    if page_size > MAX_CHUNK:
+        return f"page_size {page_size} is above the kernel's {MAX_CHUNK}"
+    return None
+
+
+def _compiler() -> str:
+    name = os.environ.get("CC", "cc")
+    path = shutil.which(name)
+    if path is None:
+        raise KernelBuildError(f"no C compiler: {name!r} is not on PATH (set CC to one)")
+    return path
+
+
+def _cpu_identity() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine() + platform.processor()
+    wanted = ("model name", "flags", "Features", "CPU part")
+    return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
+
+
+def _build(compiler: str, output: Path) -> None:
+    """Compile SOURCE into `output` (atomically: concurrent builders each rename a whole file)."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for extra in (OPENMP, ()):  # without OpenMP (for example Apple clang) the kernel runs on one thread
+        with tempfile.NamedTemporaryFile(dir=output.parent, suffix=".so", delete=False) as tmp:
+            partial = Path(tmp.name)
+        command = [compiler, *FLAGS, *extra, "-o", str(partial), str(SOURCE)]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode == 0:
+            partial.replace(output)
+            if not extra:
+                logger.warning("attention kernel built without OpenMP: it runs on one thread")
+            return
+        partial.unlink(missing_ok=True)
+        errors.append(f"$ {' '.join(command)}\n{done.stderr.strip()[-2000:]}")
+    raise KernelBuildError("building the CPU attention kernel failed:\n" + "\n".join(errors))
+
+
+def library_path() -> Path:
+    """Where the kernel for this source, compiler and CPU lives (built there if missing)."""
+    compiler = _compiler()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS + OPENMP), _cpu_identity()]).encode()).hexdigest()[:16]
+    path = cache_root() / "kernels" / f"paged_decode-{key}.so"
+    if not path.exists():
+        _build(compiler, path)
+    return path
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """One decode batch, checked and laid out once per forward and then run by every layer:
+    sequence s stores its new token's K/V in `slots[s]` and attends over its first
+    `seq_lens[s]` slots, found through `block_tables[s]`."""
+
+    function: Callable[..., int]
+    slots: torch.Tensor  # int64 [seqs]
+    block_tables: torch.Tensor  # int32 [seqs, width], contiguous
+    seq_lens: torch.Tensor  # int32 [seqs]
+    cache_shape: tuple[int, ...]  # one layer's [pages, 2, page_size, kv_heads, head_dim]
+    num_heads: int
+    chunk: int
+    chunks: int
+    threads: int
+    scratch: torch.Tensor  # shared by the layers: each call writes it before reading it
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """q: [seqs, heads, d]; k, v: [seqs, kv_heads, d]; kv_cache: one layer's pages."""
+        num_seqs = self.slots.shape[0]
+        _, _, page_size, num_kv_heads, head_dim = self.cache_shape
+        if (
+            q.shape != (num_seqs, self.num_heads, head_dim)
+            or k.shape != (num_seqs, num_kv_heads, head_dim)
+            or v.shape != k.shape
+            or tuple(kv_cache.shape) != self.cache_shape
+            or not kv_cache.is_contiguous()
+            or not q.dtype == k.dtype == v.dtype == kv_cache.dtype == torch.float32
+        ):
+            raise ValueError(
+                f"paged decode attention planned for q [{num_seqs}, {self.num_heads}, {head_dim}], k and v "
+                f"[{num_seqs}, {num_kv_heads}, {head_dim}] and a contiguous cache {list(self.cache_shape)}, all float32; "
+                f"got q {list(q.shape)} {q.dtype}, k {list(k.shape)}, v {list(v.shape)}, cache {list(kv_cache.shape)} {kv_cache.dtype}"
+            )
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out = torch.empty_like(q)
+        status = self.function(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), self.slots.data_ptr(), kv_cache.data_ptr(),
+            self.block_tables.data_ptr(), self.block_tables.shape[1], self.seq_lens.data_ptr(), num_seqs,
+            self.num_heads, num_kv_heads, head_dim, page_size, self.chunk, self.chunks, scale,
+            self.scratch.data_ptr(), out.data_ptr(), self.threads,
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError(f"paged decode attention: the kernel refused its shapes (status {status})")
+        return out
+
+
+@dataclass(frozen=True)
+class NativeDecode:
+    """The loaded kernel."""
+
+    function: Callable[..., int]
+
+    def plan(
+        self,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_seq_len: int,
+        num_heads: int,
+        cache_shape: tuple[int, ...],
+    ) -> DecodePlan:
+        """Check a decode batch once: `slots` int64 [seqs] (where each new token goes),
+        `block_tables` int32 [seqs, width], `seq_lens` int32 [seqs] with max `max_seq_len`
+        (known on the host), for `num_heads` query heads over caches of `cache_shape`."""
+        if len(cache_shape) != 5 or cache_shape[1] != 2:
+            raise ValueError(f"paged decode attention: a layer's cache is [pages, 2, page_size, kv_heads, head_dim], not {list(cache_shape)}")
+        _, _, page_size, num_kv_heads, head_dim = cache_shape
+        reason = unsupported_reason(num_heads, num_kv_heads, head_dim, page_size, torch.float32)
+        if reason is not None:
+            raise ValueError(f"paged decode attention: {reason}")
+        num_seqs = slots.shape[0] if slots.dim() == 1 else -1
+        width = block_tables.shape[1] if block_tables.dim() == 2 else 0
+        problems = [
+            message
+            for message, bad in (
+                ("slots must be int64 [seqs]", num_seqs < 1 or slots.dtype != torch.int64),
+                ("block_tables must be int32 [seqs, pages]", block_tables.shape[:1] != (num_seqs,) or width < 1 or block_tables.dtype != torch.int32),
+                ("seq_lens must be int32 [seqs]", seq_lens.shape != (num_seqs,) or seq_lens.dtype != torch.int32),
+                ("every index tensor must be on the CPU", any(t.device.type != "cpu" for t in (slots, block_tables, seq_lens))),
+            )
+            if bad
+        ]
+        if not problems and not 1 <= int(seq_lens.min()) <= int(seq_lens.max()) == max_seq_len <= width * page_size:
+            problems.append(f"seq_lens must be 1..{width * page_size} (the block tables' capacity) with maximum max_seq_len={max_seq_len}")
+        if not problems and not 0 <= int(slots.min()) <= int(slots.max()) < cache_shape[0] * page_size:
+            problems.append(f"slots must be in 0..{cache_shape[0] * page_size - 1}")
+        if not problems and not 0 <= int(block_tables.min()) <= int(block_tables.max()) < cache_shape[0]:
+            problems.append(f"block_tables must hold page ids 0..{cache_shape[0] - 1}")
+        if problems:
+            raise ValueError("paged decode attention: " + "; ".join(problems))
+        threads = torch.get_num_threads()
+        chunk = chunk_size(num_seqs, max_seq_len, page_size, threads)
+        chunks = -(-max_seq_len // chunk)
+        scratch = torch.empty(num_seqs * num_heads * chunks * (head_dim + 2))
+        return DecodePlan(
+            self.function, slots.contiguous(), block_tables.contiguous(), seq_lens.contiguous(),
+            tuple(cache_shape), num_heads, chunk, chunks, threads, scratch,
+        )  # fmt: skip
+
+
+def chunk_size(work: int, max_seq_len: int, page_size: int, threads: int) -> int:
+    """Keys per work item: whole pages, at most MAX_CHUNK, and small enough that `work`
+    (sequences) times the chunks per sequence gives every thread ITEMS_PER_THREAD items where
+    the context allows it."""
+    chunks_wanted = -(-ITEMS_PER_THREAD * threads // max(work, 1))
+    keys = -(-max_seq_len // chunks_wanted)
+    whole_pages = max(1, -(-keys // page_size)) * page_size
+    return min(whole_pages, MAX_CHUNK // page_size * page_size)
+
+
+@cache
+def load_native_decode() -> NativeDecode:
+    """Build (once per machine) and load the kernel; raises KernelBuildError when it cannot."""
+    try:
+        library = ctypes.CDLL(str(library_path()))
+    except OSError as error:
+        raise KernelBuildError(f"loading the CPU attention kernel failed: {error}") from error
+    function = library.paged_decode_attention_f32
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    function.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, ctypes.c_int]
+    function.restype = ctypes.c_int
+    return NativeDecode(function)

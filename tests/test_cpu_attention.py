@@ -1,0 +1,226 @@
+"""The CPU backend's native decode kernel against the torch reference backend: decode-only and
+mixed batches, GQA ratios, head sizes, page sizes, contexts split into several chunks; its
+refusals of bad input; its build, cache and fallback when no compiler works."""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from compiled_engine.attention import native_decode
+from compiled_engine.attention.backend import AttentionShape, get_backend
+from compiled_engine.attention.cpu_backend import CpuAttentionBackend
+from compiled_engine.attention.metadata import AttentionMetadata
+from compiled_engine.attention.native_decode import KernelBuildError, chunk_size, load_native_decode
+from compiled_engine.attention.torch_backend import TorchAttentionBackend
+
+CPU = torch.device("cpu")
+
+
+def _batch(query_lens: list[int], seq_lens: list[int], page_size: int, heads: int, kv_heads: int, head_dim: int, seed: int = 0):
+    """Random q/k/v, a random cache and two copies of the metadata over shuffled pages."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    pages_needed = [-(-s // page_size) for s in seq_lens]
+    num_pages = sum(pages_needed) + 3
+    free = list(range(num_pages))
+    rng.shuffle(free)
+    tables = []
+    for n in pages_needed:
+        tables.append(free[:n])
+        free = free[n:]
+    tokens = sum(query_lens)
+    q = torch.randn(tokens, heads, head_dim)
+    k = torch.randn(tokens, kv_heads, head_dim)
+    v = torch.randn(tokens, kv_heads, head_dim)
+    cache = torch.randn(num_pages, 2, page_size, kv_heads, head_dim)
+    metadata = [AttentionMetadata.build(query_lens, seq_lens, tables, page_size, CPU) for _ in range(2)]
+    return q, k, v, cache, metadata
+
+
+def _compare(query_lens: list[int], seq_lens: list[int], page_size: int, heads: int, kv_heads: int, head_dim: int) -> None:
+    q, k, v, cache, (md_native, md_reference) = _batch(query_lens, seq_lens, page_size, heads, kv_heads, head_dim)
+    scale = head_dim**-0.5
+    native_cache, reference_cache = cache.clone(), cache.clone()
+    backend = CpuAttentionBackend(load_native_decode())
+    got = backend.forward(q, k, v, native_cache, md_native, scale)
+    want = TorchAttentionBackend().forward(q, k, v, reference_cache, md_reference, scale)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    assert torch.equal(native_cache, reference_cache)  # the same K/V stored in the same slots
+    assert md_native.per_forward["native_plan"] is not None
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"),
+    [(4, 4, 64), (9, 3, 64), (8, 2, 128), (16, 2, 64), (6, 3, 40), (2, 1, 256)],
+    ids=["mha", "gqa3", "gqa4-d128", "gqa8", "d40", "d256"],
+)
+@pytest.mark.parametrize("page_size", [16, 8, 1])
+def test_decode_batch_matches_the_torch_backend(heads: int, kv_heads: int, head_dim: int, page_size: int) -> None:
+    # Contexts of 1 token, exactly one page, one past a page, and long enough for several chunks.
+    seq_lens = [1, page_size, page_size + 1, 300, 1100]
+    _compare([1] * len(seq_lens), seq_lens, page_size, heads, kv_heads, head_dim)
+
+
+@pytest.mark.parametrize("seq_len", [1, 7, 16, 17, 511, 512, 513, 2049])
+def test_one_sequence_split_into_chunks(seq_len: int) -> None:
+    _compare([1], [seq_len], 16, 9, 3, 64)
+
+
+def test_mixed_batch_matches_the_torch_backend() -> None:
+    # a whole prompt, a decode, a chunk after a cached prefix, and two more decodes
+    _compare([7, 1, 20, 1, 1], [7, 33, 40, 16, 600], 16, 9, 3, 64)
+
+
+def test_mixed_batch_with_one_decode() -> None:
+    _compare([5, 1], [5, 70], 4, 8, 2, 64)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_thread_counts_agree(threads: int) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _compare([1, 1, 1], [40, 700, 3], 16, 9, 3, 64)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_bf16_cache_takes_the_torch_path() -> None:
+    q, k, v, cache, (md_native, md_reference) = _batch([1, 1], [20, 40], 16, 4, 2, 64)
+    q, k, v, cache = q.bfloat16(), k.bfloat16(), v.bfloat16(), cache.bfloat16()
+    native_cache, reference_cache = cache.clone(), cache.clone()
+    got = CpuAttentionBackend(load_native_decode()).forward(q, k, v, native_cache, md_native, 0.125)
+    want = TorchAttentionBackend().forward(q, k, v, reference_cache, md_reference, 0.125)
+    assert torch.equal(got, want) and torch.equal(native_cache, reference_cache)
+
+
+@pytest.mark.parametrize(
+    ("work", "max_seq_len", "page_size", "threads", "expected"),
+    [
+        (1, 512, 16, 2, 64),  # one sequence: 8 chunks of 4 pages for 2 threads
+        (1, 5, 16, 2, 16),  # never less than a page
+        (1, 100000, 16, 2, 512),  # never more than MAX_CHUNK
+        (32, 300, 16, 2, 304),  # enough sequences: whole contexts
+        (3, 512, 100, 8, 100),  # whole pages of an odd size
+        (1, 512, 512, 4, 512),
+    ],
+)
+def test_chunk_size(work: int, max_seq_len: int, page_size: int, threads: int, expected: int) -> None:
+    chunk = chunk_size(work, max_seq_len, page_size, threads)
+    assert chunk == expected
+    assert chunk % page_size == 0 and chunk <= native_decode.MAX_CHUNK
+
+
+# ---------------------------------------------------------------------------------------------
+# refusals: a clear error, and the cache untouched
+
+
+def _plan_inputs():
+    q, k, v, cache, (md, _) = _batch([1, 1], [20, 40], 16, 4, 2, 64)
+    return q, k, v, cache, md
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda a: {**a, "slots": a["slots"].int()}, "slots must be int64"),
+        (lambda a: {**a, "block_tables": a["block_tables"].long()}, "block_tables must be int32"),
+        (lambda a: {**a, "seq_lens": a["seq_lens"][:1]}, r"seq_lens must be int32 \[seqs\]"),
+        (lambda a: {**a, "max_seq_len": 41}, "maximum max_seq_len=41"),
+        (lambda a: {**a, "seq_lens": torch.tensor([20, 99], dtype=torch.int32), "max_seq_len": 99}, "block tables' capacity"),
+        (lambda a: {**a, "slots": a["slots"] + 10**6}, "slots must be in"),
+        (lambda a: {**a, "block_tables": a["block_tables"] + 1000}, "page ids"),
+        (lambda a: {**a, "cache_shape": (8, 2, 16, 2, 36)}, "head_dim 36"),
+        (lambda a: {**a, "num_heads": 5}, "whole groups"),
+        (lambda a: {**a, "cache_shape": (8, 16, 2, 64)}, r"a layer's cache is \[pages, 2"),
+    ],
+)
+def test_plan_refuses_bad_input(change, message: str) -> None:
+    *_, cache, md = _plan_inputs()
+    arguments = dict(
+        slots=md.slot_mapping, block_tables=md.block_tables, seq_lens=md.seq_lens, max_seq_len=40,
+        num_heads=4, cache_shape=tuple(cache.shape),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        load_native_decode().plan(**change(arguments))
+
+
+def test_run_refuses_a_mismatched_call_and_leaves_the_cache() -> None:
+    q, k, v, cache, md = _plan_inputs()
+    plan = load_native_decode().plan(md.slot_mapping, md.block_tables, md.seq_lens, 40, 4, tuple(cache.shape))
+    before = cache.clone()
+    for args in [
+        (q[:1], k[:1], v[:1], cache),  # fewer sequences than planned
+        (q.double(), k.double(), v.double(), cache.double()),
+        (q, k, v, cache.transpose(0, 1).contiguous().transpose(0, 1)),  # not contiguous
+        (q, k, v, cache[:4]),  # another cache shape
+        (q, v[:, :1], v, cache),
+    ]:
+        with pytest.raises(ValueError, match="paged decode attention planned for"):
+            plan.run(*args, 0.125)
+    assert torch.equal(cache, before)
+    out = plan.run(q, k, v, cache, 0.125)  # and the right call still works
+    assert out.shape == q.shape and torch.isfinite(out).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# build, cache and backend choice
+
+
+@pytest.fixture
+def fresh_kernel_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("COMPILED_ENGINE_CACHE", str(tmp_path))
+    load_native_decode.cache_clear()
+    yield tmp_path
+    load_native_decode.cache_clear()
+
+
+def test_the_library_is_built_once_and_reused(fresh_kernel_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = native_decode.library_path()
+    assert path.parent == fresh_kernel_cache / "kernels" and path.exists()
+
+    def no_rebuild(compiler: str, output: Path) -> None:
+        raise AssertionError("rebuilt a cached kernel")
+
+    monkeypatch.setattr(native_decode, "_build", no_rebuild)
+    assert native_decode.library_path() == path
+    assert load_native_decode().plan is not None
+
+
+def test_a_missing_compiler_falls_back_to_torch(fresh_kernel_cache: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("CC", "no-such-compiler")
+    with pytest.raises(KernelBuildError, match="'no-such-compiler' is not on PATH"):
+        load_native_decode()
+    shape = AttentionShape(4, 2, 64, 16, torch.float32, CPU)
+    with caplog.at_level(logging.WARNING):
+        backend = get_backend(None, shape)
+    assert backend.name == "torch"
+    assert "attention backend: torch, because no C compiler" in caplog.text
+    assert not (fresh_kernel_cache / "kernels").exists() or not any((fresh_kernel_cache / "kernels").iterdir())
+
+
+def test_a_failing_compiler_reports_its_error(fresh_kernel_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    script = fresh_kernel_cache / "broken-cc"
+    script.write_text("#!/bin/sh\necho 'fatal: this compiler is broken' >&2\nexit 1\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("CC", str(script))
+    with pytest.raises(KernelBuildError, match="this compiler is broken"):
+        load_native_decode()
+    assert list((fresh_kernel_cache / "kernels").glob("*.so")) == []  # no partial library left behind
+
+
+def test_get_backend_on_the_cpu(caplog: pytest.LogCaptureFixture) -> None:
+    fp32 = AttentionShape(9, 3, 64, 16, torch.float32, CPU)
+    assert get_backend(None, fp32).name == "cpu"
+    assert get_backend("cpu", fp32).name == "cpu"
+    assert get_backend("torch", fp32).name == "torch"
+    with caplog.at_level(logging.WARNING):
+        assert get_backend(None, AttentionShape(9, 3, 64, 16, torch.bfloat16, CPU)).name == "torch"
+        assert get_backend("cpu", AttentionShape(9, 3, 36, 16, torch.float32, CPU)).name == "torch"
+        assert get_backend("cpu", AttentionShape(9, 3, 64, 16, torch.float16, torch.device("cuda"))).name == "torch"
+    assert "fp32 only" in caplog.text and "head_dim 36" in caplog.text and "runs on the CPU, not cuda" in caplog.text
