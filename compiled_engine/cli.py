@@ -25,6 +25,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory for weights, activations, CUDA graphs and the KV cache")
     parser.add_argument("--enforce-eager", action="store_true", help="plain eager PyTorch: no torch.compile, no CUDA graphs")
     parser.add_argument("--attention-backend", choices=["torch", "cpu", "flashinfer"], default=None, help="default: flashinfer on CUDA, cpu (native decode kernel) on the CPU, when they can run the model; else torch")
+    parser.add_argument("--sampler", choices=["torch", "flashinfer"], default=None, help="default: flashinfer on CUDA when installed (requests with their own seed always take torch's)")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="compiled, but decode without CUDA graphs")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -45,6 +46,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=True if args.enforce_eager else None,
         cuda_graphs=not args.no_cuda_graphs,
+        sampler=args.sampler,
         tensor_parallel_size=args.tensor_parallel_size,
         attention_backend=args.attention_backend,
         distributed_timeout_s=args.distributed_timeout_s,

@@ -25,6 +25,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     attention_backend: str | None = None  # "torch", "cpu" or "flashinfer"; None = flashinfer on CUDA, cpu on the CPU, when they can run
+    sampler: str | None = None  # "torch" or "flashinfer"; None = flashinfer on CUDA when installed
     max_num_seqs: int = 256  # sequences running at once
     max_num_batched_tokens: int = 2048  # tokens in one forward (decodes plus prefill chunks)
     enable_prefix_caching: bool = True
@@ -37,6 +38,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
     distributed_timeout_s: float = 60.0  # a collective that waits longer fails (a rank died or hung)
 
     def __post_init__(self) -> None:
+        if self.sampler not in (None, "torch", "flashinfer"):
+            raise ValueError(f"sampler must be torch or flashinfer, got {self.sampler!r}")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

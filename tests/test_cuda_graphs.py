@@ -161,12 +161,20 @@ def test_capture_derives_per_forward_tensors_inside_the_graph_and_keeps_them(mon
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("backend", "dtype", "tolerance"),
+    [("torch", "float32", 1e-3), ("flashinfer", "bfloat16", 5e-2)],
+)
 @torch.inference_mode()
-def test_every_captured_size_replays_like_eager_on_cuda(tiny_model_factory: Callable[..., Path]) -> None:
-    model_dir = tiny_model_factory("llama")
-    config = dict(model=str(model_dir), device="cuda", dtype="float32", kv_cache_memory_gib=0.05, max_num_seqs=20)
-    graphed = ModelRunner(model_dir, EngineConfig(**config, enforce_eager=False))  # type: ignore[arg-type]  # the tests default to eager
-    eager = ModelRunner(model_dir, EngineConfig(**config, enforce_eager=True))  # type: ignore[arg-type]
+def test_every_captured_size_replays_like_eager_on_cuda(tiny_model_factory: Callable[..., Path], backend: str, dtype: str, tolerance: float) -> None:
+    """Graphed decode (compiled, with this backend) against eager decode with the torch backend."""
+    if backend == "flashinfer":
+        pytest.importorskip("flashinfer")
+    model_dir = tiny_model_factory("llama", hidden_size=256, num_attention_heads=4)  # head_dim 64, which FlashInfer runs
+    config = dict(model=str(model_dir), device="cuda", dtype=dtype, kv_cache_memory_gib=0.05, max_num_seqs=20)
+    graphed = ModelRunner(model_dir, EngineConfig(**config, enforce_eager=False, attention_backend=backend))  # type: ignore[arg-type]  # the tests default to eager
+    eager = ModelRunner(model_dir, EngineConfig(**config, enforce_eager=True, attention_backend="torch"))  # type: ignore[arg-type]
+    assert graphed.model.backend.name == backend
     assert graphed.graphs is not None and sorted(graphed.graphs.graphs) == capture_sizes(20)
     gen = torch.Generator().manual_seed(0)
     for n in range(1, 21):
@@ -180,4 +188,4 @@ def test_every_captured_size_replays_like_eager_on_cuda(tiny_model_factory: Call
         )
         got = graphed.graphs.replay(tokens, positions, [t[: -(-length // graphed.page_size)] for t, length in zip(tables, lens, strict=True)])
         assert got is not None
-        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+        torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)

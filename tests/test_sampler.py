@@ -310,3 +310,92 @@ def test_cuda_matches_cpu() -> None:
     seeds, positions = torch.arange(100) * 2**40, torch.arange(100)
     noise = gumbel_noise(seeds, positions, 1000)
     assert torch.allclose(noise, gumbel_noise(seeds.cuda(), positions.cuda(), 1000).cpu(), atol=1e-5)
+
+
+# ---------------------------------------------------------------- FlashInfer sampling
+
+
+class FakeFlashInferSampling:
+    """Stands in for flashinfer.sampling on the CPU: records what it was given and draws the
+    argmax of the logits it sees, so the tests can tell which rows it served."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, torch.Tensor, Any, Any]] = []
+
+    def sampling_from_logits(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        assert isinstance(generator, torch.Generator)
+        self.calls.append(("plain", logits.clone(), None, None))
+        return logits.argmax(-1).to(torch.int32)
+
+    def top_k_top_p_sampling_from_logits(self, logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                                         filter_apply_order: str = "", generator: torch.Generator | None = None) -> torch.Tensor:
+        assert filter_apply_order == "top_k_first" and isinstance(generator, torch.Generator)
+        self.calls.append(("top_k_top_p", logits.clone(), top_k.tolist(), top_p.tolist()))
+        return logits.argmin(-1).to(torch.int32)  # distinguishable from the plain path
+
+
+def test_flashinfer_takes_only_unseeded_rows_without_min_p() -> None:
+    fake = FakeFlashInferSampling()
+    sampler = Sampler(fake, seed=3)  # type: ignore[arg-type]
+    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(1))
+    params = [
+        SamplingParams(temperature=0),  # greedy: argmax, never sampled
+        SamplingParams(temperature=2.0),  # unseeded: FlashInfer
+        SamplingParams(temperature=1.0, seed=7),  # its own seed: the hash, reproducible
+        SamplingParams(temperature=1.0, min_p=0.1),  # min-p: the hash
+        SamplingParams(temperature=0.5),  # unseeded: FlashInfer
+    ]
+    out = sampler(logits, batch_of(params))
+    assert len(fake.calls) == 1
+    kind, seen, _, _ = fake.calls[0]
+    assert kind == "plain"
+    torch.testing.assert_close(seen, torch.stack([logits[1] / 2.0, logits[4] / 0.5]))
+    assert out.token_ids[0] == int(logits[0].argmax())
+    assert out.token_ids[1] == int(logits[1].argmax()) and out.token_ids[4] == int(logits[4].argmax())
+    alone = Sampler()(logits[2:4], batch_of(params[2:4])).token_ids
+    assert out.token_ids[2:4] == alone  # the seeded and min-p rows drew exactly as without FlashInfer
+
+
+def test_flashinfer_gets_per_row_top_k_and_top_p() -> None:
+    fake = FakeFlashInferSampling()
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(2))
+    params = [SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=1.0, top_p=0.8)]
+    out = Sampler(fake)(logits, batch_of(params))  # type: ignore[arg-type]
+    kind, _, top_k, top_p = fake.calls[0]
+    assert kind == "top_k_top_p" and top_k == [5, 30] and top_p == pytest.approx([1.0, 0.8])
+    assert out.token_ids == logits.argmin(-1).tolist()
+
+
+def test_make_sampler_choices(caplog: pytest.LogCaptureFixture) -> None:
+    from compiled_engine.config import EngineConfig
+    from compiled_engine.engine.sampler import make_sampler
+
+    cpu = torch.device("cpu")
+    assert make_sampler(None, cpu).flashinfer is None
+    assert make_sampler("torch", cpu).flashinfer is None
+    with caplog.at_level("WARNING"):
+        assert make_sampler("flashinfer", cpu).flashinfer is None
+    assert "sampler: torch, because FlashInfer sampling needs a CUDA device" in caplog.text
+    with pytest.raises(ValueError, match="unknown sampler 'fast'"):
+        make_sampler("fast", cpu)
+    with pytest.raises(ValueError, match="sampler must be torch or flashinfer"):
+        EngineConfig(sampler="fast")
+
+
+@pytest.mark.gpu
+def test_flashinfer_sampling_distribution() -> None:
+    pytest.importorskip("flashinfer")
+    from compiled_engine.engine.sampler import make_sampler
+
+    sampler = make_sampler("flashinfer", torch.device("cuda"), seed=0)
+    assert sampler.flashinfer is not None
+    probs = torch.tensor(PROBS)
+    logits = logits_of(PROBS).cuda()
+    n = N_DRAWS
+    for params, expected in [
+        (SamplingParams(temperature=1.0), probs),
+        (SamplingParams(temperature=1.0, top_k=3), torch.tensor(PROBS[:3] + [0.0] * 5)),
+        (SamplingParams(temperature=1.0, top_p=0.5), torch.tensor(PROBS[:2] + [0.0] * 6)),
+    ]:
+        out = sampler(logits.expand(n, len(PROBS)).contiguous(), batch_of([params] * n))
+        assert_matches(torch.bincount(torch.tensor(out.token_ids), minlength=len(PROBS)).double(), expected)

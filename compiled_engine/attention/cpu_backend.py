@@ -30,7 +30,10 @@ class CpuAttentionBackend:
             return cached["native_plan"]
         plan: tuple[DecodePlan, torch.Tensor | None, frozenset[int]] | None = None
         if metadata.decode_only:
-            plan = (self.kernel.plan(metadata.slot_mapping, metadata.block_tables, metadata.seq_lens, max(metadata.seq_lens_cpu), num_heads, tuple(kv_cache.shape)), None, frozenset())
+            # Decode-only metadata may describe static buffers whose host lists are placeholders
+            # (cuda_graphs.DecodeBuffers): read the lengths from the tensor, which is on the CPU.
+            max_len = int(metadata.seq_lens.max())
+            plan = (self.kernel.plan(metadata.slot_mapping, metadata.block_tables, metadata.seq_lens, max_len, num_heads, tuple(kv_cache.shape)), None, frozenset())
         else:
             starts = metadata.query_start_loc_cpu
             decoding = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] == 1]

@@ -8,11 +8,15 @@ backend. The page layout [pages, 2, page_size, kv_heads, head_dim] per layer is 
 layout. The calls sit inside the `paged_attention` custom op, so torch.compile never traces into
 FlashInfer.
 
-CUDA graphs need `plan()` outside the graph and one wrapper per captured size; until that is
-wired, the runner does not capture graphs with this backend (see docs/backends.md).
+CUDA graphs: one decode wrapper per captured batch size, built with `use_cuda_graph=True` over
+fixed int32 index buffers. `plan_graph` plans it on the host before the graph is captured and
+before every replay, never inside; inside, only the K/V scatter and `run()` are recorded (see
+docs/backends.md).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -58,6 +62,24 @@ def paged_kv_layout(metadata: AttentionMetadata, page_size: int) -> tuple[torch.
     )
 
 
+def host_page_layout(seq_lens: list[int], block_tables: list[list[int]], page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same page table as `paged_kv_layout`, built on the host from lists (for a graph's
+    plan, which must not wait on the device)."""
+    pages = [-(-n // page_size) for n in seq_lens]
+    if any(len(table) < p for table, p in zip(block_tables, pages, strict=True)):
+        raise ValueError("a block table holds fewer pages than its sequence length needs")
+    indptr = [0]
+    for p in pages:
+        indptr.append(indptr[-1] + p)
+    indices = [page for table, p in zip(block_tables, pages, strict=True) for page in table[:p]]
+    last = [(n - 1) % page_size + 1 for n in seq_lens]
+    return (
+        torch.tensor(indptr, dtype=torch.int32),
+        torch.tensor(indices, dtype=torch.int32),
+        torch.tensor(last, dtype=torch.int32),
+    )
+
+
 class FlashInferAttentionBackend:
     name = "flashinfer"
 
@@ -66,9 +88,40 @@ class FlashInferAttentionBackend:
 
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.page_size, self.dtype = page_size, dtype
-        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.flashinfer = flashinfer
+        self.device = device
+        self.scale = head_dim**-0.5  # the model's (llama.Attention); graph plans need it up front
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=num_heads != num_kv_heads)
+        self.graph_wrappers: dict[int, Any] = {}  # captured batch size -> its decode wrapper
+
+    def plan_graph(self, size: int, metadata: AttentionMetadata, seq_lens: list[int], block_tables: list[list[int]]) -> None:
+        """Outside any graph, before the decode graph of `size` rows is captured or replayed:
+        plan that size's wrapper for this batch (padding rows included: one page, length 1) and
+        mark `metadata` so that `forward` runs it. `metadata.block_tables` is the static buffer
+        the graph reads; its width bounds the pages a row may hold."""
+        if not len(seq_lens) == len(block_tables) == size == metadata.num_seqs:
+            raise ValueError(f"a graph of {size} rows needs {size} sequence lengths and block tables, got {len(seq_lens)} and {len(block_tables)}")
+        wrapper = self.graph_wrappers.get(size)
+        if wrapper is None:
+            width = metadata.block_tables.shape[1]
+            wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.num_heads != self.num_kv_heads,
+                paged_kv_indptr_buffer=torch.zeros(size + 1, dtype=torch.int32, device=self.device),
+                paged_kv_indices_buffer=torch.zeros(size * width, dtype=torch.int32, device=self.device),
+                paged_kv_last_page_len_buffer=torch.ones(size, dtype=torch.int32, device=self.device),
+            )  # fmt: skip
+            self.graph_wrappers[size] = wrapper
+        indptr, indices, last = host_page_layout(seq_lens, block_tables, self.page_size)
+        if self.device.type == "cuda":
+            # plan() stages through pinned host memory: let the last replay's copies land first.
+            torch.cuda.current_stream(self.device).synchronize()
+        wrapper.plan(
+            indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
+            pos_encoding_mode="NONE", sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype,
+        )  # fmt: skip
+        metadata.per_forward["graph_wrapper"] = wrapper
 
     def _plan(self, metadata: AttentionMetadata, scale: float) -> None:
         """Plan once per forward, in its first layer (the K/V write rows mark it done)."""
@@ -96,6 +149,14 @@ class FlashInferAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        graph_wrapper = metadata.per_forward.get("graph_wrapper")
+        if graph_wrapper is not None:  # planned by plan_graph; this forward is being captured
+            if scale != self.scale:
+                raise ValueError(f"graph decode was planned with scale {self.scale}, the model attends with {scale}")
+            rows = metadata.per_forward.setdefault("write_rows", kv_rows(metadata.slot_mapping, self.page_size))
+            write_kv(k, v, kv_cache, metadata.slot_mapping, rows)
+            graphed: torch.Tensor = graph_wrapper.run(q.contiguous(), kv_cache)
+            return graphed
         self._plan(metadata, scale)
         write_kv(k, v, kv_cache, metadata.slot_mapping, metadata.per_forward["write_rows"])
         wrapper = self.decode if metadata.decode_only else self.prefill

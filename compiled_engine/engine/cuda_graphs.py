@@ -6,8 +6,9 @@ harmless: token 0 at position 0, writing its K/V into a scratch page that no seq
 attending over that page alone. Graphs are captured largest first into one shared memory pool
 (a smaller graph's activations fit in the larger one's blocks). Inputs (token ids, positions,
 slots, sequence lengths, block tables) live in static buffers; the AttentionMetadata of each size
-is a view of those buffers, so writing the buffers is all a replay needs. The logits are computed
-inside the graph; sampling stays outside (per-request generators are host state).
+is a view of those buffers, so writing the buffers is all a replay needs, plus, for a backend that
+schedules on the host (FlashInfer), its `plan` for the batch, run before the replay. The logits
+are computed inside the graph; sampling stays outside (per-request generators are host state).
 
 `DecodeBuffers` is plain tensor bookkeeping and runs on any device (the CPU tests replay the
 padded batch eagerly); `CudaGraphRunner` captures and replays on CUDA.
@@ -98,16 +99,28 @@ class DecodeBuffers:
         self.block_tables[:size].copy_(host.to(device))
 
 
+    def host_batch(self, positions: list[int], block_tables: list[list[int]], size: int) -> tuple[list[int], list[list[int]]]:
+        """The sequence lengths and block tables of `size` rows as `fill` lays them out, on the
+        host: the batch, then padding rows of one token on the scratch page."""
+        pad = size - len(positions)
+        return [p + 1 for p in positions] + [1] * pad, list(block_tables) + [[self.scratch_page]] * pad
+
+
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+# A backend's host-side planning for one graph (FlashInferAttentionBackend.plan_graph): called
+# with (size, the graph's metadata, sequence lengths, block tables), outside the graph.
+PlanFn = Callable[[int, AttentionMetadata, list[int], list[list[int]]], None]
 
 
 class CudaGraphRunner:
-    """Captures `forward(input_ids, positions, metadata) -> logits` once per size and replays it."""
+    """Captures `forward(input_ids, positions, metadata) -> logits` once per size and replays it.
+    `plan`, when the backend needs one, runs before each capture and each replay."""
 
-    def __init__(self, forward: ForwardFn, buffers: DecodeBuffers, sizes: list[int]) -> None:
+    def __init__(self, forward: ForwardFn, buffers: DecodeBuffers, sizes: list[int], plan: PlanFn | None = None) -> None:
         self.forward = forward
         self.buffers = buffers
         self.sizes = sizes
+        self.plan = plan
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         # The metadata each graph was captured with, kept alive with it: the tensors a backend
@@ -121,13 +134,13 @@ class CudaGraphRunner:
         b = self.buffers
         for size in sorted(self.sizes, reverse=True):  # largest first: the pool fits the rest
             ids, positions = b.input_ids[:size], b.positions[:size]
-            self.forward(ids, positions, b.metadata(size))  # warm-up outside capture (lazy inits, autotuning)
+            self.forward(ids, positions, self._planned(size))  # warm-up outside capture (lazy inits, autotuning)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             # A fresh metadata, so that what backends derive from it once per forward (index rows,
             # key masks) is computed inside the graph and recomputed from the buffers at every
             # replay, not taken from the warm-up's (stale, and freed after it).
-            metadata = b.metadata(size)
+            metadata = self._planned(size)
             with torch.cuda.graph(graph, pool=pool):
                 self.outputs[size] = self.forward(ids, positions, metadata)
             self.metadata[size] = metadata
@@ -137,11 +150,21 @@ class CudaGraphRunner:
         self.capture_seconds = time.perf_counter() - started
         logger.info("CUDA graphs: %d decode sizes (1..%d) captured in %.1f s", len(self.sizes), max(self.sizes), self.capture_seconds)
 
+    def _planned(self, size: int) -> AttentionMetadata:
+        """A new metadata over the buffers' first `size` rows, planned (when the backend plans)
+        for a batch of padding rows only: what the buffers hold before the first fill."""
+        metadata = self.buffers.metadata(size)
+        if self.plan is not None:
+            self.plan(size, metadata, *self.buffers.host_batch([], [], size))
+        return metadata
+
     def replay(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor | None:
         """The logits of a decode batch, or None when no captured size holds it."""
         size = padded_size(len(token_ids), self.sizes)
         if size is None or size not in self.graphs:
             return None
         self.buffers.fill(token_ids, positions, block_tables, size)
+        if self.plan is not None:
+            self.plan(size, self.metadata[size], *self.buffers.host_batch(positions, block_tables, size))
         self.graphs[size].replay()
         return self.outputs[size][: len(token_ids)]

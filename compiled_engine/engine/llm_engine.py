@@ -16,7 +16,7 @@ from compiled_engine.config import EngineConfig
 from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.engine.output_text import SequenceText
 from compiled_engine.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from compiled_engine.engine.sampler import Sampler, SamplingBatch, TokenLogprobs
+from compiled_engine.engine.sampler import SamplingBatch, TokenLogprobs, make_sampler
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.engine.scheduler import Scheduler
 from compiled_engine.engine.sequence import FinishReason, Sequence
@@ -66,7 +66,7 @@ class LLMEngine:
         )
         self.block_manager = BlockManager(self.runner.num_pages, self.runner.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.sampler = Sampler()
+        self.sampler = make_sampler(config.sampler, self.runner.device, config.seed)
         self._rng = random.Random(config.seed)
         self._requests: dict[str, _Request] = {}
         self._pending_aborts: set[str] = set()

@@ -62,10 +62,10 @@ class ModelRunner:
                 raise ValueError("a tensor-parallel shard needs its device mesh")
             parallelize(self.model, mesh)
         self.compiled = not config.resolved_enforce_eager()
-        # FlashInfer's plan() must run outside a graph, with one wrapper per size: not wired yet.
-        # With tensor parallelism every rank captures the same sizes in the same order and
+        # The torch backend's decode reads device tensors only; FlashInfer plans each graph's
+        # wrapper on the host before capture and replay (plan_graph). With tensor parallelism every rank captures the same sizes in the same order and
         # replays the same padded size each step (`execute`), so the all-reduces match.
-        self.use_cuda_graphs = self.compiled and config.cuda_graphs and self.device.type == "cuda" and backend.name == "torch"
+        self.use_cuda_graphs = self.compiled and config.cuda_graphs and self.device.type == "cuda" and backend.name in ("torch", "flashinfer")
         self.compile_seconds = 0.0
         if self.compiled:
             use_compile_cache(cache_root() / "inductor")
@@ -102,7 +102,7 @@ class ModelRunner:
         if self.use_cuda_graphs:
             sizes = capture_sizes(config.max_num_seqs)
             buffers = DecodeBuffers(max(sizes), self.max_pages_per_seq, self.page_size, self.num_pages, self.device)
-            self.graphs = CudaGraphRunner(self.decode_logits, buffers, sizes)
+            self.graphs = CudaGraphRunner(self.decode_logits, buffers, sizes, getattr(self.model.backend, "plan_graph", None))
             with torch.inference_mode():
                 self.graphs.capture()
 
@@ -151,7 +151,7 @@ class ModelRunner:
             scratch_page = scratch.shape[1] - 1
             buffers = DecodeBuffers(size, self.max_pages_per_seq, self.page_size, scratch_page, self.device)
             before = torch.cuda.memory_reserved(self.device)
-            probe = CudaGraphRunner(functools.partial(self._logits, kv_cache=scratch), buffers, [size])
+            probe = CudaGraphRunner(functools.partial(self._logits, kv_cache=scratch), buffers, [size], getattr(self.model.backend, "plan_graph", None))
             with torch.inference_mode():
                 probe.capture()
             graph_pool = torch.cuda.memory_reserved(self.device) - before

@@ -3,15 +3,25 @@
 Every vocab-sized operation runs once over the batch; per-row settings become [rows, 1] tensors.
 Randomness comes from a counter-based hash of (seed, position, token id) rather than a
 torch.Generator, so a row's draw does not depend on its batch mates, its row index or the device.
+
+On CUDA with FlashInfer installed, rows of requests that set no seed of their own, and no min-p,
+are drawn by FlashInfer's fused top-k / top-p kernels instead (rejection sampling, no sort of the
+vocabulary). Their draws depend on the row's index and a generator shared by the batch, so a
+request with its own `seed` always takes the hash above and reproduces exactly.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
 
 import torch
 
 from compiled_engine.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 _MASK32 = 0xFFFFFFFF
 # Odd multipliers below 2**31: a value below 2**32 times one stays below 2**63, so int64 never overflows.
@@ -76,7 +86,55 @@ def _column(values: list[float], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
 
 
+SAMPLERS = ("torch", "flashinfer")
+
+
+def make_sampler(name: str | None, device: torch.device, seed: int | None = None) -> Sampler:
+    """`name` None uses FlashInfer on CUDA when it is installed; an explicit "flashinfer" that
+    cannot run (no CUDA, not installed) falls back to the torch sampler with a warning."""
+    if name is not None and name not in SAMPLERS:
+        raise ValueError(f"unknown sampler {name!r} (available: {', '.join(SAMPLERS)})")
+    if name == "torch" or (name is None and device.type != "cuda"):
+        return Sampler()
+    module = flashinfer_sampling_module() if device.type == "cuda" else None
+    if module is None:
+        reason = "FlashInfer sampling needs a CUDA device" if device.type != "cuda" else "flashinfer is not installed"
+        (logger.warning if name == "flashinfer" else logger.info)("sampler: torch, because %s", reason)
+        return Sampler()
+    return Sampler(module, seed)
+
+
+def flashinfer_sampling_module() -> ModuleType | None:
+    """`flashinfer.sampling`, or None when FlashInfer is not installed."""
+    try:
+        import flashinfer.sampling
+    except ImportError:
+        return None
+    return flashinfer.sampling
+
+
 class Sampler:
+    def __init__(self, flashinfer: ModuleType | None = None, seed: int | None = None) -> None:
+        """`flashinfer`: the `flashinfer.sampling` module (make_sampler passes it on CUDA only),
+        to draw unseeded rows with it; `seed` seeds the generator those draws share."""
+        self.flashinfer = flashinfer
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            generator = torch.Generator(device=device)
+            if self.seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(self.seed)
+            self._generators[device] = generator
+        return self._generators[device]
+
+    def uses_flashinfer(self, params: SamplingParams) -> bool:
+        """Whether a sampled (non-greedy) row with these params is drawn by FlashInfer."""
+        return self.flashinfer is not None and params.seed is None and params.min_p == 0.0
+
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if logits.dim() != 2:
             raise ValueError(f"logits must be [rows, vocab], got shape {tuple(logits.shape)}")
@@ -98,12 +156,17 @@ class Sampler:
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         token_ids = logits.argmax(dim=-1) if greedy_rows else torch.zeros(rows, dtype=torch.int64, device=device)
-        if sampled_rows:
-            sampled = logits if len(sampled_rows) == rows else logits[sampled_rows]
-            draws = self._sample(sampled, [params[i] for i in sampled_rows],
-                                 [batch.seeds[i] for i in sampled_rows],
-                                 [batch.positions[i] for i in sampled_rows])
-            token_ids[sampled_rows] = draws
+        fast_rows = [i for i in sampled_rows if self.uses_flashinfer(params[i])]
+        hashed_rows = [i for i in sampled_rows if not self.uses_flashinfer(params[i])]
+        if hashed_rows:
+            hashed = logits if len(hashed_rows) == rows else logits[hashed_rows]
+            draws = self._sample(hashed, [params[i] for i in hashed_rows],
+                                 [batch.seeds[i] for i in hashed_rows],
+                                 [batch.positions[i] for i in hashed_rows])
+            token_ids[hashed_rows] = draws
+        if fast_rows:
+            fast = logits if len(fast_rows) == rows else logits[fast_rows]
+            token_ids[fast_rows] = self._sample_flashinfer(fast, [params[i] for i in fast_rows])
 
         chosen = token_ids.tolist()
         out_logprobs: list[TokenLogprobs | None] = [None] * rows
@@ -143,6 +206,20 @@ class Sampler:
             pres = _column([p.presence_penalty for p in params], device)
             logits = logits - freq * counts - pres * (counts > 0).to(logits.dtype)
         return logits
+
+    def _sample_flashinfer(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Temperature, then top-k before top-p (renormalised), as `_sample` filters."""
+        fi: Any = self.flashinfer
+        device, vocab = logits.device, logits.shape[-1]
+        logits = logits / _column([p.temperature for p in params], device)
+        generator = self._generator(device)
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            top_k = torch.tensor([p.top_k or vocab for p in params], dtype=torch.int32, device=device)
+            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+            draws = fi.top_k_top_p_sampling_from_logits(logits, top_k, top_p, filter_apply_order="top_k_first", generator=generator)
+        else:
+            draws = fi.sampling_from_logits(logits, generator=generator)
+        return draws.to(torch.int64)
 
     @staticmethod
     def _sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
