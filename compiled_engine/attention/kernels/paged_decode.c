@@ -92,15 +92,8 @@ static inline __attribute__((always_inline)) void attend_chunk(
         const float *k = cache + (int64_t)table[t / page_size] * page + (t % page_size) * row;
         const int64_t in_page = page_size - t % page_size, left = end - t;
         const int64_t rows = in_page < left ? in_page : left;
-        /* The next page's keys and this page's values are read soon: ask for them now, so
-         * their loads from memory overlap this page's arithmetic. */
-        const float *next_k = t + rows < end ? cache + (int64_t)table[(t + rows) / page_size] * page : NULL;
         int64_t r = 0;
         for (; r + 8 <= rows; r += 8) {
-            for (int64_t line = 0; line < 8 * row; line += 16) {
-                if (next_k != NULL) __builtin_prefetch(next_k + r * row + line);
-                __builtin_prefetch(k + page_size * row + r * row + line);
-            }
             for (int64_t hq = 0; hq < heads; hq++) {
                 const float *q = qs + hq * dim, *k0 = k + r * row + hq / group * dim;
                 vec a[8];
