@@ -27,10 +27,12 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAM
 } > "$OUT/environment.txt" 2>&1
 
 # The GPU test files only: the server tests import packages (openai, schemathesis) that the
-# accelerator machine lacks. CUDA graphs and the eager GPU path first; FlashInfer's tests compile
-# its kernels on first use (about 30 s each), so they get their own, longer, limit.
-step pytest_gpu 200 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_cuda_graphs.py tests/test_gpu_eager.py tests/test_sampler.py
-step pytest_flashinfer 300 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_flashinfer.py
+# accelerator machine lacks. CUDA graphs and the eager GPU path first; everything FlashInfer
+# (attention against torch, graph replay with FlashInfer, its sampling) compiles its kernels on
+# first use (about 30 s each), so it gets its own, longer, limit.
+GPU_TESTS="tests/test_cuda_graphs.py tests/test_gpu_eager.py tests/test_sampler.py"
+step pytest_gpu 200 python3 -m pytest -m gpu -k "not flashinfer" -q -rs -p no:cacheprovider $GPU_TESTS
+step pytest_flashinfer 360 python3 -m pytest -m gpu -k flashinfer -q -rs -p no:cacheprovider tests/test_flashinfer.py $GPU_TESTS
 
 # No network and no room to carry real weights: random-weight models with real shapes.
 for shape in smollm2-135m qwen3-0.6b; do
