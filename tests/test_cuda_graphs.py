@@ -19,6 +19,7 @@ from compiled_engine.engine.cuda_graphs import (
     padded_size,
 )
 from compiled_engine.engine.model_runner import ModelRunner
+from tests.cuda_graph_stand_ins import RecordingGraph, use_stand_ins
 
 CPU = torch.device("cpu")
 
@@ -105,43 +106,15 @@ def test_padded_decode_batch_in_static_buffers_matches_the_batch_alone(tiny_mode
     assert runner.kv_cache[:, scratch].abs().sum() > 0
 
 
-class _RecordingGraph:
-    """Stands in for torch.cuda.CUDAGraph on CPU: records captures and replays."""
-
-    capturing = False
-
-    def __init__(self) -> None:
-        self.replays = 0
-
-    def pool(self) -> tuple[int, int]:
-        return (0, 0)
-
-    def replay(self) -> None:
-        self.replays += 1
-
-
-class _Capture:
-    def __init__(self, graph: _RecordingGraph, pool: object = None) -> None:
-        self.graph = graph
-
-    def __enter__(self) -> None:
-        _RecordingGraph.capturing = True
-
-    def __exit__(self, *exc: object) -> None:
-        _RecordingGraph.capturing = False
-
-
 def test_capture_derives_per_forward_tensors_inside_the_graph_and_keeps_them(monkeypatch: pytest.MonkeyPatch) -> None:
     """What a backend derives once per forward (metadata.per_forward) must be computed during the
     capture, so that replays recompute it from the buffers: the warm-up's copy is stale (and
     freed). Checked on CPU with stand-ins for the CUDA graph API."""
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", _RecordingGraph)
-    monkeypatch.setattr(torch.cuda, "graph", _Capture)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    use_stand_ins(monkeypatch)
     seen: list[tuple[bool, int, AttentionMetadata]] = []
 
     def forward(ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        seen.append((_RecordingGraph.capturing, len(metadata.per_forward), metadata))
+        seen.append((RecordingGraph.capturing, len(metadata.per_forward), metadata))
         metadata.per_forward.setdefault("rows", metadata.slot_mapping * 2)
         return torch.zeros(ids.shape[0], 8)
 
@@ -157,7 +130,7 @@ def test_capture_derives_per_forward_tensors_inside_the_graph_and_keeps_them(mon
     assert all("rows" in runner.metadata[size].per_forward for size in (1, 2, 4, 8))  # kept alive
     logits = runner.replay([5, 6, 7], [3, 4, 5], [[0, 1], [2, 3], [5, 6]])
     assert logits is not None and logits.shape == (3, 8)
-    assert isinstance(runner.graphs[4], _RecordingGraph) and runner.graphs[4].replays == 1
+    assert isinstance(runner.graphs[4], RecordingGraph) and runner.graphs[4].replays == 1
 
 
 @pytest.mark.gpu

@@ -15,13 +15,10 @@ import torch
 from compiled_engine.attention.metadata import AttentionMetadata
 from compiled_engine.attention.torch_backend import TorchAttentionBackend
 from compiled_engine.engine.cuda_graphs import CudaGraphRunner, DecodeBuffers
+from tests.cuda_graph_stand_ins import RecordingGraph, use_stand_ins
 
 CPU = torch.device("cpu")
 PAGE = 4
-
-
-class Capturing:
-    now = False
 
 
 class StandInDecodeWrapper:
@@ -42,7 +39,7 @@ class StandInDecodeWrapper:
 
     def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
              head_dim: int, page_size: int, **options: Any) -> None:
-        assert not Capturing.now, "plan() inside a graph capture"
+        assert not RecordingGraph.capturing, "plan() inside a graph capture"
         assert indptr.dtype == indices.dtype == last.dtype == torch.int32
         assert bool((indptr[1:] >= indptr[:-1]).all()), "indptr must not decrease"
         assert bool(((last >= 1) & (last <= page_size)).all())
@@ -125,41 +122,17 @@ def test_plan_graph_refuses_inconsistent_batches(backend: Any) -> None:
         backend.forward(q, kv, kv, torch.zeros(21, 2, PAGE, 2, 16), metadata, 0.5)
 
 
-class _Graph:
-    def __init__(self) -> None:
-        self.replays = 0
-
-    def pool(self) -> tuple[int, int]:
-        return (0, 0)
-
-    def replay(self) -> None:
-        self.replays += 1
-
-
-class _Capture:
-    def __init__(self, graph: _Graph, pool: object = None) -> None:
-        pass
-
-    def __enter__(self) -> None:
-        Capturing.now = True
-
-    def __exit__(self, *exc: object) -> None:
-        Capturing.now = False
-
-
 def test_the_graph_runner_plans_before_each_capture_and_replay_never_inside(monkeypatch: pytest.MonkeyPatch, backend: Any) -> None:
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
-    monkeypatch.setattr(torch.cuda, "graph", _Capture)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    use_stand_ins(monkeypatch)
     plans: list[tuple[bool, int, list[int], list[list[int]]]] = []
     runs: list[tuple[bool, AttentionMetadata]] = []
 
     def plan(size: int, metadata: AttentionMetadata, seq_lens: list[int], tables: list[list[int]]) -> None:
-        plans.append((Capturing.now, size, seq_lens, tables))
+        plans.append((RecordingGraph.capturing, size, seq_lens, tables))
         backend.plan_graph(size, metadata, seq_lens, tables)
 
     def forward(ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        runs.append((Capturing.now, metadata))
+        runs.append((RecordingGraph.capturing, metadata))
         assert "graph_wrapper" in metadata.per_forward  # planned before this forward
         return torch.zeros(ids.shape[0], 3)
 
