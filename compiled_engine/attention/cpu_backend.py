@@ -20,7 +20,7 @@ class CpuAttentionBackend:
 
     def __init__(self, kernel: NativeDecode) -> None:
         self.kernel = kernel
-        self.reference = TorchAttentionBackend()  # for what the kernel does not handle (not fp32)
+        self.reference = TorchAttentionBackend()  # prompts only, and what the kernel cannot run (not fp32)
 
     def _plan(self, metadata: AttentionMetadata, num_heads: int, kv_cache: torch.Tensor) -> tuple[DecodePlan, torch.Tensor | None, frozenset[int]] | None:
         """The decoding sequences' plan, built by the first layer of a forward: with, in a mixed
@@ -61,14 +61,13 @@ class CpuAttentionBackend:
         if kv_cache.dtype != torch.float32:
             return self.reference.forward(q, k, v, kv_cache, metadata, scale)
         planned = self._plan(metadata, q.shape[1], kv_cache)
-        if planned is not None and metadata.decode_only:
-            return planned[0].run(q, k, v, kv_cache, scale)
+        if planned is None:  # prompts only: exactly the torch backend
+            return self.reference.forward(q, k, v, kv_cache, metadata, scale)
+        plan, tokens, skip = planned
+        if tokens is None:  # decode only
+            return plan.run(q, k, v, kv_cache, scale)
         write_kv(k, v, kv_cache, metadata.slot_mapping)
         out = torch.empty_like(q)
-        skip: frozenset[int] = frozenset()
-        if planned is not None:
-            plan, tokens, skip = planned
-            assert tokens is not None
-            out[tokens] = plan.run(q[tokens], k[tokens], v[tokens], kv_cache, scale)
+        out[tokens] = plan.run(q[tokens], k[tokens], v[tokens], kv_cache, scale)
         attend_prompts(q, kv_cache, metadata, scale, out, skip)
         return out
