@@ -214,6 +214,21 @@ def test_a_failing_compiler_reports_its_error(fresh_kernel_cache: Path, monkeypa
     assert list((fresh_kernel_cache / "kernels").glob("*.so")) == []  # no partial library left behind
 
 
+def test_an_unwritable_cache_falls_back_to_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("COMPILED_ENGINE_CACHE", str(blocker))
+    load_native_decode.cache_clear()
+    try:
+        with pytest.raises(KernelBuildError, match="building or loading the CPU attention kernel failed"):
+            load_native_decode()
+        with caplog.at_level(logging.WARNING):
+            assert get_backend(None, AttentionShape(4, 2, 64, 16, torch.float32, CPU)).name == "torch"
+        assert "attention backend: torch, because building or loading" in caplog.text
+    finally:
+        load_native_decode.cache_clear()
+
+
 def test_get_backend_on_the_cpu(caplog: pytest.LogCaptureFixture) -> None:
     fp32 = AttentionShape(9, 3, 64, 16, torch.float32, CPU)
     assert get_backend(None, fp32).name == "cpu"

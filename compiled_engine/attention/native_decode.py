@@ -222,8 +222,8 @@ def load_native_decode() -> NativeDecode:
     """Build (once per machine) and load the kernel; raises KernelBuildError when it cannot."""
     try:
         library = ctypes.CDLL(str(library_path()))
-    except OSError as error:
-        raise KernelBuildError(f"loading the CPU attention kernel failed: {error}") from error
+    except OSError as error:  # an unwritable cache, a library the loader refuses
+        raise KernelBuildError(f"building or loading the CPU attention kernel failed: {error}") from error
     function = library.paged_decode_attention_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     function.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, ctypes.c_int]
