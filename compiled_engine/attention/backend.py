@@ -86,9 +86,10 @@ def _cpu_backend(shape: AttentionShape) -> AttentionBackend:
         unsupported_reason,
     )
 
-    reason = unsupported_reason(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.page_size, shape.dtype)
     if shape.device.type != "cpu":
-        reason = f"the cpu backend runs on the CPU, not {shape.device.type}"
+        reason: str | None = f"the cpu backend runs on the CPU, not {shape.device.type}"
+    else:
+        reason = unsupported_reason(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.page_size, shape.dtype)
     if reason is None:
         try:
             return CpuAttentionBackend(load_native_decode())

@@ -36,7 +36,7 @@ class CpuAttentionBackend:
             plan = (self.kernel.plan(metadata.slot_mapping, metadata.block_tables, metadata.seq_lens, max_len, num_heads, tuple(kv_cache.shape)), None, frozenset())
         else:
             starts = metadata.query_start_loc_cpu
-            decoding = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] == 1]
+            decoding = metadata.decoding_seqs()
             if decoding:
                 device = metadata.block_tables.device
                 seqs = torch.tensor(decoding, device=device)

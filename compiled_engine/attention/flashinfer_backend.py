@@ -43,18 +43,23 @@ def flashinfer_unsupported_reason(head_dim: int, dtype: torch.dtype, device: tor
     return None
 
 
-def paged_kv_layout(metadata: AttentionMetadata, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FlashInfer's page table: (indptr [seqs + 1], indices [pages in use], last_page_len
-    [seqs]), int32, built from the host copies of the sequence lengths."""
-    pages = [-(-n // page_size) for n in metadata.seq_lens_cpu]
+def _page_counts(seq_lens: list[int], page_size: int) -> tuple[list[int], list[int], list[int]]:
+    """Pages per sequence, their running total (FlashInfer's indptr) and each last page's length."""
+    pages = [-(-n // page_size) for n in seq_lens]
     indptr = [0]
     for p in pages:
         indptr.append(indptr[-1] + p)
+    return pages, indptr, [(n - 1) % page_size + 1 for n in seq_lens]
+
+
+def paged_kv_layout(metadata: AttentionMetadata, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashInfer's page table: (indptr [seqs + 1], indices [pages in use], last_page_len
+    [seqs]), int32, built from the host copies of the sequence lengths."""
+    pages, indptr, last = _page_counts(metadata.seq_lens_cpu, page_size)
     device = metadata.block_tables.device
     width = metadata.block_tables.shape[1]
     keep = torch.arange(width, device=device)[None, :] < torch.tensor(pages, device=device)[:, None]
     indices = metadata.block_tables[keep].to(torch.int32)
-    last = [(n - 1) % page_size + 1 for n in metadata.seq_lens_cpu]
     return (
         torch.tensor(indptr, dtype=torch.int32, device=device),
         indices,
@@ -65,14 +70,10 @@ def paged_kv_layout(metadata: AttentionMetadata, page_size: int) -> tuple[torch.
 def host_page_layout(seq_lens: list[int], block_tables: list[list[int]], page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The same page table as `paged_kv_layout`, built on the host from lists (for a graph's
     plan, which must not wait on the device)."""
-    pages = [-(-n // page_size) for n in seq_lens]
+    pages, indptr, last = _page_counts(seq_lens, page_size)
     if any(len(table) < p for table, p in zip(block_tables, pages, strict=True)):
         raise ValueError("a block table holds fewer pages than its sequence length needs")
-    indptr = [0]
-    for p in pages:
-        indptr.append(indptr[-1] + p)
     indices = [page for table, p in zip(block_tables, pages, strict=True) for page in table[:p]]
-    last = [(n - 1) % page_size + 1 for n in seq_lens]
     return (
         torch.tensor(indptr, dtype=torch.int32),
         torch.tensor(indices, dtype=torch.int32),

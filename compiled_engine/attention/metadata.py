@@ -36,6 +36,11 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
 
+    def decoding_seqs(self) -> list[int]:
+        """The sequences that add exactly one token in this forward (from the host lists)."""
+        starts = self.query_start_loc_cpu
+        return [i for i in range(self.num_seqs) if starts[i + 1] - starts[i] == 1]
+
     @property
     def num_tokens(self) -> int:
         return self.query_start_loc_cpu[-1]

@@ -58,7 +58,7 @@ def _per_forward(metadata: AttentionMetadata, page_size: int, dtype: torch.dtype
         cached["read_rows"], cached["key_bias"] = _decode_rows(metadata.block_tables, metadata.seq_lens, page_size, dtype)
         return cached
     starts = metadata.query_start_loc_cpu
-    decoding = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] == 1]
+    decoding = metadata.decoding_seqs()
     if len(decoding) > 1:
         device = metadata.block_tables.device
         seqs = torch.tensor(decoding, device=device)

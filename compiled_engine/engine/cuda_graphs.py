@@ -98,7 +98,6 @@ class DecodeBuffers:
         self.seq_lens[:size].copy_(torch.tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.int32))
         self.block_tables[:size].copy_(host.to(device))
 
-
     def host_batch(self, positions: list[int], block_tables: list[list[int]], size: int) -> tuple[list[int], list[list[int]]]:
         """The sequence lengths and block tables of `size` rows as `fill` lays them out, on the
         host: the batch, then padding rows of one token on the scratch page."""
