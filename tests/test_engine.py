@@ -3,6 +3,7 @@ logprobs, aborts in every state, request validation, metrics and the progress ba
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from compiled_engine import LLM, SamplingParams
-from compiled_engine.errors import ModelConfigError, RequestError
+from compiled_engine.errors import ModelConfigError, PromptError, PromptProblem, RequestError
 from reference_oracle import ReferenceOracle
 
 
@@ -103,19 +104,36 @@ def test_abort_in_every_state(tiny: LLM, state: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("prompt", "params", "message"),
+    ("prompt", "params", "message", "problem", "param"),
     [
-        ([], SamplingParams(), "the prompt is empty"),
-        ([5, 999], SamplingParams(), "token id 999 is outside the vocabulary (0..319)"),
-        (list(range(250)), SamplingParams(max_tokens=10), "250 tokens and max_tokens is 10: 260 exceeds the context length 192"),
-        ("text", SamplingParams(), "has no tokenizer: pass token ids"),
-        ([True, 1], SamplingParams(), "must be a list of integers"),
+        ([], SamplingParams(), "the prompt is empty", PromptProblem.EMPTY, "prompt"),
+        ([5, 999], SamplingParams(), "token id 999 is outside the vocabulary (0..319) at prompt position 1", PromptProblem.OUT_OF_VOCABULARY, "prompt"),
+        ([-1], SamplingParams(), "token id -1 is outside the vocabulary (0..319) at prompt position 0", PromptProblem.OUT_OF_VOCABULARY, "prompt"),
+        (list(range(190)), SamplingParams(max_tokens=10), "the prompt has 190 tokens and max_tokens is 10: 200 exceeds the context length 192", PromptProblem.CONTEXT_LENGTH_EXCEEDED, "max_tokens"),
+        # The prompt alone fills the context: no max_tokens would help, so the message is about the prompt.
+        (list(range(250)), SamplingParams(max_tokens=10), "the prompt has 250 tokens; this model's context length is 192 tokens", PromptProblem.TOO_LONG, "prompt"),
+        (list(range(192)), SamplingParams(max_tokens=1), "the prompt has 192 tokens; this model's context length is 192 tokens", PromptProblem.TOO_LONG, "prompt"),
+        ("text", SamplingParams(), "has no tokenizer: pass token ids", PromptProblem.NO_TOKENIZER, "prompt"),
+        ([1, 2], SamplingParams(stop=["x"]), "stop strings need a tokenizer; this model has none", PromptProblem.NO_TOKENIZER, "stop"),
+        ([True, 1], SamplingParams(), "a token-id prompt must be a list of integers; item 0 is bool True", PromptProblem.NOT_TOKEN_IDS, "prompt"),
+        (5, SamplingParams(), "a prompt must be a string or a list of token ids, got int", PromptProblem.NOT_TOKEN_IDS, "prompt"),
     ],
 )
-def test_bad_requests_are_refused_clearly(tiny: LLM, prompt: list[int] | str, params: SamplingParams, message: str) -> None:
-    with pytest.raises(RequestError, match=message.replace("(", r"\(").replace(")", r"\)")):
+def test_bad_requests_are_refused_clearly(
+    tiny: LLM, prompt: list[int] | str, params: SamplingParams, message: str, problem: PromptProblem, param: str
+) -> None:
+    free = tiny.engine.block_manager.num_free_pages
+    with pytest.raises(PromptError, match=re.escape(message)) as refused:
         tiny.engine.add_request(prompt, params)
-    assert not tiny.engine.has_unfinished_requests()
+    assert refused.value.problem is problem and refused.value.param == param
+    assert not tiny.engine.has_unfinished_requests() and not tiny.engine.scheduler.waiting
+    assert tiny.engine.block_manager.num_free_pages == free
+
+
+def test_a_prompt_that_just_fits_the_context_is_accepted(tiny: LLM) -> None:
+    [out] = tiny.generate([list(range(182))], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    assert len(out.token_ids) == 10  # 182 + 10 = 192, the context length
+    _pool_is_whole(tiny)
 
 
 @pytest.mark.parametrize(
@@ -138,8 +156,9 @@ def test_bad_requests_are_refused_clearly(tiny: LLM, prompt: list[int] | str, pa
     ],
 )
 def test_sampling_params_validation(kwargs: dict[str, object], message: str) -> None:
-    with pytest.raises(RequestError, match=message):
+    with pytest.raises(RequestError, match=message) as refused:
         SamplingParams(**kwargs)  # type: ignore[arg-type]
+    assert refused.value.param == message.split()[0]  # the field at fault, for the server's `param`
 
 
 def test_context_is_capped_to_what_the_kv_cache_holds(tiny: LLM, tiny_model_factory: Callable[..., Path]) -> None:

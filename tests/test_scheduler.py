@@ -176,3 +176,23 @@ def test_forked_completions_share_the_prompt_pages() -> None:
     assert next(s.num_tokens for s in out.scheduled if s.seq is child) == 2
     run_to_completion(scheduler)
     assert manager.num_free_pages == manager.num_pages
+
+
+def test_a_fork_waiting_for_its_parent_does_not_hold_the_queue() -> None:
+    manager = BlockManager(num_pages=32, page_size=4, enable_prefix_caching=False)
+    scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=64)
+    parent = make_seq(10, max_tokens=3)
+    child = Sequence(next(_ids), list(parent.prompt_token_ids), parent.params, fork_of=parent)
+    behind = make_seq(5, max_tokens=3, first_token=30)  # another request, queued after the n = 2 one
+    for seq in (parent, child, behind):
+        scheduler.add(seq)
+    out = fake_step(scheduler)
+    # The child waits for its parent's prompt pages; the request behind it is not held up.
+    assert [(s.seq, s.num_tokens) for s in out.scheduled] == [(parent, 10), (behind, 5)]
+    assert list(scheduler.waiting) == [child]
+    out = fake_step(scheduler)
+    assert child.block_table[:2] == parent.block_table[:2]  # it still shares the prompt pages
+    assert next(s.num_tokens for s in out.scheduled if s.seq is child) == 2
+    run_to_completion(scheduler)
+    assert all(len(seq.output_token_ids) == 3 for seq in (parent, child, behind))
+    assert manager.num_free_pages == manager.num_pages

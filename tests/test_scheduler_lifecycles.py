@@ -12,8 +12,9 @@ else's K/V; and K/V may only be written into a page its writer alone holds.
 After every operation: `check_consistency` over the running block tables, waiting sequences hold
 no pages, the queues hold exactly the unfinished sequences, computed <= tokens, block tables hold
 at least ceil(computed / page_size) pages (and no more than the tokens need), hits <= queried.
-Every step: the token budget and `max_num_seqs` hold, and something is scheduled whenever
-anything is unfinished. Each example ends by stepping until everything finishes (a step cap
+Every step: the token budget and `max_num_seqs` hold, something is scheduled whenever
+anything is unfinished, and the queue is first come, first served except that an n > 1 sibling
+waiting for its fork parent's prompt is passed over (it never holds up the queue behind it). Each example ends by stepping until everything finishes (a step cap
 catches a livelock) and checks that every page is free with refcount zero.
 
 Pools are small (8..40 pages of 1..8 tokens, 1..64 tokens a step, 1..8 sequences) and prompts come
@@ -159,7 +160,8 @@ class Harness:
     def step(self, rng: random.Random) -> None:
         page_size = self.bm.page_size
         had_work = self.sched.has_unfinished
-        waiting_before = {s.seq_id for s in self.sched.waiting}
+        queue_before = list(self.sched.waiting)
+        waiting_before = {s.seq_id for s in queue_before}
         queried_before = self.bm.stats.queried_tokens
         hits_before = self.bm.stats.hit_tokens
         out = self.sched.schedule()
@@ -168,6 +170,7 @@ class Harness:
         COUNTERS["preemptions"] += len(out.preempted)
         # Admissions: hits cover whole pages, never the last token.
         admitted = [item.seq for item in out.scheduled if item.seq.seq_id in waiting_before]
+        self.check_queue_order(queue_before, admitted)
         for seq in admitted:
             assert seq.num_computed_tokens % page_size == 0
             assert 0 <= seq.num_computed_tokens < seq.num_tokens
@@ -241,6 +244,18 @@ class Harness:
             assert seq.status is SequenceStatus.WAITING and seq in self.sched.waiting
             assert seq.block_table == [] and seq.num_computed_tokens == 0
             assert seq.num_preemptions >= 1
+
+    def check_queue_order(self, queue: list[Sequence], admitted: list[Sequence]) -> None:
+        """First come, first served: a waiting sequence is passed over only while it is an n > 1
+        sibling waiting for its fork parent's prompt, and it never holds up the queue behind it."""
+        admitted_ids = {s.seq_id for s in admitted}
+        last = max((i for i, s in enumerate(queue) if s.seq_id in admitted_ids), default=0)
+        for seq in queue[:last]:
+            if seq.seq_id not in admitted_ids:
+                parent = seq.fork_of
+                assert parent is not None and parent.status is SequenceStatus.RUNNING
+                assert parent.is_prefilling, f"seq {seq.seq_id} was overtaken"
+                COUNTERS["forks_overtaken"] += 1
 
     def check(self) -> None:
         bm, sched, page_size = self.bm, self.sched, self.bm.page_size
@@ -376,7 +391,7 @@ def test_random_lifecycles() -> None:
     assert COUNTERS["preemptions"] > 0
     assert COUNTERS["examples_with_hits"] > 0 and COUNTERS["prefix_hits"] > 0
     assert COUNTERS["examples_with_evictions"] > 0
-    assert COUNTERS["fork_shares"] > 0
+    assert COUNTERS["fork_shares"] > 0 and COUNTERS["forks_overtaken"] > 0
     for state in ("waiting", "prefilling", "decoding"):
         assert COUNTERS[f"aborts_{state}"] > 0, f"no sequence was aborted while {state}"
 

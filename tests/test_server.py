@@ -137,6 +137,66 @@ def test_bad_input_gets_its_status_and_an_openai_error(server: ServerProcess, ra
     assert httpx.get(f"{server.url}/ready").status_code == 200
 
 
+DEEP = 5000
+NESTED_BODIES = {
+    "prompt": '{"prompt": ' + "[" * DEEP + "]" * DEEP + "}",
+    "messages": '{"messages": ' + "[" * DEEP + "]" * DEEP + "}",
+    "objects": '{"a":' * DEEP + "1" + "}" * DEEP,
+    "arrays": "[" * DEEP + "]" * DEEP,
+}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("body", list(NESTED_BODIES.values()), ids=list(NESTED_BODIES))
+def test_a_body_too_deep_to_decode_is_a_400(server: ServerProcess, path: str, body: str) -> None:
+    # The JSON decoder recurses once per level: 5,000 levels used to raise RecursionError, a 500.
+    headers = {"Authorization": f"Bearer {KEY_A}", "Content-Type": "application/json"}
+    response = httpx.post(f"{server.url}{path}", content=body, headers=headers)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert "nested too deeply" in error["message"]
+    assert httpx.get(f"{server.url}/ready").status_code == 200
+
+
+ENGINE_REFUSALS = [
+    ("/v1/completions", {"prompt": []}, "the prompt is empty", "prompt", None),
+    ("/v1/completions", {"prompt": ""}, "the prompt is empty", "prompt", None),
+    ("/v1/completions", {"prompt": [5, 10**6]}, "token id 1000000 is outside the vocabulary", "prompt", None),
+    ("/v1/completions", {"prompt": [5] * 1200}, "the prompt has 1200 tokens; this model's context length is 1152 tokens", "prompt", "context_length_exceeded"),
+    ("/v1/completions", {"prompt": [5] * 1100, "max_tokens": 100}, "the prompt has 1100 tokens and max_tokens is 100: 1200 exceeds the context length 1152", "max_tokens", "context_length_exceeded"),
+    ("/v1/completions", {"prompt": [5], "max_tokens": 0}, "max_tokens must be at least 1, got 0", "max_tokens", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 1200}]}, "tokens; this model's context length is 1152 tokens", "messages", "context_length_exceeded"),
+    ("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 10**9}, "exceeds the context length 1152", "max_tokens", "context_length_exceeded"),
+    ("/v1/chat/completions", {"messages": QUESTION, "logprobs": True, "top_logprobs": 21}, "logprobs must be in [0, 20]", "top_logprobs", None),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "message", "param", "code"), ENGINE_REFUSALS)
+def test_the_engines_refusal_names_the_field(server: ServerProcess, path: str, body: dict[str, object], message: str, param: str, code: str | None) -> None:
+    response = httpx.post(f"{server.url}{path}", json=body, headers={"Authorization": f"Bearer {KEY_A}"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert message in error["message"]
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, code)
+
+
+def test_a_refused_prompt_in_a_batch_leaves_nothing_running(server: ServerProcess) -> None:
+    body = {"prompt": [[5, 6, 7], [5, 10**6]], "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY_A}"})
+    assert response.status_code == 400, response.text
+    assert "outside the vocabulary" in response.json()["error"]["message"]
+    # The valid prompt may be admitted before its sibling is refused: it must be aborted then,
+    # not left to run its 1000 tokens (far longer than this wait) for nobody.
+    for _ in range(50):
+        if metric(server, "compiled_engine_kv_pages_used") == 0 and metric(server, "compiled_engine_running_requests") == 0:
+            break
+        time.sleep(0.1)
+    assert metric(server, "compiled_engine_kv_pages_used") == 0
+    assert metric(server, "compiled_engine_running_requests") == 0
+
+
 def test_closing_a_stream_frees_its_pages(server: ServerProcess, client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(
         model=MODEL, messages=QUESTION, max_tokens=1000, temperature=0, stream=True,  # type: ignore[arg-type]

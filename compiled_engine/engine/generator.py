@@ -14,6 +14,7 @@ import torch
 
 from compiled_engine.cache.block_manager import BlockManager
 from compiled_engine.engine.model_runner import ModelRunner
+from compiled_engine.engine.request_validation import check_prompt
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.engine.sequence import FinishReason, Sequence, SequenceStatus
 from compiled_engine.errors import RequestError
@@ -65,7 +66,7 @@ class Generator:
     def validate_prompt(self, prompt: list[int], max_tokens: int) -> None:
         if max_tokens < 1:
             raise RequestError(f"max_tokens must be at least 1, got {max_tokens}")
-        self.runner.check_prompt(prompt, max_tokens)
+        check_prompt(prompt, max_tokens, self.runner.model_config.vocab_size, self.runner.max_model_len)
 
     def generate(
         self,

@@ -16,6 +16,7 @@ from compiled_engine.config import EngineConfig
 from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.engine.output_text import SequenceText
 from compiled_engine.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from compiled_engine.engine.request_validation import check_request, prompt_token_ids
 from compiled_engine.engine.sampler import SamplingBatch, TokenLogprobs, make_sampler
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.engine.scheduler import Scheduler
@@ -85,13 +86,18 @@ class LLMEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
     ) -> str:
+        """Queue a request and return its id. An invalid one raises a RequestError (a PromptError
+        for the prompt checks of request_validation) and leaves nothing queued."""
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
-        prompt_ids = self._encode(prompt)
-        self._validate(prompt_ids, params)
+        prompt_ids = prompt_token_ids(prompt, self.tokenizer, str(self.model_dir))
+        check_request(
+            prompt_ids, params, self.runner.model_config.vocab_size, self.runner.max_model_len,
+            self.tokenizer is not None,
+        )
         now = time.perf_counter()
         seqs: list[Sequence] = []
         for index in range(params.n):
@@ -114,22 +120,6 @@ class LLMEngine:
         for seq in seqs:
             self.scheduler.add(seq)
         return request_id
-
-    def _encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError(f"{self.model_dir} has no tokenizer: pass token ids")
-            return self.tokenizer.encode(prompt)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise RequestError("a token-id prompt must be a list of integers")
-        return list(prompt)
-
-    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        # max_model_len never exceeds the KV cache (ModelRunner), so one request always fits alone
-        # and preemption can always make progress.
-        self.runner.check_prompt(prompt_ids, params.max_tokens)
-        if params.stop and self.tokenizer is None:
-            raise RequestError("stop strings need a tokenizer; this model has none")
 
     def abort_request(self, request_id: str) -> None:
         """Ends the request at the next step boundary, returning its pages (unknown ids are ignored:

@@ -2,10 +2,14 @@
 
 One step: running decodes first (one token each), then running sequences still prefilling
 (chunks), then waiting sequences in arrival order, until the token budget
-(`max_num_batched_tokens`) or `max_num_seqs` runs out. When a running sequence needs a page and
-none is free, the newest running sequence not yet scheduled this step is preempted: its pages go
-back to the pool and it waits, first in line, to be recomputed. The output is plain data; the
-scheduler never touches a tensor, so it is tested with no model at all.
+(`max_num_batched_tokens`) or `max_num_seqs` runs out. A waiting sequence short of pages stops
+admission (nobody overtakes it); an n > 1 sibling waiting for its fork parent to finish computing
+their shared prompt is passed over instead, so it never holds up the requests behind it.
+
+When a running sequence needs a page and none is free, the newest running sequence not yet
+scheduled this step is preempted: its pages go back to the pool and it waits, first in line, to be
+recomputed. The output is plain data; the scheduler never touches a tensor, so it is tested with no
+model at all.
 """
 
 from __future__ import annotations
@@ -74,12 +78,21 @@ class Scheduler:
             chosen.add(seq.seq_id)
             budget -= num_new
         # Admitting while preempting would only evict again: wait for pages to come back.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
-            seq = self.waiting[0]
+        position = 0  # the first waiting sequence not passed over this step
+        while (
+            position < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs
+            and not out.preempted
+        ):
+            seq = self.waiting[position]
+            if self._waits_for_fork_parent(seq):
+                # It waits for pages that are on their way, not for free ones: the queue behind
+                # it goes on, and it keeps its place for the step its sibling's prompt is cached.
+                position += 1
+                continue
             num_new = self._admit(seq, budget)
             if num_new == 0:
-                break  # first come, first served: nobody overtakes the head of the queue
-            self.waiting.popleft()
+                break  # first come, first served: nobody overtakes a sequence short of pages
+            del self.waiting[position]
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, num_new))
             chosen.add(seq.seq_id)
@@ -98,12 +111,17 @@ class Scheduler:
                 return False
         return True
 
+    @staticmethod
+    def _waits_for_fork_parent(seq: Sequence) -> bool:
+        """An n > 1 sibling whose fork parent is still computing the shared prompt: admitted now,
+        it would compute the prompt a second time instead of sharing the parent's pages."""
+        parent = seq.fork_of
+        return parent is not None and parent.status is SequenceStatus.RUNNING and parent.is_prefilling
+
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Give a waiting sequence its pages (prefix-cache hits first); the tokens it computes
         this step, or 0 when it cannot start now."""
         parent = seq.fork_of
-        if parent is not None and parent.status is SequenceStatus.RUNNING and parent.is_prefilling:
-            return 0  # wait one more step and share the sibling's prompt pages
         full_prompt_pages = (len(seq.prompt_token_ids) - 1) // self.block_manager.page_size
         if parent is not None and parent.status is SequenceStatus.RUNNING and seq.num_computed_tokens == 0:
             hits = parent.block_table[:full_prompt_pages]

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 import msgspec
 from litestar import Litestar, Request, Response, get, post
+from litestar.exceptions import SerializationException
 from litestar.logging.config import LoggingConfig
 from litestar.openapi import OpenAPIConfig
 from litestar.params import Body
@@ -21,6 +22,7 @@ from litestar.response import Stream
 from compiled_engine.engine.async_engine import AsyncEngine
 from compiled_engine.engine.outputs import CompletionOutput, RequestOutput
 from compiled_engine.engine.sampling_params import SamplingParams
+from compiled_engine.errors import PromptError, RequestError
 from compiled_engine.server.errors import ApiError, error_response, handle_exception
 from compiled_engine.server.metrics import ServerMetrics
 from compiled_engine.server.protocol import (
@@ -37,6 +39,7 @@ from compiled_engine.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     Delta,
+    ErrorResponse,
     ModelCard,
     ModelList,
     PromptTokensDetails,
@@ -47,6 +50,9 @@ from compiled_engine.tokenizer import Tokenizer
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 CHAT_ROLES = ("system", "user", "assistant")
+CHAT_PATH = "/v1/chat/completions"
+# The engine's names for request fields (RequestError.param) that a chat body calls otherwise.
+CHAT_PARAMS = {"prompt": "messages", "logprobs": "top_logprobs"}
 
 
 @dataclass(frozen=True)
@@ -87,19 +93,13 @@ class OpenAIServer:
         if model is not None and model != self.settings.served_model_name:
             raise ApiError(404, f"the model '{model}' does not exist; this server serves '{self.settings.served_model_name}'", "not_found_error", "model", "model_not_found")
 
-    def check_length(self, prompt_ids: list[int], max_tokens: int | None, param: str) -> int:
-        if not prompt_ids:
-            raise ApiError(400, "the prompt is empty", param=param)
-        if len(prompt_ids) >= self.max_model_len:
-            raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this model's context length is {self.max_model_len} tokens", param=param, code="context_length_exceeded")
-        room = self.max_model_len - len(prompt_ids)
-        if max_tokens is None:
-            return room
-        if max_tokens < 1:
-            raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
-        if max_tokens > room:
-            raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens and max_tokens is {max_tokens}: {len(prompt_ids) + max_tokens} exceeds the context length {self.max_model_len}", param="max_tokens", code="context_length_exceeded")
-        return max_tokens
+    def default_max_tokens(self, prompt_ids: list[int], max_tokens: int | None) -> int:
+        """`max_tokens` as given, or by default what the context leaves after the prompt. The
+        engine checks the prompt and the total (request_validation); at least 1 so that a prompt
+        that fills the context is refused as too long, not for its max_tokens."""
+        if max_tokens is not None:
+            return max_tokens
+        return max(self.max_model_len - len(prompt_ids), 1)
 
     def usage(self, output: RequestOutput) -> Usage:
         completion = sum(len(c.token_ids) for c in output.outputs)
@@ -112,9 +112,7 @@ class OpenAIServer:
         prompt = body.prompt
         if isinstance(prompt, str):
             return [self.tokenizer.encode(prompt)]
-        if not prompt:
-            raise ApiError(400, "the prompt is empty", param="prompt")
-        if all(isinstance(t, int) for t in prompt):
+        if all(isinstance(t, int) for t in prompt):  # one prompt of token ids (or [], refused as empty)
             return [[t for t in prompt if isinstance(t, int)]]
         prompts: list[list[int]] = []
         for item in prompt:
@@ -170,6 +168,30 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens:
     )
 
 
+class BodyRequest(Request[Any, Any, Any]):
+    """Litestar's request, but a JSON body nested too deeply for the decoder (it recurses once
+    per level) is refused like any other undecodable body: a 400, not a RecursionError and a 500."""
+
+    async def json(self) -> Any:
+        try:
+            return await super().json()
+        except RecursionError as exc:
+            # Litestar answers a SerializationException from the body decoder with a 400.
+            raise SerializationException("the JSON body is nested too deeply to decode") from exc
+
+
+def handle_request_error(request: Request[Any, Any, Any], exc: Exception) -> Response[ErrorResponse]:
+    """The engine's refusal of a request (engine/request_validation.py, SamplingParams) as
+    OpenAI's 400, naming the field at fault as the route's body calls it."""
+    if not isinstance(exc, RequestError):
+        return handle_exception(request, exc)
+    param = exc.param
+    if param is not None and request.url.path == CHAT_PATH:
+        param = CHAT_PARAMS.get(param, param)
+    code = "context_length_exceeded" if isinstance(exc, PromptError) and exc.problem.exceeds_context else None
+    return error_response(400, str(exc), "invalid_request_error", param, code)
+
+
 def sse(payload: msgspec.Struct | str) -> bytes:
     data = payload.encode() if isinstance(payload, str) else msgspec.json.encode(payload)
     return b"data: " + data + b"\n\n"
@@ -221,8 +243,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
         prompts = server.completion_prompts(data)
         if data.stream and len(prompts) > 1:
             raise ApiError(400, "streaming supports one prompt per request", param="prompt")
-        budgets = [server.check_length(p, data.max_tokens, "prompt") for p in prompts]
-        params = [sampling_params(data, b, data.logprobs) for b in budgets]
+        params = [sampling_params(data, server.default_max_tokens(p, data.max_tokens), data.logprobs) for p in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         model = settings.served_model_name
@@ -231,8 +252,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
             first = await _first_output(stream)
             return Stream(_completion_events(server, data, request_id, created, first, stream), media_type="text/event-stream")
         # A batch of prompts runs concurrently, like any other set of requests.
-        finals = await asyncio.gather(*[
-            _final_output(generate(prompt, p, f"{request_id}-{i}", salt))
+        finals = await _final_outputs([
+            generate(prompt, p, f"{request_id}-{i}", salt)
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
         ])
         choices: list[CompletionChoice] = []
@@ -248,7 +269,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
         )
         return CompletionResponse(request_id, created, model, choices, usage)
 
-    @post("/v1/chat/completions", status_code=200)
+    @post(CHAT_PATH, status_code=200)
     async def chat_completions(request: Request[Any, Any, Any], data: Annotated[ChatCompletionRequest, Body()]) -> Any:
         """OpenAI chat completions: messages rendered with the model's chat template."""
         salt = server.check_auth(request)
@@ -259,7 +280,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
         messages = _chat_messages(data)
         prompt = server.tokenizer.encode_chat(messages)
         limit = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
-        max_tokens = server.check_length(prompt, limit, "messages")
+        max_tokens = server.default_max_tokens(prompt, limit)
         top = data.top_logprobs or 0
         if top and not data.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -280,7 +301,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
     return Litestar(
         route_handlers=[health, ready, prometheus, models, completions, chat_completions],
         middleware=[metrics.middleware],
-        exception_handlers={Exception: handle_exception},
+        exception_handlers={Exception: handle_exception, RequestError: handle_request_error},
+        request_class=BodyRequest,
         request_max_body_size=settings.max_body_bytes,
         openapi_config=OpenAPIConfig(title="compiled_engine", version="0.1.0", path="/docs"),
         # Litestar would otherwise reconfigure the root logger of whatever process embeds the app.
@@ -320,6 +342,20 @@ async def _final_output(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
         final = output
     assert final is not None
     return final
+
+
+async def _final_outputs(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    """Run the streams together. The first to fail (a refused prompt of a batch) cancels the
+    others, which aborts their requests and returns their pages, and its error is raised."""
+    tasks = [asyncio.ensure_future(_final_output(stream)) for stream in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        # Wait until the cancelled ones have aborted, and collect every error so that none is
+        # logged as never retrieved.
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _chain(first: RequestOutput | None, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
