@@ -10,51 +10,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from compiled_engine.cache.kv_cache import DEFAULT_PAGE_SIZE
-from compiled_engine.config import DTYPES, EngineConfig
+from compiled_engine.engine_options import add_engine_options, engine_config_from_args
 from compiled_engine.errors import CompiledEngineError, ModelSourceError
-
-
-def _add_engine_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="local model directory or Hub id (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on cuda, float32 on cpu")
-    parser.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help="tokens per KV page")
-    parser.add_argument("--num-pages", type=int, default=None, help="KV pages (default: as many as --kv-cache-memory-gib holds)")
-    parser.add_argument("--kv-cache-memory-gib", type=float, default=None, help="default: 1 GiB on CPU; on CUDA what --gpu-memory-utilization leaves")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory for weights, activations, CUDA graphs and the KV cache")
-    parser.add_argument("--enforce-eager", action="store_true", help="plain eager PyTorch: no torch.compile, no CUDA graphs")
-    parser.add_argument("--attention-backend", choices=["torch", "cpu", "flashinfer"], default=None, help="default: flashinfer on CUDA, cpu (native decode kernel) on the CPU, when they can run the model; else torch")
-    parser.add_argument("--sampler", choices=["torch", "flashinfer"], default=None, help="default: flashinfer on CUDA when installed (requests with their own seed always take torch's)")
-    parser.add_argument("--no-cuda-graphs", action="store_true", help="compiled, but decode without CUDA graphs")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="split the model across this many processes (gloo on CPU, NCCL on CUDA; see docs/parallel.md)")
-    parser.add_argument("--distributed-timeout-s", type=float, default=60.0, help="a tensor-parallel collective waiting longer fails")
-
-
-def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        page_size=args.page_size,
-        num_pages=args.num_pages,
-        kv_cache_memory_gib=args.kv_cache_memory_gib,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        enforce_eager=True if args.enforce_eager else None,
-        cuda_graphs=not args.no_cuda_graphs,
-        sampler=args.sampler,
-        tensor_parallel_size=args.tensor_parallel_size,
-        attention_backend=args.attention_backend,
-        distributed_timeout_s=args.distributed_timeout_s,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=not args.no_prefix_caching,
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,8 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--top-k", type=int, default=0)
-    generate.add_argument("--seed", type=int, default=None)
-    _add_engine_options(generate)
+    generate.add_argument("--seed", type=int, default=None, help="this request's seed (default: one drawn at random)")
+    add_engine_options(generate, exclude={"seed"})  # one request: its own --seed is the one that counts
 
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
     serve.add_argument("--host", default="127.0.0.1")
@@ -85,13 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-waiting-requests", type=int, default=256, help="beyond this, new requests get 429")
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20)
     serve.add_argument("--shutdown-grace-s", type=float, default=30.0)
-    _add_engine_options(serve)
+    add_engine_options(serve)
 
     verify = commands.add_parser("verify", help="compare greedy output with the transformers reference")
     verify.add_argument("--prompts", type=Path, default=None, help=".json list or one prompt per line")
     verify.add_argument("--chat", action="store_true", help="treat the prompts of a text file as chat messages")
     verify.add_argument("--max-tokens", type=int, default=64)
-    _add_engine_options(verify)
+    add_engine_options(verify)
     return parser
 
 
@@ -112,7 +69,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
     )
     started = time.perf_counter()
-    engine = LLMEngine(_engine_config(args))
+    engine = LLMEngine(engine_config_from_args(args))
     model_load_ms = (time.perf_counter() - started) * 1000
     if engine.tokenizer is None:
         raise ModelSourceError(f"{engine.model_dir} has no tokenizer.json, so text prompts cannot be encoded")
@@ -160,7 +117,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from compiled_engine.server.launch import run_server
 
     return run_server(
-        _engine_config(args), args.host, args.port, _api_keys(args.api_key), args.served_model_name,
+        engine_config_from_args(args), args.host, args.port, _api_keys(args.api_key), args.served_model_name,
         args.max_waiting_requests, args.max_body_bytes, args.shutdown_grace_s,
     )
 
@@ -168,7 +125,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from compiled_engine.verify import verify
 
-    return verify(_engine_config(args), args.prompts, args.chat, args.max_tokens)
+    return verify(engine_config_from_args(args), args.prompts, args.chat, args.max_tokens)
 
 
 def _torchrun_worker_rank() -> int | None:
@@ -186,7 +143,7 @@ def _run_torchrun_worker(args: argparse.Namespace) -> int:
 
     rank = _torchrun_worker_rank()
     assert rank is not None
-    config = _engine_config(args)
+    config = engine_config_from_args(args)
     run_worker(rank, config.tensor_parallel_size, "env://", str(resolve_model_dir(config.model)), config)
     return 0
 

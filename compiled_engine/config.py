@@ -8,8 +8,10 @@ import msgspec
 import torch
 
 from compiled_engine.cache.kv_cache import DEFAULT_PAGE_SIZE
+from compiled_engine.engine.sampler import SAMPLERS
 
 ENFORCE_EAGER_ENV = "COMPILED_ENGINE_ENFORCE_EAGER"
+DEVICES = ("cpu", "cuda")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -24,8 +26,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
     kv_cache_memory_gib: float | None = None
     gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None  # None = the model's max_position_embeddings
-    attention_backend: str | None = None  # "torch", "cpu" or "flashinfer"; None = flashinfer on CUDA, cpu on the CPU, when they can run
-    sampler: str | None = None  # "torch" or "flashinfer"; None = flashinfer on CUDA when installed
+    attention_backend: str | None = None  # one of attention.backend.BACKENDS; None = flashinfer on CUDA, cpu on the CPU, when they can run
+    sampler: str | None = None  # one of engine.sampler.SAMPLERS; None = flashinfer on CUDA when installed
     max_num_seqs: int = 256  # sequences running at once
     max_num_batched_tokens: int = 2048  # tokens in one forward (decodes plus prefill chunks)
     enable_prefix_caching: bool = True
@@ -38,8 +40,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
     distributed_timeout_s: float = 60.0  # a collective that waits longer fails (a rank died or hung)
 
     def __post_init__(self) -> None:
-        if self.sampler not in (None, "torch", "flashinfer"):
-            raise ValueError(f"sampler must be torch or flashinfer, got {self.sampler!r}")
+        if self.sampler is not None and self.sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be {' or '.join(SAMPLERS)}, got {self.sampler!r}")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -52,8 +54,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
 
     def resolved_device(self) -> torch.device:
         name = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if name not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {name!r}")
+        if name not in DEVICES:
+            raise ValueError(f"device must be {' or '.join(map(repr, DEVICES))}, got {name!r}")
         if name == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
         return torch.device(name)

@@ -157,6 +157,8 @@ def test_serve_to_an_unreachable_url_is_a_clear_error(capsys: pytest.CaptureFixt
         (["offline", "--num-seqs", "0"], "--num-seqs must be at least 1"),
         (["latency", "--prompt-len", "0"], "--prompt-len must be at least 1"),
         (["latency", "--plot", "out.svg"], "ends in .png"),
+        (["offline", "--max-num-seqs", "0"], "max_num_seqs must be at least 1"),  # EngineConfig's check
+        (["serve", "--num-pages", "0"], "num_pages must be at least 1"),
     ],
 )
 def test_bad_arguments_are_clear_errors_before_any_work(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -183,6 +185,24 @@ def test_latency_and_offline_plots(tiny_model_factory: Callable[..., Path], tmp_
         plot = tmp_path / f"{argv[0]}.png"
         assert bench.main([*argv, "--kv-cache-memory-gib", "0.01", "--plot", str(plot)]) == 0
         assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+
+def test_the_engine_options_reach_the_engine(tiny_model_factory: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bench takes every engine option of the CLI (engine_options.py), with EngineConfig's defaults."""
+    configs: list[EngineConfig] = []
+
+    def recording(config: EngineConfig) -> LLMEngine:
+        configs.append(config)
+        return LLMEngine(config)
+
+    monkeypatch.setattr(bench, "LLMEngine", recording)
+    model = str(tiny_model_factory("llama"))
+    engine_argv = ["--model", model, "--page-size", "8", "--num-pages", "48", "--max-model-len", "64", "--max-num-batched-tokens", "16", "--sampler", "torch", "--max-num-seqs", "2"]
+    _run(["offline", *engine_argv, "--no-prefix-caching", "--num-seqs", "3", "--input-len", "4", "20", "--output-len", "2", "4"], tmp_path)
+    _run(["latency", *engine_argv, "--prompt-len", "8", "--output-len", "3", "--repeats", "1"], tmp_path)
+    options: dict[str, Any] = dict(model=model, page_size=8, num_pages=48, max_model_len=64, max_num_batched_tokens=16, sampler="torch", max_num_seqs=2, enable_prefix_caching=False)
+    assert configs == [EngineConfig(**options)] * 2  # latency turns prefix caching off itself
 
 
 # -- pieces ---------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from compiled_engine.cli import main
+from compiled_engine.config import EngineConfig
 from compiled_engine.engine.generator import GenerationResult, StepLogits
 from compiled_engine.engine.sequence import FinishReason
 from compiled_engine.prompts import PromptSpec
@@ -101,3 +102,26 @@ def test_generate_sampling_flags_are_seeded(capsys: pytest.CaptureFixture[str], 
     assert texts[0] != texts[2]
     assert main([*argv, "--temperature", "-1"]) == 2
     assert "temperature must be finite and >= 0" in capsys.readouterr().err
+
+
+def test_engine_options_reach_verify_and_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every command builds its EngineConfig from the one declaration (engine_options.py):
+    flags reach the config, absent ones keep EngineConfig's defaults (--enforce-eager absent is
+    None, so $COMPILED_ENGINE_ENFORCE_EAGER still decides)."""
+    import compiled_engine.server.launch as launch
+    import compiled_engine.verify as verify_module
+
+    configs: list[EngineConfig] = []
+
+    def record(config: EngineConfig, *rest: object) -> int:
+        configs.append(config)
+        return 0
+
+    monkeypatch.setattr(verify_module, "verify", record)
+    monkeypatch.setattr(launch, "run_server", record)
+    assert main(["verify"]) == 0
+    assert configs.pop() == EngineConfig()
+    flags = ["--enforce-eager", "--no-cuda-graphs", "--no-prefix-caching", "--seed", "5", "--max-num-seqs", "3", "--page-size", "8"]
+    assert main(["serve", *flags]) == 0
+    assert configs.pop() == EngineConfig(enforce_eager=True, cuda_graphs=False, enable_prefix_caching=False, seed=5, max_num_seqs=3, page_size=8)
+    assert main(["verify", "--max-num-seqs", "0"]) == 2  # EngineConfig's own check, as a clear error

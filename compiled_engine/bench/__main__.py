@@ -32,9 +32,10 @@ from compiled_engine.bench.plots import PlotUnavailable, check_plotting, write_p
 from compiled_engine.bench.runs import run_hf, run_hf_as_server, run_ours, weight_bytes
 from compiled_engine.bench.serving import run_load, summarize
 from compiled_engine.bench.workload import Workload, random_workload
-from compiled_engine.config import DTYPES, EngineConfig
+from compiled_engine.config import DTYPES
 from compiled_engine.engine.async_engine import AsyncEngine
 from compiled_engine.engine.llm_engine import LLMEngine
+from compiled_engine.engine_options import add_engine_options, engine_config_from_args
 from compiled_engine.errors import CompiledEngineError
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.source import resolve_model_dir
@@ -46,16 +47,10 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     for name in ("latency", "offline", "serve"):
         sub = commands.add_parser(name)
-        sub.add_argument("--model", default=None)
-        sub.add_argument("--device", choices=["cpu", "cuda"], default=None)
-        sub.add_argument("--dtype", choices=sorted(DTYPES), default=None)
-        sub.add_argument("--kv-cache-memory-gib", type=float, default=None, help="default: 1 GiB on CPU; on CUDA what --gpu-memory-utilization leaves")
-        sub.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-        sub.add_argument("--enforce-eager", action="store_true", help="measure the eager model (no torch.compile, no CUDA graphs)")
-        sub.add_argument("--no-cuda-graphs", action="store_true")
-        sub.add_argument("--attention-backend", choices=["torch", "cpu", "flashinfer"], default=None)
+        # latency turns prefix caching off itself; --seed is the workload's (below)
+        add_engine_options(sub, exclude={"seed", "enable_prefix_caching"} if name == "latency" else {"seed"})
         sub.add_argument("--baseline", choices=["none", "hf"], default="none")
-        sub.add_argument("--seed", type=int, default=0)
+        sub.add_argument("--seed", type=int, default=0, help="seed of the random workload")
         sub.add_argument("--json", type=Path, default=None, help="write every figure and the environment here")
         sub.add_argument("--plot", type=Path, default=None, help="draw ours vs the baseline into this PNG (needs matplotlib)")
     latency = commands.choices["latency"]
@@ -66,7 +61,6 @@ def _parser() -> argparse.ArgumentParser:
     offline.add_argument("--num-seqs", type=int, default=256)
     offline.add_argument("--input-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
     offline.add_argument("--output-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
-    offline.add_argument("--max-num-seqs", type=int, default=256)
     offline.add_argument("--hf-batch-size", type=int, default=32)
     serve = commands.choices["serve"]
     serve.add_argument("--base-url", default=None, help="an OpenAI-compatible server to drive instead of ours; --model names its model (prompts use its vocabulary)")
@@ -78,7 +72,6 @@ def _parser() -> argparse.ArgumentParser:
     load.add_argument("--concurrency", type=int, nargs="+", default=None, help="closed loop: this many requests in flight (a sweep; default 1 4 16 64)")
     load.add_argument("--request-rate", type=float, nargs="+", default=None, help="open loop: Poisson arrivals per second (a sweep; inf = all at once)")
     serve.add_argument("--max-concurrency", type=int, default=None, help="with --request-rate: cap on requests in flight")
-    serve.add_argument("--max-num-seqs", type=int, default=256)
     return parser
 
 
@@ -90,7 +83,8 @@ def _check_args(args: argparse.Namespace) -> None:
         low, high = bounds
         if not 1 <= low <= high:
             raise ValueError(f"--{name.replace('_', '-')} MIN MAX needs 1 <= MIN <= MAX, got {low} {high}")
-    for name in ("num_seqs", "num_prompts", "prompt_len", "output_len", "repeats", "hf_batch_size", "max_num_seqs"):
+    engine_config_from_args(args)  # EngineConfig's own checks, before any work
+    for name in ("num_seqs", "num_prompts", "prompt_len", "output_len", "repeats", "hf_batch_size"):
         value = getattr(args, name, 1)
         if isinstance(value, int) and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -111,19 +105,15 @@ def _progress(console: Console, description: str, total: int) -> Iterator[Callab
         yield lambda n: progress.advance(task, n)
 
 
-def _engine(args: argparse.Namespace, **options: Any) -> LLMEngine:
-    return LLMEngine(EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype, kv_cache_memory_gib=args.kv_cache_memory_gib,
-        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=True if args.enforce_eager else None,
-        cuda_graphs=not args.no_cuda_graphs, attention_backend=args.attention_backend, **options,
-    ))
+def _engine(args: argparse.Namespace, **overrides: Any) -> LLMEngine:
+    return LLMEngine(engine_config_from_args(args, **overrides))
 
 
 def _engine_info(engine: LLMEngine | None) -> dict[str, Any]:
     if engine is None:
         return {}
     runner = engine.runner
-    return {"compiled": runner.compiled, "cuda_graphs": runner.graphs is not None, "compile_seconds": runner.compile_seconds, "attention_backend": runner.model.backend.name}
+    return {"compiled": runner.forward.compiled, "cuda_graphs": runner.graphs is not None, "compile_seconds": runner.compile_seconds, "attention_backend": runner.backend.name}
 
 
 def _baseline(args: argparse.Namespace, engine: LLMEngine) -> tuple[Any, str | None]:
@@ -194,7 +184,7 @@ def bench_latency(args: argparse.Namespace, console: Console) -> dict[str, Any]:
 
 
 def bench_offline(args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    engine = _engine(args, max_num_seqs=args.max_num_seqs)
+    engine = _engine(args)
     workload: Workload = random_workload(engine.runner.model_config.vocab_size, args.num_seqs, tuple(args.input_len), tuple(args.output_len), args.seed)
     run_ours(engine, random_workload(engine.runner.model_config.vocab_size, 1, (8, 8), (2, 2), args.seed + 1))  # warm-up
     with _progress(console, "ours", workload.output_tokens) as advance:
@@ -248,7 +238,7 @@ def bench_serve(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     loads: list[float] = list(args.request_rate) if args.request_rate is not None else list(args.concurrency or [1, 4, 16, 64])
     async_engine = None
     if not args.base_url:  # built on its loop thread, which runs all its steps (see AsyncEngine)
-        async_engine = AsyncEngine(lambda: _engine(args, max_num_seqs=args.max_num_seqs), max_waiting_requests=4096)
+        async_engine = AsyncEngine(lambda: _engine(args), max_waiting_requests=4096)
         async_engine.start()
     engine = async_engine.engine if async_engine is not None else None
     server = serve_in_background(async_engine) if async_engine is not None else nullcontext(args.base_url.rstrip("/"))
