@@ -11,23 +11,28 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from typing import Any
 
 import torch
 
+from compiled_engine.attention.backend import AttentionBackend
 from compiled_engine.attention.cpu_backend import CpuAttentionBackend
 from compiled_engine.attention.metadata import AttentionMetadata
 from compiled_engine.attention.native_decode import load_native_decode
 from compiled_engine.attention.torch_backend import TorchAttentionBackend
 
 
-def per_call_us(backend: object, metadata: AttentionMetadata, caches: list[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rounds: int) -> float:
+def per_call_us(backend: AttentionBackend[Any], metadata: AttentionMetadata, caches: list[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rounds: int) -> float:
+    """Per layer call, with the plan prepared once per forward (as the runner does) and counted."""
     scale = q.shape[-1] ** -0.5
-    for cache in caches:  # warm-up: per-forward tensors, first-touch
-        backend.forward(q, k, v, cache, metadata, scale)  # type: ignore[attr-defined]
+    plan = backend.prepare(metadata, caches[0])
+    for cache in caches:  # warm-up: first-touch
+        backend.forward(q, k, v, cache, plan, scale)
     started = time.perf_counter()
     for _ in range(rounds):
+        plan = backend.prepare(metadata, caches[0])
         for cache in caches:
-            backend.forward(q, k, v, cache, metadata, scale)  # type: ignore[attr-defined]
+            backend.forward(q, k, v, cache, plan, scale)
     return (time.perf_counter() - started) / (rounds * len(caches)) * 1e6
 
 
@@ -41,7 +46,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--shapes", default="1x512,1x2048,8x300,32x300,32x1000", help="sequences x context, comma-separated")
     args = parser.parse_args()
-    native = CpuAttentionBackend(load_native_decode())
+    native = CpuAttentionBackend(load_native_decode(), args.heads)
     reference = TorchAttentionBackend()
     rng = random.Random(0)
     print(f"threads {torch.get_num_threads()}, heads {args.heads}/{args.kv_heads}, head_dim {args.head_dim}, {args.layers} layers")

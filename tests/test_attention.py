@@ -232,7 +232,7 @@ def run_batch(
     q = torch.cat([s.q for s in seqs]).to(dtype)
     k = torch.cat([s.k[s.cached :] for s in seqs]).to(dtype)
     v = torch.cat([s.v[s.cached :] for s in seqs]).to(dtype)
-    out = TorchAttentionBackend().forward(q, k, v, cache, md, scale)
+    out = TorchAttentionBackend().attend(q, k, v, cache, md, scale)
     assert out.shape == q.shape and out.dtype == dtype
     return out
 

@@ -18,11 +18,16 @@ from torch._dynamo.utils import counters
 
 from compiled_engine.attention.metadata import AttentionMetadata
 from compiled_engine.config import ENFORCE_EAGER_ENV, EngineConfig
-from compiled_engine.engine.compilation import INDUCTOR_CACHE_ENV, use_compile_cache
+from compiled_engine.engine.compilation import (
+    INDUCTOR_CACHE_ENV,
+    CompiledForward,
+    CpuLinear,
+    use_compile_cache,
+)
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.engine.sampling_params import SamplingParams
-from compiled_engine.model.llama import Linear
+from compiled_engine.engine.step_inputs import StepInputs
 from compiled_engine.prompts import DEFAULT_PROMPTS
 from tests.server_process import running_server
 
@@ -57,11 +62,10 @@ def _run_steps(runner: ModelRunner, tokens: dict[int, list[int]]) -> list[torch.
         for seq, cached, new, _ in step:
             ids += tokens[seq][cached : cached + new]
             positions += range(cached, cached + new)
-        metadata = AttentionMetadata.build(
-            [new for _, _, new, _ in step], [c + n for _, c, n, _ in step], [t for *_, t in step], runner.page_size, CPU
-        )
-        logits = runner._logits(torch.tensor(ids), torch.tensor(positions), metadata, runner.kv_cache)
-        outs.append(logits[torch.tensor(metadata.query_start_loc_cpu[1:]) - 1])
+        inputs = StepInputs(ids, positions, [new for _, _, new, _ in step], [c + n for _, c, n, _ in step], [t for *_, t in step])
+        logits = runner.execute(inputs)
+        assert logits is not None
+        outs.append(logits)
     return outs
 
 
@@ -76,7 +80,7 @@ def test_compiled_logits_match_eager_on_mixed_batches_without_recompiling(model_
     counters.clear()
     runner = _runner(model_dir, compiled=True)
     after_warm_up = counters["stats"]["unique_graphs"]
-    # the decoder layer: one graph for many tokens (dynamic), one for a single token; on CPU the
+    # the whole forward: one graph for many tokens (dynamic), one for a single token; on CPU the
     # head's one-row graph
     assert after_warm_up == 3
     compiled = _run_steps(runner, tokens)
@@ -110,7 +114,7 @@ def test_compiled_engine_greedy_ids_equal_eager_for_the_default_model(default_mo
 
 def test_enforce_eager_switches_compilation_off(tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
     model_dir = tiny_model_factory("llama")
-    assert not _runner(model_dir, compiled=False).compiled
+    assert not _runner(model_dir, compiled=False).forward.compiled
     monkeypatch.setenv(ENFORCE_EAGER_ENV, "1")
     assert EngineConfig().resolved_enforce_eager()
     assert not EngineConfig(enforce_eager=False).resolved_enforce_eager()  # explicit wins
@@ -131,7 +135,7 @@ def test_the_default_compiled_server_answers(tmp_path: Path, monkeypatch: pytest
     """`serve` as users start it: compiled (the engine loop thread runs the compiled layers)."""
     monkeypatch.setenv(ENFORCE_EAGER_ENV, "0")
     with running_server(tmp_path, "--kv-cache-memory-gib", "0.05") as server:
-        assert "torch.compile: decoder layer compiled" in server.log_text()
+        assert "torch.compile: model compiled" in server.log_text()
         question = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 16, "temperature": 0}
         reply = httpx.post(f"{server.url}/v1/chat/completions", json=question, timeout=120).json()
         assert "Paris" in reply["choices"][0]["message"]["content"]
@@ -145,10 +149,10 @@ def test_the_default_compiled_server_answers(tmp_path: Path, monkeypatch: pytest
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_compiled_one_token_product_equals_f_linear(bias: bool) -> None:
-    """A one-token product compiles to a multiply-and-sum over weight rows (Linear), the many-token
-    graph to F.linear; both must give F.linear's result."""
+    """A one-token product compiles to a multiply-and-sum over weight rows (CpuLinear), the
+    many-token graph to F.linear; both must give F.linear's result."""
     torch.manual_seed(0)
-    linear = Linear(96, 80, bias=bias)
+    linear = CpuLinear(96, 80, bias=bias)  # not packed: the many-token graph is F.linear
     torch.nn.init.normal_(linear.weight)
     if linear.bias is not None:
         torch.nn.init.normal_(linear.bias)
@@ -162,10 +166,41 @@ def test_compiled_one_token_product_equals_f_linear(bias: bool) -> None:
 def test_compiled_head_of_one_row_equals_eager(tiny_model_factory: Callable[..., Path]) -> None:
     model_dir = tiny_model_factory("llama", max_position_embeddings=64)
     runner = _runner(model_dir, compiled=True)
-    model = runner.model
-    assert model.one_row_head is not None  # compiled on CPU
+    model, forward = runner.model, runner.forward
+    assert isinstance(forward, CompiledForward) and forward.one_row_head is not None  # compiled on CPU
     hidden = torch.randn(1, model.config.hidden_size)
     with torch.inference_mode():
-        torch.testing.assert_close(model.compute_logits(hidden), F.linear(hidden, model.lm_head.weight), atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(forward.logits(hidden), F.linear(hidden, model.lm_head.weight), atol=1e-4, rtol=1e-5)
         many = torch.randn(3, model.config.hidden_size)
-        torch.testing.assert_close(model.compute_logits(many), F.linear(many, model.lm_head.weight), atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(forward.logits(many), F.linear(many, model.lm_head.weight), atol=1e-4, rtol=1e-5)
+
+
+@torch.inference_mode()
+def test_a_compiled_decode_step_is_one_compiled_entry_and_one_attention_plan(tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lean step: one Dynamo entry for the whole forward (plus the head's one-row graph on
+    CPU), not one per layer; the backend prepares one plan per forward and every layer attends
+    by that same plan."""
+    model_dir = tiny_model_factory("llama", max_position_embeddings=64, num_hidden_layers=3)
+    runner = _runner(model_dir, compiled=True)
+    backend = runner.backend
+    prepared: list[object] = []
+    attended: list[object] = []
+    prepare, forward = backend.prepare, backend.forward
+
+    def recording_prepare(metadata: AttentionMetadata, kv_cache: torch.Tensor) -> object:
+        prepared.append(prepare(metadata, kv_cache))
+        return prepared[-1]
+
+    def recording_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, plan: object, scale: float) -> torch.Tensor:
+        attended.append(plan)
+        return forward(q, k, v, kv_cache, plan, scale)
+
+    monkeypatch.setattr(backend, "prepare", recording_prepare)
+    monkeypatch.setattr(backend, "forward", recording_forward)
+    runner.execute(StepInputs(list(range(3, 8)), list(range(5)), [5], [5], [[0]]))  # the prompt
+    with torch.profiler.profile() as prof:
+        logits = runner.execute(StepInputs([9], [5], [1], [6], [[0]]))
+    assert logits is not None and logits.shape == (1, runner.model_config.vocab_size)
+    entries = [e for e in prof.events() if e.name.startswith("Torch-Compiled Region")]
+    assert len(entries) == 2, [e.name for e in entries]  # the forward and the one-row head
+    assert len(prepared) == 2 and attended == [prepared[0]] * 3 + [prepared[1]] * 3

@@ -46,12 +46,12 @@ def _compare(query_lens: list[int], seq_lens: list[int], page_size: int, heads: 
     q, k, v, cache, (md_native, md_reference) = _batch(query_lens, seq_lens, page_size, heads, kv_heads, head_dim)
     scale = head_dim**-0.5
     native_cache, reference_cache = cache.clone(), cache.clone()
-    backend = CpuAttentionBackend(load_native_decode())
-    got = backend.forward(q, k, v, native_cache, md_native, scale)
-    want = TorchAttentionBackend().forward(q, k, v, reference_cache, md_reference, scale)
+    backend = CpuAttentionBackend(load_native_decode(), heads)
+    got = backend.attend(q, k, v, native_cache, md_native, scale)
+    want = TorchAttentionBackend().attend(q, k, v, reference_cache, md_reference, scale)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
     assert torch.equal(native_cache, reference_cache)  # the same K/V stored in the same slots
-    assert md_native.per_forward["native_plan"] is not None
+    assert backend.prepare(md_native, native_cache).native is not None  # the kernel ran the decodes
 
 
 @pytest.mark.parametrize(
@@ -94,8 +94,8 @@ def test_a_bf16_cache_takes_the_torch_path() -> None:
     q, k, v, cache, (md_native, md_reference) = _batch([1, 1], [20, 40], 16, 4, 2, 64)
     q, k, v, cache = q.bfloat16(), k.bfloat16(), v.bfloat16(), cache.bfloat16()
     native_cache, reference_cache = cache.clone(), cache.clone()
-    got = CpuAttentionBackend(load_native_decode()).forward(q, k, v, native_cache, md_native, 0.125)
-    want = TorchAttentionBackend().forward(q, k, v, reference_cache, md_reference, 0.125)
+    got = CpuAttentionBackend(load_native_decode(), 4).attend(q, k, v, native_cache, md_native, 0.125)
+    want = TorchAttentionBackend().attend(q, k, v, reference_cache, md_reference, 0.125)
     assert torch.equal(got, want) and torch.equal(native_cache, reference_cache)
 
 

@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from compiled_engine.attention.metadata import AttentionMetadata
+from compiled_engine.attention.cpu_backend import CpuAttentionBackend
+from compiled_engine.attention.metadata import GraphMetadata
+from compiled_engine.attention.native_decode import load_native_decode
+from compiled_engine.attention.torch_backend import TorchAttentionBackend, TorchPlan
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine.cuda_graphs import (
     CudaGraphRunner,
@@ -19,6 +22,7 @@ from compiled_engine.engine.cuda_graphs import (
     padded_size,
 )
 from compiled_engine.engine.model_runner import ModelRunner
+from compiled_engine.engine.step_inputs import StepInputs
 from tests.cuda_graph_stand_ins import RecordingGraph, use_stand_ins
 
 CPU = torch.device("cpu")
@@ -54,7 +58,7 @@ def test_fill_writes_the_batch_then_padding_rows_on_the_scratch_page() -> None:
     assert buffers.block_tables[:2].tolist() == [[8, 9, 9, 9], [9, 9, 9, 9]]
     assert buffers.seq_lens[:2].tolist() == [3, 1]
     md = buffers.metadata(2)
-    assert md.decode_only and md.block_tables.data_ptr() == buffers.block_tables.data_ptr()
+    assert md.num_seqs == 2 and md.page_size == 4 and md.block_tables.data_ptr() == buffers.block_tables.data_ptr()
 
 
 @pytest.mark.parametrize(
@@ -77,27 +81,28 @@ def test_padded_decode_batch_in_static_buffers_matches_the_batch_alone(tiny_mode
     """What a graph replays, run eagerly on CPU: 3 sequences padded to 4 rows give the logits of
     the 3 sequences run without padding, and the padding writes only the scratch page."""
     model_dir = tiny_model_factory("llama")
-    runner = ModelRunner(model_dir, EngineConfig(model=str(model_dir), enforce_eager=True, num_pages=12, page_size=4))
+    runner = ModelRunner(model_dir, EngineConfig(model=str(model_dir), enforce_eager=True, num_pages=12, page_size=4, attention_backend="torch"))
     gen = torch.Generator().manual_seed(0)
     lens = [3, 6, 9]
     tables = [[0], [1, 2], [3, 4, 5]]
     prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in lens]
     # prefill everything but each sequence's last token
-    md = AttentionMetadata.build([n - 1 for n in lens], [n - 1 for n in lens], tables, 4, CPU)
-    ids = torch.tensor([t for p in prompts for t in p[:-1]])
-    positions = torch.tensor([i for n in lens for i in range(n - 1)])
-    runner.decode_logits(ids, positions, md)
+    ids = [t for p in prompts for t in p[:-1]]
+    positions = [i for n in lens for i in range(n - 1)]
+    runner.execute(StepInputs(ids, positions, [n - 1 for n in lens], [n - 1 for n in lens], tables))
     before = runner.kv_cache.clone()
 
     last = [p[-1] for p in prompts]
-    alone = runner.decode_logits(torch.tensor(last), torch.tensor([n - 1 for n in lens]), AttentionMetadata.build([1] * 3, lens, tables, 4, CPU))
+    alone = runner.execute(StepInputs(last, [n - 1 for n in lens], [1] * 3, lens, tables))
     after_alone = runner.kv_cache.clone()
     runner.kv_cache.copy_(before)
 
     scratch = 11
     buffers = DecodeBuffers(max_size=8, max_pages=runner.max_pages_per_seq, page_size=4, scratch_page=scratch, device=CPU)
     buffers.fill(last, [n - 1 for n in lens], tables, size=4)
-    padded = runner.decode_logits(buffers.input_ids[:4], buffers.positions[:4], buffers.metadata(4))
+    graph_forward = runner.decode_graph_forward(runner.kv_cache)
+    padded = graph_forward(buffers.input_ids[:4], buffers.positions[:4], runner.backend.prepare_graph(buffers.metadata(4)))
+    assert alone is not None
     torch.testing.assert_close(padded[:3], alone, atol=1e-5, rtol=1e-5)
     # same cache as the unpadded run everywhere but the scratch page
     keep = torch.ones(runner.kv_cache.shape[1], dtype=torch.bool)
@@ -106,31 +111,52 @@ def test_padded_decode_batch_in_static_buffers_matches_the_batch_alone(tiny_mode
     assert runner.kv_cache[:, scratch].abs().sum() > 0
 
 
-def test_capture_derives_per_forward_tensors_inside_the_graph_and_keeps_them(monkeypatch: pytest.MonkeyPatch) -> None:
-    """What a backend derives once per forward (metadata.per_forward) must be computed during the
-    capture, so that replays recompute it from the buffers: the warm-up's copy is stale (and
-    freed). Checked on CPU with stand-ins for the CUDA graph API."""
-    use_stand_ins(monkeypatch)
-    seen: list[tuple[bool, int, AttentionMetadata]] = []
+class RecordingBackend(TorchAttentionBackend):
+    """The torch backend, recording whether each graph plan is built inside a capture."""
 
-    def forward(ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        seen.append((RecordingGraph.capturing, len(metadata.per_forward), metadata))
-        metadata.per_forward.setdefault("rows", metadata.slot_mapping * 2)
+    def __init__(self) -> None:
+        super().__init__()
+        self.prepared: list[tuple[bool, TorchPlan]] = []
+
+    def prepare_graph(self, metadata: GraphMetadata) -> TorchPlan:
+        plan = super().prepare_graph(metadata)
+        self.prepared.append((RecordingGraph.capturing, plan))
+        return plan
+
+
+def test_capture_builds_each_graph_plan_inside_the_graph_and_keeps_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backend's plan of a graph (index rows, key masks) must be built during the capture,
+    so that replays recompute it from the buffers: the warm-up's copy is stale (and freed), and
+    the captured one must stay alive with its graph. Checked on CPU with stand-ins for the CUDA
+    graph API."""
+    use_stand_ins(monkeypatch)
+    backend = RecordingBackend()
+    runs: list[tuple[bool, TorchPlan]] = []
+
+    def forward(ids: torch.Tensor, positions: torch.Tensor, plan: TorchPlan) -> torch.Tensor:
+        runs.append((RecordingGraph.capturing, plan))
         return torch.zeros(ids.shape[0], 8)
 
     buffers = DecodeBuffers(max_size=8, max_pages=4, page_size=4, scratch_page=9, device=torch.device("cpu"))
-    runner = CudaGraphRunner(forward, buffers, [1, 2, 4, 8])
+    runner = CudaGraphRunner(forward, buffers, [1, 2, 4, 8], backend)
     runner.capture()
-    captured = [(per_forward, metadata) for capturing, per_forward, metadata in seen if capturing]
-    warm_ups = [metadata for capturing, _, metadata in seen if not capturing]
-    assert len(captured) == len(warm_ups) == 4
-    assert all(per_forward == 0 for per_forward, _ in captured)  # nothing carried over from the warm-up
-    assert all(c is not w for (_, c), w in zip(captured, warm_ups, strict=True))
-    assert [runner.metadata[size] for size in (8, 4, 2, 1)] == [m for _, m in captured]
-    assert all("rows" in runner.metadata[size].per_forward for size in (1, 2, 4, 8))  # kept alive
+    assert [capturing for capturing, _ in backend.prepared] == [False, True] * 4  # warm-up, then capture, per size
+    assert [(c, p) for c, p in runs] == backend.prepared  # each forward runs by the plan built for it
+    captured = [plan for capturing, plan in backend.prepared if capturing]
+    assert [runner.plans[size] for size in (8, 4, 2, 1)] == captured  # kept alive
+    assert all(plan.decode is not None and plan.metadata is None for plan in captured)  # device tensors only
     logits = runner.replay([5, 6, 7], [3, 4, 5], [[0, 1], [2, 3], [5, 6]])
     assert logits is not None and logits.shape == (3, 8)
     assert isinstance(runner.graphs[4], RecordingGraph) and runner.graphs[4].replays == 1
+
+
+def test_a_backend_without_graph_support_is_refused() -> None:
+    buffers = DecodeBuffers(max_size=2, max_pages=4, page_size=4, scratch_page=9, device=CPU)
+    backend = CpuAttentionBackend(load_native_decode(), 4)
+    with pytest.raises(ValueError, match="does not support CUDA graphs"):
+        CudaGraphRunner(lambda ids, positions, plan: ids, buffers, [1, 2], backend)
+    with pytest.raises(NotImplementedError, match="cannot be captured"):
+        backend.prepare_graph(buffers.metadata(2))
 
 
 @pytest.mark.gpu
@@ -147,7 +173,7 @@ def test_every_captured_size_replays_like_eager_on_cuda(tiny_model_factory: Call
     config = dict(model=str(model_dir), device="cuda", dtype=dtype, kv_cache_memory_gib=0.05, max_num_seqs=20)
     graphed = ModelRunner(model_dir, EngineConfig(**config, enforce_eager=False, attention_backend=backend))  # type: ignore[arg-type]  # the tests default to eager
     eager = ModelRunner(model_dir, EngineConfig(**config, enforce_eager=True, attention_backend="torch"))  # type: ignore[arg-type]
-    assert graphed.model.backend.name == backend
+    assert graphed.backend.name == backend
     assert graphed.graphs is not None and sorted(graphed.graphs.graphs) == capture_sizes(20)
     gen = torch.Generator().manual_seed(0)
     for n in range(1, 21):
@@ -155,10 +181,7 @@ def test_every_captured_size_replays_like_eager_on_cuda(tiny_model_factory: Call
         tables = [[i * 3 + j for j in range(3)] for i in range(n)]
         tokens = torch.randint(3, 320, (n,), generator=gen).tolist()
         positions = [length - 1 for length in lens]
-        want = eager.decode_logits(
-            torch.tensor(tokens, device="cuda"), torch.tensor(positions, device="cuda"),
-            AttentionMetadata.build([1] * n, lens, [t[: -(-length // graphed.page_size)] for t, length in zip(tables, lens, strict=True)], graphed.page_size, torch.device("cuda")),
-        )
+        want = eager.execute(StepInputs(tokens, positions, [1] * n, lens, [t[: -(-length // graphed.page_size)] for t, length in zip(tables, lens, strict=True)]))
         got = graphed.graphs.replay(tokens, positions, [t[: -(-length // graphed.page_size)] for t, length in zip(tables, lens, strict=True)])
         assert got is not None
         torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)

@@ -13,6 +13,7 @@ from compiled_engine.config import EngineConfig
 from compiled_engine.engine.generator import GenerationResult, Generator
 from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.engine.sequence import Sequence
+from compiled_engine.engine.step_inputs import StepInputs
 from compiled_engine.prompts import DEFAULT_PROMPTS
 from compiled_engine.tokenizer import Tokenizer
 from compiled_engine.verify import report_divergence
@@ -85,9 +86,8 @@ def test_logits_at_every_prompt_position_close_to_oracle(run: Run) -> None:
     seq = Sequence(10_000, ids)
     run.generator.block_manager.grow(seq.block_table, len(ids))
     try:
-        input_ids, positions, metadata = run.runner.prepare_inputs([(seq, len(ids))])
-        hidden = run.runner.model(input_ids, positions, run.runner.kv_cache, metadata)
-        ours = run.runner.model.compute_logits(hidden)
+        hidden = run.runner.hidden_states(StepInputs.from_batch([(seq, len(ids))]))
+        ours = run.runner.forward.logits(hidden)
     finally:
         run.generator.block_manager.free(seq.block_table)
     theirs = run.oracle.logits(ids)

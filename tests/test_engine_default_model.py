@@ -57,7 +57,7 @@ def llm(request: pytest.FixtureRequest, default_model_dir: Path) -> Iterator[tup
 
 def test_concurrent_requests_match_the_oracle(llm: tuple[str, LLM], golden: dict[str, Any]) -> None:
     name, engine = llm
-    assert engine.engine.runner.model.backend.name == ("torch" if name.endswith("-torch") else "cpu")
+    assert engine.engine.runner.backend.name == ("torch" if name.endswith("-torch") else "cpu")
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     outputs = engine.generate(golden["prompts"], params, use_tqdm=False)
     for i, (output, expected) in enumerate(zip(outputs, golden["tokens"], strict=True)):

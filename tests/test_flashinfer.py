@@ -37,7 +37,7 @@ def _run(backend: object, batch: list[tuple[int, int]], kv_heads: int, heads: in
     k = torch.randn(tokens, kv_heads, head_dim, generator=gen, device=device, dtype=dtype)
     v = torch.randn(tokens, kv_heads, head_dim, generator=gen, device=device, dtype=dtype)
     md = AttentionMetadata.build([n for _, n in batch], [c + n for c, n in batch], tables, PAGE, device)
-    out = backend.forward(q, k, v, cache, md, head_dim**-0.5)  # type: ignore[attr-defined]
+    out = backend.attend(q, k, v, cache, md, head_dim**-0.5)  # type: ignore[attr-defined]
     return out, cache
 
 

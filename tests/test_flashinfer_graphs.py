@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from compiled_engine.attention.metadata import AttentionMetadata
+from compiled_engine.attention.backend import AttentionShape
+from compiled_engine.attention.metadata import AttentionMetadata, GraphMetadata
 from compiled_engine.attention.torch_backend import TorchAttentionBackend
 from compiled_engine.engine.cuda_graphs import CudaGraphRunner, DecodeBuffers
 from tests.cuda_graph_stand_ins import RecordingGraph, use_stand_ins
@@ -78,7 +79,7 @@ def backend(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setattr("compiled_engine.attention.flashinfer_backend.WORKSPACE_BYTES", 1024)
     from compiled_engine.attention.flashinfer_backend import FlashInferAttentionBackend
 
-    return FlashInferAttentionBackend(8, 2, 16, PAGE, torch.float32, CPU)
+    return FlashInferAttentionBackend(AttentionShape(8, 2, 16, PAGE, torch.float32, CPU))
 
 
 def test_a_planned_graph_wrapper_attends_like_the_torch_backend(backend: Any) -> None:
@@ -94,9 +95,9 @@ def test_a_planned_graph_wrapper_attends_like_the_torch_backend(backend: Any) ->
     q, k, v = torch.randn(size, 8, 16), torch.randn(size, 2, 16), torch.randn(size, 2, 16)
     cache = torch.randn(scratch + 1, 2, PAGE, 2, 16)
     reference_cache = cache.clone()
-    got = backend.forward(q, k, v, cache, metadata, 16**-0.5)
+    got = backend.forward(q, k, v, cache, backend.prepare_graph(metadata), 16**-0.5)
     alone = AttentionMetadata.build([1] * 5, lens, tables, PAGE, CPU)
-    want = TorchAttentionBackend().forward(q[:5], k[:5], v[:5], reference_cache, alone, 16**-0.5)
+    want = TorchAttentionBackend().attend(q[:5], k[:5], v[:5], reference_cache, alone, 16**-0.5)
     torch.testing.assert_close(got[:5], want, atol=1e-5, rtol=1e-5)
     assert torch.equal(cache[:scratch], reference_cache[:scratch])  # padding wrote only the scratch page
     wrapper = backend.graph_wrappers[size]
@@ -119,27 +120,36 @@ def test_plan_graph_refuses_inconsistent_batches(backend: Any) -> None:
     q = torch.randn(4, 8, 16)
     kv = torch.randn(4, 2, 16)
     with pytest.raises(ValueError, match="planned with scale"):
-        backend.forward(q, kv, kv, torch.zeros(21, 2, PAGE, 2, 16), metadata, 0.5)
+        backend.forward(q, kv, kv, torch.zeros(21, 2, PAGE, 2, 16), backend.prepare_graph(metadata), 0.5)
+
+
+def test_a_graph_plan_needs_its_size_planned_first(backend: Any) -> None:
+    buffers = DecodeBuffers(max_size=4, max_pages=3, page_size=PAGE, scratch_page=20, device=CPU)
+    with pytest.raises(RuntimeError, match="was not planned"):
+        backend.prepare_graph(buffers.metadata(2))
 
 
 def test_the_graph_runner_plans_before_each_capture_and_replay_never_inside(monkeypatch: pytest.MonkeyPatch, backend: Any) -> None:
     use_stand_ins(monkeypatch)
     plans: list[tuple[bool, int, list[int], list[list[int]]]] = []
-    runs: list[tuple[bool, AttentionMetadata]] = []
+    runs: list[tuple[bool, Any]] = []
+    plan_graph = backend.plan_graph
 
-    def plan(size: int, metadata: AttentionMetadata, seq_lens: list[int], tables: list[list[int]]) -> None:
+    def recording_plan_graph(size: int, metadata: GraphMetadata, seq_lens: list[int], tables: list[list[int]]) -> None:
         plans.append((RecordingGraph.capturing, size, seq_lens, tables))
-        backend.plan_graph(size, metadata, seq_lens, tables)
+        plan_graph(size, metadata, seq_lens, tables)
 
-    def forward(ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        runs.append((RecordingGraph.capturing, metadata))
-        assert "graph_wrapper" in metadata.per_forward  # planned before this forward
+    monkeypatch.setattr(backend, "plan_graph", recording_plan_graph)
+
+    def forward(ids: torch.Tensor, positions: torch.Tensor, plan: Any) -> torch.Tensor:
+        runs.append((RecordingGraph.capturing, plan))
+        assert plan.wrapper is backend.graph_wrappers[ids.shape[0]]  # the size's wrapper, planned before this forward
         return torch.zeros(ids.shape[0], 3)
 
     buffers = DecodeBuffers(max_size=4, max_pages=3, page_size=PAGE, scratch_page=20, device=CPU)
-    runner = CudaGraphRunner(forward, buffers, [1, 2, 4], plan)
+    runner = CudaGraphRunner(forward, buffers, [1, 2, 4], backend)
     runner.capture()
-    assert [(inside, size) for inside, size, _, _ in plans] == [(False, 4)] * 2 + [(False, 2)] * 2 + [(False, 1)] * 2
+    assert [(inside, size) for inside, size, _, _ in plans] == [(False, 4), (False, 2), (False, 1)]
     assert all(lens == [1] * size and tables == [[20]] * size for _, size, lens, tables in plans)
     assert [inside for inside, _ in runs] == [False, True] * 3  # warm-up, then capture, per size
     assert sorted(backend.graph_wrappers) == [1, 2, 4]

@@ -13,7 +13,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from compiled_engine.attention.torch_backend import TorchAttentionBackend
 from compiled_engine.errors import ModelLoadError
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.llama import Transformer, checkpoint_layout
@@ -27,7 +26,7 @@ def load(
     model_dir: Path, config: ModelConfig | None = None, dtype: torch.dtype = torch.float32
 ) -> Transformer:
     config = config or ModelConfig.from_model_dir(model_dir)
-    return load_model(model_dir, config, TorchAttentionBackend(), dtype, CPU)
+    return load_model(model_dir, config, dtype, CPU)
 
 
 def load_error(model_dir: Path, message: str, config: ModelConfig | None = None) -> str:
@@ -119,7 +118,7 @@ def test_loaded_parameters_equal_checkpoint(tiny_model_factory: Factory, model_t
 def test_load_accepts_str_path(tiny_model_factory: Factory) -> None:
     model_dir = tiny_model_factory("llama")
     config = ModelConfig.from_model_dir(model_dir)
-    model = load_model(str(model_dir), config, TorchAttentionBackend(), torch.float32, CPU)
+    model = load_model(str(model_dir), config, torch.float32, CPU)
     assert torch.equal(model.norm.weight, load_file(model_dir / SINGLE_FILE)["model.norm.weight"])
 
 

@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compiled_engine.attention.metadata import AttentionMetadata
 from compiled_engine.config import EngineConfig
+from compiled_engine.engine.compilation import CpuLinear
 from compiled_engine.engine.model_runner import ModelRunner
+from compiled_engine.engine.step_inputs import StepInputs
 from compiled_engine.model.llama import Linear
 from compiled_engine.model.packed_linear import is_packed, pack, packed_linear
 
@@ -53,17 +54,16 @@ def test_the_compiled_model_packs_its_layer_and_head_weights_and_the_eager_one_d
         return runner, [m for layer in runner.model.layers for m in layer.modules() if isinstance(m, Linear)]
 
     runner, compiled = build(compiled=True)
-    assert compiled and all(m.packed and is_packed(m.weight) for m in compiled)
+    assert compiled and all(isinstance(m, CpuLinear) and m.packed and is_packed(m.weight) for m in compiled)
     head = runner.model.lm_head
-    assert head.packed and is_packed(head.weight)
+    assert isinstance(head, CpuLinear) and head.packed and is_packed(head.weight)
     hidden = torch.randn(4, runner.model.config.hidden_size)
     with torch.inference_mode():
         torch.testing.assert_close(runner.model.compute_logits(hidden), F.linear(hidden, head.weight), atol=1e-4, rtol=1e-5)
     # and the compiled graph for many tokens really runs the packed products
-    metadata = AttentionMetadata.build([5], [5], [[0]], runner.page_size, torch.device("cpu"))
-    with torch.inference_mode(), torch.profiler.profile() as prof:
-        runner.model(torch.arange(3, 8), torch.arange(5), runner.kv_cache, metadata)
+    with torch.profiler.profile() as prof:
+        runner.hidden_states(StepInputs(list(range(3, 8)), list(range(5)), [5], [5], [[0]]))
     ops = {event.key: event.count for event in prof.key_averages()}
     assert ops.get("mkldnn::_linear_pointwise", 0) == len(compiled)
     eager_runner, eager = build(compiled=False)
-    assert not any(m.packed or is_packed(m.weight) for m in [*eager, eager_runner.model.lm_head])
+    assert not any(isinstance(m, CpuLinear) or is_packed(m.weight) for m in [*eager, eager_runner.model.lm_head])

@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 import torch
 
-from compiled_engine.attention.torch_backend import TorchAttentionBackend
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.sampling_params import SamplingParams
@@ -143,8 +142,8 @@ def test_kv_heads_split_or_replicated() -> None:
 def test_each_rank_reads_only_its_slices(tiny_model_factory: Callable[..., Path]) -> None:
     model_dir = tiny_model_factory("qwen3")
     config = ModelConfig.from_model_dir(model_dir)
-    whole = load_model(model_dir, config, TorchAttentionBackend(), torch.float32, torch.device("cpu"))
-    halves = [load_model(model_dir, config, TorchAttentionBackend(), torch.float32, torch.device("cpu"), TPShard(r, 2)) for r in range(2)]
+    whole = load_model(model_dir, config, torch.float32, torch.device("cpu"))
+    halves = [load_model(model_dir, config, torch.float32, torch.device("cpu"), TPShard(r, 2)) for r in range(2)]
 
     def sharded_bytes(model: torch.nn.Module) -> int:
         return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.endswith(("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")))

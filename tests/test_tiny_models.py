@@ -13,6 +13,7 @@ from compiled_engine.config import EngineConfig
 from compiled_engine.engine.generator import Generator
 from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.engine.sequence import Sequence
+from compiled_engine.engine.step_inputs import StepInputs
 from reference_oracle import ReferenceOracle
 
 VARIANTS = {
@@ -61,8 +62,7 @@ def test_logits_at_every_position_match_transformers(model_dir: Path) -> None:
     oracle = ReferenceOracle(model_dir)
     prompt = _prompts(runner.model_config.vocab_size, seed=2)[-1]
     seq = Sequence(0, prompt, block_table=list(range(60, 51, -1)))
-    input_ids, positions, metadata = runner.prepare_inputs([(seq, len(prompt))])
-    ours = runner.model.compute_logits(runner.model(input_ids, positions, runner.kv_cache, metadata))
+    ours = runner.forward.logits(runner.hidden_states(StepInputs.from_batch([(seq, len(prompt))])))
     torch.testing.assert_close(ours, oracle.logits(prompt), atol=1e-4, rtol=1e-4)
 
 

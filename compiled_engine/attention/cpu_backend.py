@@ -8,66 +8,78 @@ reference this one is tested against.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from compiled_engine.attention.backend import AttentionBackend
 from compiled_engine.attention.metadata import AttentionMetadata
 from compiled_engine.attention.native_decode import DecodePlan, NativeDecode
-from compiled_engine.attention.torch_backend import TorchAttentionBackend, attend_prompts, write_kv
+from compiled_engine.attention.torch_backend import (
+    TorchAttentionBackend,
+    TorchPlan,
+    attend_prompts,
+    prepare_torch_plan,
+    write_kv,
+)
 
 
-class CpuAttentionBackend:
+@dataclass(frozen=True)
+class CpuPlan:
+    """One forward: the native kernel's checked plan for the decoding sequences (None when none
+    decode, or the cache is not fp32), with their token positions in a mixed batch (None when
+    every sequence decodes); the torch plan for the prompts (None when every sequence decodes)."""
+
+    native: DecodePlan | None
+    decode_tokens: torch.Tensor | None
+    decode_seqs: frozenset[int]
+    prompts: TorchPlan | None
+
+
+class CpuAttentionBackend(AttentionBackend[CpuPlan]):
     name = "cpu"
 
-    def __init__(self, kernel: NativeDecode) -> None:
+    def __init__(self, kernel: NativeDecode, num_heads: int) -> None:
         self.kernel = kernel
-        self.reference = TorchAttentionBackend()  # prompts only, and what the kernel cannot run (not fp32)
+        self.num_heads = num_heads  # this rank's query heads
+        self.reference = TorchAttentionBackend()
 
-    def _plan(self, metadata: AttentionMetadata, num_heads: int, kv_cache: torch.Tensor) -> tuple[DecodePlan, torch.Tensor | None, frozenset[int]] | None:
-        """The decoding sequences' plan, built by the first layer of a forward: with, in a mixed
-        batch, their token positions and sequence indices (None and empty when all decode)."""
-        cached = metadata.per_forward
-        if "native_plan" in cached:
-            return cached["native_plan"]
-        plan: tuple[DecodePlan, torch.Tensor | None, frozenset[int]] | None = None
+    def prepare(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> CpuPlan:
+        layer_shape = tuple(kv_cache.shape[-5:])
+        page_size = layer_shape[2]
+        if kv_cache.dtype != torch.float32:  # what the kernel cannot run: exactly the torch backend
+            return CpuPlan(None, None, frozenset(), prepare_torch_plan(metadata, page_size, kv_cache.dtype))
         if metadata.decode_only:
-            # Decode-only metadata may describe static buffers whose host lists are placeholders
-            # (cuda_graphs.DecodeBuffers): read the lengths from the tensor, which is on the CPU.
-            max_len = int(metadata.seq_lens.max())
-            plan = (self.kernel.plan(metadata.slot_mapping, metadata.block_tables, metadata.seq_lens, max_len, num_heads, tuple(kv_cache.shape)), None, frozenset())
-        else:
-            starts = metadata.query_start_loc_cpu
-            decoding = metadata.decoding_seqs()
-            if decoding:
-                device = metadata.block_tables.device
-                seqs = torch.tensor(decoding, device=device)
-                tokens = torch.tensor([starts[i] for i in decoding], device=device)
-                kernel_plan = self.kernel.plan(
-                    metadata.slot_mapping[tokens], metadata.block_tables[seqs], metadata.seq_lens[seqs],
-                    max(metadata.seq_lens_cpu[i] for i in decoding), num_heads, tuple(kv_cache.shape),
-                )  # fmt: skip
-                plan = (kernel_plan, tokens, frozenset(decoding))
-        cached["native_plan"] = plan
-        return plan
+            native = self.kernel.plan(
+                metadata.slot_mapping, metadata.block_tables, metadata.seq_lens, max(metadata.seq_lens_cpu), self.num_heads, layer_shape
+            )
+            return CpuPlan(native, None, frozenset(), None)
+        decoding = metadata.decoding_seqs()
+        prompts = prepare_torch_plan(metadata, page_size, kv_cache.dtype, batch_decodes=False)
+        if not decoding:  # prompts only: exactly the torch backend
+            return CpuPlan(None, None, frozenset(), prompts)
+        starts = metadata.query_start_loc_cpu
+        device = metadata.block_tables.device
+        seqs = torch.tensor(decoding, device=device)
+        tokens = torch.tensor([starts[i] for i in decoding], device=device)
+        native = self.kernel.plan(
+            metadata.slot_mapping[tokens], metadata.block_tables[seqs], metadata.seq_lens[seqs],
+            max(metadata.seq_lens_cpu[i] for i in decoding), self.num_heads, layer_shape,
+        )  # fmt: skip
+        return CpuPlan(native, tokens, frozenset(decoding), prompts)
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        if kv_cache.dtype != torch.float32:
-            return self.reference.forward(q, k, v, kv_cache, metadata, scale)
-        planned = self._plan(metadata, q.shape[1], kv_cache)
-        if planned is None:  # prompts only: exactly the torch backend
-            return self.reference.forward(q, k, v, kv_cache, metadata, scale)
-        plan, tokens, skip = planned
-        if tokens is None:  # decode only
-            return plan.run(q, k, v, kv_cache, scale)
-        write_kv(k, v, kv_cache, metadata.slot_mapping)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, plan: CpuPlan, scale: float) -> torch.Tensor:
+        native, prompts = plan.native, plan.prompts
+        if prompts is None:  # decode only
+            assert native is not None
+            return native.run(q, k, v, kv_cache, scale)
+        if native is None:  # prompts only, or not fp32
+            return self.reference.forward(q, k, v, kv_cache, prompts, scale)
+        write_kv(k, v, kv_cache, prompts.slot_mapping, prompts.write_rows)
         out = torch.empty_like(q)
-        out[tokens] = plan.run(q[tokens], k[tokens], v[tokens], kv_cache, scale)
-        attend_prompts(q, kv_cache, metadata, scale, out, skip)
+        tokens = plan.decode_tokens
+        assert tokens is not None
+        out[tokens] = native.run(q[tokens], k[tokens], v[tokens], kv_cache, scale)
+        assert prompts.metadata is not None
+        attend_prompts(q, kv_cache, prompts.metadata, scale, out, plan.decode_seqs)
         return out

@@ -1,7 +1,7 @@
 """FlashInfer paged attention on CUDA, behind the same interface as the torch backend.
 
-Per forward, the first layer plans (host-side scheduling of the batch over the GPU) and every
-layer runs: a paged prefill wrapper (causal, over each sequence's cached prefix plus its new
+Per forward, `prepare` plans (host-side scheduling of the batch over the GPU) before the model
+runs, and every layer runs: a paged prefill wrapper (causal, over each sequence's cached prefix plus its new
 tokens) for batches with prompt tokens, a decode wrapper (tensor cores, for grouped-query
 attention) for decode-only batches. New K/V are written with the same scatter as the torch
 backend. The page layout [pages, 2, page_size, kv_heads, head_dim] per layer is FlashInfer's NHD
@@ -10,17 +10,19 @@ FlashInfer.
 
 CUDA graphs: one decode wrapper per captured batch size, built with `use_cuda_graph=True` over
 fixed int32 index buffers. `plan_graph` plans it on the host before the graph is captured and
-before every replay, never inside; inside, only the K/V scatter and `run()` are recorded (see
-docs/backends.md).
+before every replay, never inside; inside, `prepare_graph` picks that wrapper and only the K/V
+scatter and `run()` are recorded (see docs/backends.md).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from compiled_engine.attention.metadata import AttentionMetadata
+from compiled_engine.attention.backend import AttentionBackend, AttentionShape
+from compiled_engine.attention.metadata import AttentionMetadata, GraphMetadata
 from compiled_engine.attention.torch_backend import kv_rows, write_kv
 
 WORKSPACE_BYTES = 128 << 20
@@ -81,27 +83,37 @@ def host_page_layout(seq_lens: list[int], block_tables: list[list[int]], page_si
     )
 
 
-class FlashInferAttentionBackend:
-    name = "flashinfer"
+@dataclass(frozen=True)
+class FlashInferPlan:
+    """One forward: the planned wrapper every layer runs, and where the new K/V go."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    wrapper: Any
+    slot_mapping: torch.Tensor
+    write_rows: torch.Tensor
+
+
+class FlashInferAttentionBackend(AttentionBackend[FlashInferPlan]):
+    name = "flashinfer"
+    supports_cuda_graphs = True
+
+    def __init__(self, shape: AttentionShape) -> None:
         import flashinfer
 
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.page_size, self.dtype = page_size, dtype
+        self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
+        self.page_size, self.dtype = shape.page_size, shape.dtype
         self.flashinfer = flashinfer
-        self.device = device
-        self.scale = head_dim**-0.5  # the model's (llama.Attention); graph plans need it up front
-        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.device = shape.device
+        self.scale = shape.softmax_scale  # graph plans need it before the first forward
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=num_heads != num_kv_heads)
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=self.num_heads != self.num_kv_heads)
         self.graph_wrappers: dict[int, Any] = {}  # captured batch size -> its decode wrapper
 
-    def plan_graph(self, size: int, metadata: AttentionMetadata, seq_lens: list[int], block_tables: list[list[int]]) -> None:
+    def plan_graph(self, size: int, metadata: GraphMetadata, seq_lens: list[int], block_tables: list[list[int]]) -> None:
         """Outside any graph, before the decode graph of `size` rows is captured or replayed:
-        plan that size's wrapper for this batch (padding rows included: one page, length 1) and
-        mark `metadata` so that `forward` runs it. `metadata.block_tables` is the static buffer
-        the graph reads; its width bounds the pages a row may hold."""
+        plan that size's wrapper for this batch (padding rows included: one page, length 1).
+        `metadata.block_tables` is the static buffer the graph reads; its width bounds the pages
+        a row may hold."""
         if not len(seq_lens) == len(block_tables) == size == metadata.num_seqs:
             raise ValueError(f"a graph of {size} rows needs {size} sequence lengths and block tables, got {len(seq_lens)} and {len(block_tables)}")
         wrapper = self.graph_wrappers.get(size)
@@ -122,44 +134,32 @@ class FlashInferAttentionBackend:
             indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
             pos_encoding_mode="NONE", sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype,
         )  # fmt: skip
-        metadata.per_forward["graph_wrapper"] = wrapper
 
-    def _plan(self, metadata: AttentionMetadata, scale: float) -> None:
-        """Plan once per forward, in its first layer (the K/V write rows mark it done)."""
-        if "write_rows" in metadata.per_forward:
-            return
+    def prepare_graph(self, metadata: GraphMetadata) -> FlashInferPlan:
+        """Inside the capture: the size's wrapper, planned by `plan_graph` beforehand."""
+        wrapper = self.graph_wrappers.get(metadata.num_seqs)
+        if wrapper is None:
+            raise RuntimeError(f"the decode graph of {metadata.num_seqs} rows was not planned (plan_graph) before its capture")
+        return FlashInferPlan(wrapper, metadata.slot_mapping, kv_rows(metadata.slot_mapping, self.page_size))
+
+    def prepare(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> FlashInferPlan:
         indptr, indices, last = paged_kv_layout(metadata, self.page_size)
         if metadata.decode_only:
             self.decode.plan(
                 indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
-                pos_encoding_mode="NONE", sm_scale=scale, q_data_type=self.dtype, kv_data_type=self.dtype,
+                pos_encoding_mode="NONE", sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype,
             )
         else:
             self.prefill.plan(
                 metadata.query_start_loc, indptr, indices, last, self.num_heads, self.num_kv_heads,
-                self.head_dim, self.page_size, causal=True, sm_scale=scale, q_data_type=self.dtype, kv_data_type=self.dtype,
+                self.head_dim, self.page_size, causal=True, sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype,
             )
-        metadata.per_forward["write_rows"] = kv_rows(metadata.slot_mapping, self.page_size)
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        graph_wrapper = metadata.per_forward.get("graph_wrapper")
-        if graph_wrapper is not None:  # planned by plan_graph; this forward is being captured
-            if scale != self.scale:
-                raise ValueError(f"graph decode was planned with scale {self.scale}, the model attends with {scale}")
-            rows = metadata.per_forward.setdefault("write_rows", kv_rows(metadata.slot_mapping, self.page_size))
-            write_kv(k, v, kv_cache, metadata.slot_mapping, rows)
-            graphed: torch.Tensor = graph_wrapper.run(q.contiguous(), kv_cache)
-            return graphed
-        self._plan(metadata, scale)
-        write_kv(k, v, kv_cache, metadata.slot_mapping, metadata.per_forward["write_rows"])
         wrapper = self.decode if metadata.decode_only else self.prefill
-        out: torch.Tensor = wrapper.run(q.contiguous(), kv_cache)
+        return FlashInferPlan(wrapper, metadata.slot_mapping, kv_rows(metadata.slot_mapping, self.page_size))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, plan: FlashInferPlan, scale: float) -> torch.Tensor:
+        if scale != self.scale:
+            raise ValueError(f"FlashInfer was planned with scale {self.scale}, the model attends with {scale}")
+        write_kv(k, v, kv_cache, plan.slot_mapping, plan.write_rows)
+        out: torch.Tensor = plan.wrapper.run(q.contiguous(), kv_cache)
         return out

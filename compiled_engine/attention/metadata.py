@@ -1,9 +1,10 @@
-"""AttentionMetadata: where each sequence's new tokens sit in the flat batch and in the page pool."""
+"""Where each sequence's new tokens sit in the flat batch and in the page pool: `AttentionMetadata`
+for a forward built from the scheduler's batch, `GraphMetadata` for a decode CUDA graph's static
+buffers (device tensors only, so nothing can read host values the graph does not replay)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
@@ -25,12 +26,7 @@ class AttentionMetadata:
     # Host copies, so the reference backend can loop over sequences without device syncs.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
-    # Every sequence adds exactly one token. Backends then read only the device tensors, so the
-    # same metadata object can describe static buffers rewritten before each CUDA-graph replay.
-    decode_only: bool = False
-    # What a backend derives once per forward and shares between the layers (for example the
-    # decode key mask); backends fill it. Not part of the metadata's identity.
-    per_forward: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    decode_only: bool = False  # every sequence adds exactly one token
 
     @property
     def num_seqs(self) -> int:
@@ -78,3 +74,20 @@ class AttentionMetadata:
             seq_lens_cpu=list(seq_lens),
             decode_only=all(q == 1 for q in query_lens),
         )
+
+
+@dataclass(frozen=True)
+class GraphMetadata:
+    """A decode batch of `num_seqs` rows (one new token each) held in static device buffers that
+    are rewritten before every CUDA-graph replay (engine/cuda_graphs.py). It has no host lists on
+    purpose: a captured graph replays only device work, so a backend must not plan from values
+    that would be frozen at capture time."""
+
+    seq_lens: torch.Tensor  # int32 [num_seqs]
+    block_tables: torch.Tensor  # int32 [num_seqs, max_pages_per_seq]
+    slot_mapping: torch.Tensor  # int64 [num_seqs]
+    page_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from compiled_engine.model.default_model import cache_root
+from compiled_engine.cache_paths import kernels_dir
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def library_path() -> Path:
     compiler = _compiler()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS + OPENMP), _cpu_identity()]).encode()).hexdigest()[:16]
-    path = cache_root() / "kernels" / f"paged_decode-{key}.so"
+    path = kernels_dir() / f"paged_decode-{key}.so"
     if not path.exists():
         _build(compiler, path)
     return path

@@ -1,10 +1,10 @@
 """Attention as one opaque operator, so torch.compile traces the model without graph breaks.
 
 The model calls `paged_attention(q, k, v, kv_cache, scale)`. What the operator needs besides its
-tensors (the backend, and the AttentionMetadata of the batch with its host-side lists) is set
-once per forward by `attention_forward(...)`, outside any compiled region. Dynamo therefore never
-sees the metadata: batch composition changes neither the traced graph nor its guards, and the
-token count is the only shape that varies.
+tensors (the backend, and the plan the backend prepared for this batch) is set once per forward
+by the runner with `attention_forward(backend, plan)`, outside any compiled region. Neither Dynamo
+nor the model ever sees the plan: batch composition changes neither the traced graph nor its
+guards, and the token count is the only shape that varies.
 """
 
 from __future__ import annotations
@@ -12,27 +12,28 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from compiled_engine.attention.backend import AttentionBackend
-from compiled_engine.attention.metadata import AttentionMetadata
 
 
 @dataclass(frozen=True)
 class _Forward:
-    backend: AttentionBackend
-    metadata: AttentionMetadata
+    backend: AttentionBackend[Any]
+    plan: Any  # the backend's own plan type
 
 
 _current: _Forward | None = None
 
 
 @contextmanager
-def attention_forward(backend: AttentionBackend, metadata: AttentionMetadata) -> Iterator[None]:
-    """Every `paged_attention` call inside this block attends with `backend` over `metadata`."""
+def attention_forward(backend: AttentionBackend[Any], plan: Any) -> Iterator[None]:
+    """Every `paged_attention` call inside this block attends with `backend` by `plan`
+    (`backend.prepare(...)` or, inside a CUDA-graph capture, `backend.prepare_graph(...)`)."""
     global _current
-    previous, _current = _current, _Forward(backend, metadata)
+    previous, _current = _current, _Forward(backend, plan)
     try:
         yield
     finally:
@@ -41,10 +42,14 @@ def attention_forward(backend: AttentionBackend, metadata: AttentionMetadata) ->
 
 # The operator is declared with a schema and a plain kernel (torch.library.define / impl) rather
 # than torch.library.custom_op: custom_op wraps each call in Python autograd and aliasing checks,
-# about 25 us a call here, paid once per layer per step.
+# paid once per layer per step (docs/benchmarks.md has the cost). The schema declares no
+# mutation of kv_cache, though the kernel writes the new K/V into it: inside the decoder layer's
+# nested compile region, functionalization refuses a custom operator that mutates its input. It
+# is safe because nothing else in the graph reads or writes the pages: each layer's operator is
+# the only user of its layer's slice, and data dependencies keep the layers in order.
 torch.library.define(
     "compiled_engine::paged_attention",
-    "(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, float scale) -> Tensor",
+    "(Tensor q, Tensor k, Tensor v, Tensor kv_cache, float scale) -> Tensor",
 )
 
 
@@ -52,7 +57,7 @@ torch.library.define(
 def _paged_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
     if _current is None:
         raise RuntimeError("paged_attention called outside attention_forward(...)")
-    return _current.backend.forward(q, k, v, kv_cache, _current.metadata, scale)
+    return _current.backend.forward(q, k, v, kv_cache, _current.plan, scale)
 
 
 @torch.library.register_fake("compiled_engine::paged_attention")

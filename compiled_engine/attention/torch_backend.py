@@ -9,12 +9,13 @@ captured in a CUDA graph.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from compiled_engine.attention.metadata import AttentionMetadata
+from compiled_engine.attention.backend import AttentionBackend
+from compiled_engine.attention.metadata import AttentionMetadata, GraphMetadata
 
 
 def kv_rows(slots: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -46,26 +47,46 @@ def _decode_rows(block_tables: torch.Tensor, seq_lens: torch.Tensor, page_size: 
     return rows, bias[:, None, None, :]
 
 
-def _per_forward(metadata: AttentionMetadata, page_size: int, dtype: torch.dtype) -> dict[str, Any]:
-    """Index tensors and key masks, built by the first layer of a forward and reused by the
-    others (so a step pays for them once, not once per layer). In a mixed batch, the decoding
-    sequences (one new token each) are picked out to run batched too."""
-    cached = metadata.per_forward
-    if "write_rows" in cached and ("key_bias" not in cached or cached["key_bias"].dtype == dtype):
-        return cached
-    cached["write_rows"] = kv_rows(metadata.slot_mapping, page_size)
+@dataclass(frozen=True)
+class DecodeRows:
+    """The decoding sequences of a forward, attended in one batched call: the flat K rows of their
+    pages and their key mask (`_decode_rows`); in a mixed batch also their token positions in the
+    flat batch and their sequence indices (None and empty when every sequence decodes)."""
+
+    read_rows: torch.Tensor
+    key_bias: torch.Tensor
+    tokens: torch.Tensor | None = None
+    seqs: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class TorchPlan:
+    """One forward of the torch backend: where the new K/V go, the decoding sequences' batched
+    rows (None when fewer than two decode beside prompts), and the metadata whose host lists the
+    per-sequence prompt path loops over (None for a CUDA graph's decode-only plan)."""
+
+    slot_mapping: torch.Tensor
+    write_rows: torch.Tensor
+    decode: DecodeRows | None
+    metadata: AttentionMetadata | None
+
+
+def prepare_torch_plan(metadata: AttentionMetadata, page_size: int, dtype: torch.dtype, batch_decodes: bool = True) -> TorchPlan:
+    """The index tensors and key masks of a forward, built once before its layers run. With
+    `batch_decodes`, the decoding sequences of a mixed batch are picked out to run batched too."""
+    write_rows = kv_rows(metadata.slot_mapping, page_size)
+    decode: DecodeRows | None = None
     if metadata.decode_only:
-        cached["read_rows"], cached["key_bias"] = _decode_rows(metadata.block_tables, metadata.seq_lens, page_size, dtype)
-        return cached
-    starts = metadata.query_start_loc_cpu
-    decoding = metadata.decoding_seqs()
-    if len(decoding) > 1:
-        device = metadata.block_tables.device
-        seqs = torch.tensor(decoding, device=device)
-        cached["decode_seqs"] = frozenset(decoding)
-        cached["decode_tokens"] = torch.tensor([starts[i] for i in decoding], device=device)
-        cached["read_rows"], cached["key_bias"] = _decode_rows(metadata.block_tables[seqs], metadata.seq_lens[seqs], page_size, dtype)
-    return cached
+        decode = DecodeRows(*_decode_rows(metadata.block_tables, metadata.seq_lens, page_size, dtype))
+    elif batch_decodes:
+        starts = metadata.query_start_loc_cpu
+        decoding = metadata.decoding_seqs()
+        if len(decoding) > 1:
+            device = metadata.block_tables.device
+            seqs = torch.tensor(decoding, device=device)
+            rows, bias = _decode_rows(metadata.block_tables[seqs], metadata.seq_lens[seqs], page_size, dtype)
+            decode = DecodeRows(rows, bias, torch.tensor([starts[i] for i in decoding], device=device), frozenset(decoding))
+    return TorchPlan(metadata.slot_mapping, write_rows, decode, None if metadata.decode_only else metadata)
 
 
 def decode_attention(
@@ -77,8 +98,8 @@ def decode_attention(
     read but get zero weight: the pool is zero-initialised and only ever holds finite K/V.
 
     The query heads that share a KV head are laid out as that head's query rows ([seqs, kv_heads,
-    group, d]), so each key is read once per KV head rather than once per query head (on this
-    CPU about 1.5x faster at 32 sequences than SDPA's own GQA expansion)."""
+    group, d]), so each key is read once per KV head rather than once per query head (faster on
+    the CPU than SDPA's own GQA expansion: docs/benchmarks.md)."""
     num_seqs, num_heads, head_dim = q.shape
     _, _, page_size, num_kv_heads, _ = kv_cache.shape
     width = key_bias.shape[-1]
@@ -89,7 +110,7 @@ def decode_attention(
         q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim),
         keys.to(q.dtype),
         values.to(q.dtype),
-        attn_mask=key_bias,
+        attn_mask=key_bias.to(q.dtype),  # a no-op unless the plan was built for another dtype
         scale=scale,
     )
     return attended.reshape(num_seqs, num_heads, head_dim)
@@ -118,7 +139,7 @@ def attend_prompts(q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionM
             key_pos = torch.arange(seq_len, device=q.device)
             mask = key_pos[None, :] <= query_pos[:, None]
         # 4-D inputs: with a batch dimension SDPA takes its fused CPU kernel, without one
-        # the unfused math path (about 20x slower for a 512-token prompt here).
+        # the unfused math path, which is many times slower for long prompts (docs/benchmarks.md).
         attended = F.scaled_dot_product_attention(
             q[start:end].transpose(0, 1)[None],  # [1, heads, q_len, d]
             keys.transpose(0, 1).to(q.dtype)[None],
@@ -132,27 +153,31 @@ def attend_prompts(q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionM
         out[start:end] = attended[0].transpose(0, 1)
 
 
-class TorchAttentionBackend:
+class TorchAttentionBackend(AttentionBackend[TorchPlan]):
     name = "torch"
+    # A decode plan reads device tensors only, so it is rebuilt from the buffers at every replay.
+    supports_cuda_graphs = True
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        cached = _per_forward(metadata, kv_cache.shape[2], q.dtype)
-        write_kv(k, v, kv_cache, metadata.slot_mapping, cached["write_rows"])
-        if metadata.decode_only:
-            return decode_attention(q, kv_cache, cached["read_rows"], cached["key_bias"], scale)
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        self.dtype = dtype  # of the key masks: the model's activations
+
+    def prepare(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> TorchPlan:
+        return prepare_torch_plan(metadata, kv_cache.shape[-3], self.dtype)
+
+    def prepare_graph(self, metadata: GraphMetadata) -> TorchPlan:
+        page_size = metadata.page_size
+        rows, bias = _decode_rows(metadata.block_tables, metadata.seq_lens, page_size, self.dtype)
+        return TorchPlan(metadata.slot_mapping, kv_rows(metadata.slot_mapping, page_size), DecodeRows(rows, bias), None)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, plan: TorchPlan, scale: float) -> torch.Tensor:
+        write_kv(k, v, kv_cache, plan.slot_mapping, plan.write_rows)
+        decode = plan.decode
+        if plan.metadata is None:  # every sequence decodes
+            assert decode is not None
+            return decode_attention(q, kv_cache, decode.read_rows, decode.key_bias, scale)
         out = torch.empty_like(q)
-        skip: frozenset[int] = frozenset()
-        if "decode_tokens" in cached:  # the decoding sequences of a mixed batch, in one call
-            tokens = cached["decode_tokens"]
-            out[tokens] = decode_attention(q[tokens], kv_cache, cached["read_rows"], cached["key_bias"], scale)
-            skip = cached["decode_seqs"]
-        attend_prompts(q, kv_cache, metadata, scale, out, skip)
+        if decode is not None and decode.tokens is not None:  # the decoding sequences of a mixed batch, in one call
+            out[decode.tokens] = decode_attention(q[decode.tokens], kv_cache, decode.read_rows, decode.key_bias, scale)
+        attend_prompts(q, kv_cache, plan.metadata, scale, out, decode.seqs if decode is not None else frozenset())
         return out
+

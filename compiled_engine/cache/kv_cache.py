@@ -2,28 +2,39 @@
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
-from compiled_engine.model.config import ModelConfig
+import torch
 
 DEFAULT_PAGE_SIZE = 16
 
 
-def bytes_per_page(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
-    element = torch.empty((), dtype=dtype).element_size()
-    return config.num_layers * 2 * page_size * config.num_kv_heads * config.head_dim * element
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What one rank's page pool holds: `num_kv_heads` is this rank's share of the model's KV
+    heads (all of them without tensor parallelism)."""
 
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: torch.dtype
 
-def pages_for_budget(config: ModelConfig, page_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
-    return budget_bytes // bytes_per_page(config, page_size, dtype)
+    @property
+    def bytes_per_page(self) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * element
 
+    def pages_for_budget(self, budget_bytes: int) -> int:
+        return budget_bytes // self.bytes_per_page
 
-def allocate_kv_cache(
-    config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """[layers, pages, 2 (K then V), page_size, kv_heads, head_dim]: each layer's slice is the
-    page layout FlashInfer calls NHD with K and V interleaved per page."""
-    if num_pages < 1:
-        raise ValueError(f"the KV cache needs at least one page, got {num_pages}")
-    shape = (config.num_layers, num_pages, 2, page_size, config.num_kv_heads, config.head_dim)
-    return torch.zeros(shape, dtype=dtype, device=device)
+    def pages_for_tokens(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def allocate(self, num_pages: int, device: torch.device) -> torch.Tensor:
+        """[layers, pages, 2 (K then V), page_size, kv_heads, head_dim]: each layer's slice is the
+        page layout FlashInfer calls NHD with K and V interleaved per page."""
+        if num_pages < 1:
+            raise ValueError(f"the KV cache needs at least one page, got {num_pages}")
+        shape = (self.num_layers, num_pages, 2, self.page_size, self.num_kv_heads, self.head_dim)
+        return torch.zeros(shape, dtype=self.dtype, device=device)

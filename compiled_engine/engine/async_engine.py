@@ -8,8 +8,8 @@ loop returns at its next step.
 Given a function that builds the engine instead of an engine, the loop thread builds it (loading,
 compiling, warming up) before its first step, so every torch operation of the engine runs on that
 one thread. That matters on CPU: once the main thread has run PyTorch's OpenMP-parallel kernels,
-the same kernels called from another thread ran markedly slower here (a batch-1 decode step of
-the default model took 54-59 ms on the loop thread against 33 ms on the thread that built it).
+the same kernels called from another thread ran markedly slower (docs/benchmarks.md has the
+measurement).
 """
 
 from __future__ import annotations

@@ -1,10 +1,23 @@
-"""torch.compile for the model: regional (one decoder layer compiled, reused by every layer),
-the token count as the one dynamic dimension, Inductor's on-disk caches under the engine cache.
+"""How the model runs: eager (the plain reference), or compiled with the CPU products swapped in.
 
-Every layer has the same code and the same shapes, so Dynamo compiles `TransformerBlock.forward`
-once and the other layers hit the same compiled code (their weights are graph inputs, not
-constants). A whole-model compile traces all layers into one graph instead: several times the
-compile time for the same decode speed on this model.
+Compiled, the whole forward (embedding, every decoder layer, the final norm) is one
+`torch.compile` entry, so a step pays Dynamo's guards and wrappers once instead of once per layer.
+The decoder layer is a `nested_compile_region`: Dynamo traces each layer call but Inductor
+compiles the layer's code once and every layer calls it with its own weights, so compile time
+stays that of one layer. Attention is an opaque operator (attention/op.py) inside it. The token
+count is the one dynamic dimension (a one-token graph and a many-token graph), the page count of
+the pool is dynamic too (the warm-up's scratch cache and the real pool share the graphs).
+
+The model file stays plain; what the compiled CPU path needs is applied here, from outside:
+- `CpuLinear` (a module swap of every `Linear`): a one-token product written as a
+  multiply-and-sum over each weight row, which Inductor turns into one vectorised loop split
+  across cores by output row and which streams the weight at close to memory bandwidth (the GEMV
+  that F.linear calls keeps one core busy here); products of more rows through the weight's
+  oneDNN-packed copy (model/packed_linear.py);
+- the head's one-row product compiled on its own (the largest GEMV of a decode step); many rows
+  stay eager through the packed head.
+Tensor-parallel (DTensor) weights keep the plain Linear, and each layer is compiled on its own
+(nested compile regions do not take DTensor yet).
 """
 
 from __future__ import annotations
@@ -15,10 +28,11 @@ from pathlib import Path
 
 import torch
 import torch._inductor.config
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from compiled_engine.model.llama import Linear, Transformer
-from compiled_engine.model.packed_linear import can_pack, pack
+from compiled_engine.model.llama import Linear, Transformer, TransformerBlock
+from compiled_engine.model.packed_linear import can_pack, pack, packed_linear
 
 logger = logging.getLogger(__name__)
 
@@ -37,28 +51,106 @@ def use_compile_cache(cache_dir: Path) -> Path:
     return cache_dir
 
 
-def compile_layers(model: Transformer) -> None:
-    """Compile each decoder layer's forward (one Dynamo graph, no breaks). Compilation itself
-    happens on the first calls; `ModelRunner.warm_up` makes those calls at start."""
-    torch._inductor.config.fx_graph_cache = True
-    # Each layer is one code object called 30-odd times per step; two graphs (one token, many
-    # tokens) per code object is the expected state, so the default limit of 8 is ample.
-    for layer in model.layers:
-        for module in layer.modules():
-            if isinstance(module, Linear):
-                _pack_if_possible(module)
-        layer.compile(fullgraph=True)  # the token dimension is marked dynamic by the model
-    if model.lm_head.weight.device.type == "cpu":
-        # On CPU the head's one-row product is the largest GEMV of a decode step, and compiled it
-        # streams at close to bandwidth (see Linear). Many rows are one GEMM compiled or not (on
-        # GPU one cuBLAS call either way), so they stay eager, one graph less to build at start;
-        # on CPU they go through the packed head, 2-4x faster than F.linear for 2-32 rows here.
-        model.one_row_head = torch.compile(model.lm_head.forward, fullgraph=True, dynamic=False)
-        _pack_if_possible(model.lm_head)
+class CpuLinear(Linear):
+    """Linear for the compiled CPU model: one row as a multiply-and-sum (compiled only: eager it
+    would materialise the products), several rows through the oneDNN-packed weight when packed."""
+
+    packed: bool = False  # set by the swap (`_swap_in_cpu_linear`)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1 and torch.compiler.is_compiling():
+            y = (x[:, None, :] * self.weight[None]).sum(-1)
+            return y + self.bias if self.bias is not None else y
+        if self.packed:
+            return packed_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
-def _pack_if_possible(linear: Linear) -> None:
-    """Give `linear` a oneDNN-packed weight where one can run (fp32 on CPU, not tensor-parallel)."""
-    if not isinstance(linear.weight, DTensor) and can_pack(linear.weight):
+@torch.compiler.nested_compile_region
+def _decoder_layer(layer: TransformerBlock, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+    return TransformerBlock.forward(layer, x, cos, sin, kv_cache)
+
+
+class RegionBlock(TransformerBlock):
+    """A decoder layer whose forward is the one compiled region every layer shares."""
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        return _decoder_layer(self, x, cos, sin, kv_cache)
+
+
+class ModelForward:
+    """The model as the runner calls it: `hidden(input_ids, positions, kv_cache)` (inside the
+    runner's attention_forward) and `logits(hidden)`. This one is plain eager PyTorch."""
+
+    compiled = False
+
+    def __init__(self, model: Transformer) -> None:
+        self.model = model
+
+    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_cache)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
+
+
+class CompiledForward(ModelForward):
+    """The whole forward as one compiled entry; on CPU also the head's one-row product."""
+
+    compiled = True
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__(model)
+        torch._inductor.config.fx_graph_cache = True
+        # Python floats of the model (the softmax scale, norm epsilons) stay constants: a second
+        # model in the process with another head_dim must recompile, not trace the scale as a
+        # symbolic float, which the attention operator's schema cannot take.
+        torch._dynamo.config.specialize_float = True
+        on_cpu = model.lm_head.weight.device.type == "cpu"
+        if on_cpu:
+            for module in model.modules():
+                if isinstance(module, Linear):
+                    _swap_in_cpu_linear(module)
+        if any(isinstance(p, DTensor) for p in model.parameters()):
+            # Tensor parallelism: torch's nested compile regions have no rule for DTensor's
+            # functional tensors yet, so each layer is compiled on its own (one Dynamo entry per
+            # layer, all sharing one compiled code object) and the forward around them is eager.
+            for layer in model.layers:
+                layer.compile(fullgraph=True)
+            self._forward = model.forward
+        else:
+            for layer in model.layers:
+                assert isinstance(layer, TransformerBlock)
+                layer.__class__ = RegionBlock
+            self._forward = torch.compile(model.forward, fullgraph=True)
+        self.one_row_head = torch.compile(model.lm_head.forward, fullgraph=True, dynamic=False) if on_cpu else None
+
+    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[0] > 1:  # the token count is the one shape that varies
+            torch._dynamo.mark_dynamic(input_ids, 0)
+            torch._dynamo.mark_dynamic(positions, 0)
+        torch._dynamo.maybe_mark_dynamic(kv_cache, 1)  # any pool size, one graph
+        hidden: torch.Tensor = self._forward(input_ids, positions, kv_cache)
+        return hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[0] == 1 and self.one_row_head is not None:
+            out: torch.Tensor = self.one_row_head(hidden)
+            return out
+        return self.model.compute_logits(hidden)
+
+
+def model_forward(model: Transformer, compiled: bool) -> ModelForward:
+    return CompiledForward(model) if compiled else ModelForward(model)
+
+
+def _swap_in_cpu_linear(linear: Linear) -> None:
+    """Make `linear` a CpuLinear, with a oneDNN-packed weight where one can run (fp32, not
+    tensor-parallel). DTensor weights stay plain: their products are sharded by DTensor."""
+    if isinstance(linear.weight, DTensor):
+        return
+    linear.__class__ = CpuLinear
+    assert isinstance(linear, CpuLinear)
+    linear.packed = can_pack(linear.weight)
+    if linear.packed:
         pack(linear.weight)
-        linear.packed = True

@@ -5,10 +5,12 @@ A decode batch of n sequences runs as the smallest captured size >= n. The paddi
 harmless: token 0 at position 0, writing its K/V into a scratch page that no sequence owns and
 attending over that page alone. Graphs are captured largest first into one shared memory pool
 (a smaller graph's activations fit in the larger one's blocks). Inputs (token ids, positions,
-slots, sequence lengths, block tables) live in static buffers; the AttentionMetadata of each size
-is a view of those buffers, so writing the buffers is all a replay needs, plus, for a backend that
-schedules on the host (FlashInfer), its `plan` for the batch, run before the replay. The logits
-are computed inside the graph; sampling stays outside (per-request generators are host state).
+slots, sequence lengths, block tables) live in static buffers; the GraphMetadata of each size is a
+view of those buffers, so writing the buffers is all a replay needs, plus, for a backend that
+schedules on the host (FlashInfer), its `plan_graph` for the batch, run before the replay. The
+backend's plan of a graph (`prepare_graph`) is built inside the capture, so every replay
+recomputes it from the buffers. The logits are computed inside the graph; sampling stays outside
+(per-request generators are host state).
 
 `DecodeBuffers` is plain tensor bookkeeping and runs on any device (the CPU tests replay the
 padded batch eagerly); `CudaGraphRunner` captures and replays on CUDA.
@@ -20,10 +22,12 @@ import bisect
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from compiled_engine.attention.metadata import AttentionMetadata
+from compiled_engine.attention.backend import AttentionBackend
+from compiled_engine.attention.metadata import GraphMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -61,21 +65,12 @@ class DecodeBuffers:
         self.slot_mapping = torch.full((max_size,), scratch_page * page_size, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(max_size, dtype=torch.int32, device=device)
         self.block_tables = torch.full((max_size, max_pages), scratch_page, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(max_size + 1, dtype=torch.int32, device=device)
         # Staged on the host, then copied in one transfer per buffer.
         self._host_tables = torch.full((max_size, max_pages), scratch_page, dtype=torch.int32)
 
-    def metadata(self, size: int) -> AttentionMetadata:
+    def metadata(self, size: int) -> GraphMetadata:
         """Metadata over the first `size` rows: views, valid for every later `fill`."""
-        return AttentionMetadata(
-            query_start_loc=self.query_start_loc[: size + 1],
-            seq_lens=self.seq_lens[:size],
-            block_tables=self.block_tables[:size],
-            slot_mapping=self.slot_mapping[:size],
-            query_start_loc_cpu=list(range(size + 1)),  # not read on the decode path
-            seq_lens_cpu=[1] * size,
-            decode_only=True,
-        )
+        return GraphMetadata(self.seq_lens[:size], self.block_tables[:size], self.slot_mapping[:size], self.page_size)
 
     def fill(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]], size: int) -> None:
         """Write a decode batch (one new token per sequence at `positions[i]`) into the first
@@ -105,26 +100,27 @@ class DecodeBuffers:
         return [p + 1 for p in positions] + [1] * pad, list(block_tables) + [[self.scratch_page]] * pad
 
 
-ForwardFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
-# A backend's host-side planning for one graph (FlashInferAttentionBackend.plan_graph): called
-# with (size, the graph's metadata, sequence lengths, block tables), outside the graph.
-PlanFn = Callable[[int, AttentionMetadata, list[int], list[list[int]]], None]
+# The logits of a decode batch: (input ids, positions, the backend's plan of the graph).
+ForwardFn = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]
 
 
 class CudaGraphRunner:
-    """Captures `forward(input_ids, positions, metadata) -> logits` once per size and replays it.
-    `plan`, when the backend needs one, runs before each capture and each replay."""
+    """Captures `forward(input_ids, positions, plan) -> logits` once per size and replays it.
+    The backend plans on the host (`plan_graph`) before each capture and each replay, and builds
+    the graph's plan (`prepare_graph`) inside the capture."""
 
-    def __init__(self, forward: ForwardFn, buffers: DecodeBuffers, sizes: list[int], plan: PlanFn | None = None) -> None:
+    def __init__(self, forward: ForwardFn, buffers: DecodeBuffers, sizes: list[int], backend: AttentionBackend[Any]) -> None:
+        if not backend.supports_cuda_graphs:
+            raise ValueError(f"the {backend.name} attention backend does not support CUDA graphs")
         self.forward = forward
         self.buffers = buffers
         self.sizes = sizes
-        self.plan = plan
+        self.backend = backend
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        # The metadata each graph was captured with, kept alive with it: the tensors a backend
-        # derives from it during the capture (metadata.per_forward) live in the graph's pool.
-        self.metadata: dict[int, AttentionMetadata] = {}
+        # The plan each graph was captured with, kept alive with it: its tensors (index rows, key
+        # masks) were allocated in the graph's pool and are rewritten by every replay.
+        self.plans: dict[int, Any] = {}
         self.capture_seconds = 0.0
 
     def capture(self) -> None:
@@ -133,28 +129,26 @@ class CudaGraphRunner:
         b = self.buffers
         for size in sorted(self.sizes, reverse=True):  # largest first: the pool fits the rest
             ids, positions = b.input_ids[:size], b.positions[:size]
-            self.forward(ids, positions, self._planned(size))  # warm-up outside capture (lazy inits, autotuning)
+            metadata = self._planned(size)
+            self.forward(ids, positions, self.backend.prepare_graph(metadata))  # warm-up outside capture (lazy inits, autotuning)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            # A fresh metadata, so that what backends derive from it once per forward (index rows,
-            # key masks) is computed inside the graph and recomputed from the buffers at every
-            # replay, not taken from the warm-up's (stale, and freed after it).
-            metadata = self._planned(size)
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self.forward(ids, positions, metadata)
-            self.metadata[size] = metadata
+                # Built inside the capture, so a replay recomputes it from the buffers.
+                plan = self.backend.prepare_graph(metadata)
+                self.outputs[size] = self.forward(ids, positions, plan)
+            self.plans[size] = plan
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - started
         logger.info("CUDA graphs: %d decode sizes (1..%d) captured in %.1f s", len(self.sizes), max(self.sizes), self.capture_seconds)
 
-    def _planned(self, size: int) -> AttentionMetadata:
-        """A new metadata over the buffers' first `size` rows, planned (when the backend plans)
-        for a batch of padding rows only: what the buffers hold before the first fill."""
+    def _planned(self, size: int) -> GraphMetadata:
+        """The metadata over the buffers' first `size` rows, planned on the host for a batch of
+        padding rows only: what the buffers hold before the first fill."""
         metadata = self.buffers.metadata(size)
-        if self.plan is not None:
-            self.plan(size, metadata, *self.buffers.host_batch([], [], size))
+        self.backend.plan_graph(size, metadata, *self.buffers.host_batch([], [], size))
         return metadata
 
     def replay(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor | None:
@@ -163,7 +157,6 @@ class CudaGraphRunner:
         if size is None or size not in self.graphs:
             return None
         self.buffers.fill(token_ids, positions, block_tables, size)
-        if self.plan is not None:
-            self.plan(size, self.metadata[size], *self.buffers.host_batch(positions, block_tables, size))
+        self.backend.plan_graph(size, self.buffers.metadata(size), *self.buffers.host_batch(positions, block_tables, size))
         self.graphs[size].replay()
         return self.outputs[size][: len(token_ids)]

@@ -19,6 +19,7 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
+from compiled_engine.cache_paths import models_dir
 from compiled_engine.errors import ModelSourceError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -34,12 +35,8 @@ EOS_TOKEN_ID = 2
 Progress = Callable[[str], None]
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("COMPILED_ENGINE_CACHE", Path.home() / ".cache" / "compiled_engine"))
-
-
 def default_model_dir() -> Path:
-    return cache_root() / "models" / DEFAULT_MODEL_NAME
+    return models_dir() / DEFAULT_MODEL_NAME
 
 
 def _stderr(message: str) -> None:

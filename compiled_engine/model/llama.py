@@ -1,9 +1,12 @@
 """The Llama family in one file: Llama 2/3, SmolLM2 and Qwen3 (Llama plus per-head q/k RMSNorm).
 
-The model takes a flat batch: every sequence's new tokens concatenated, with their positions, plus
-AttentionMetadata saying which tokens belong to which sequence and where their K/V pages live. So
-prefill, decode and any mixture of the two are one code path. Attention is one opaque operator
-(attention/op.py), so the decoder layer compiles as a single graph. Parameter names follow the Hugging
+The model takes a flat batch: every sequence's new tokens concatenated, with their positions, and
+the KV page pool. Which tokens belong to which sequence, and where their pages live, is the
+attention backend's plan for the batch, which the runner sets around the forward; attention is one
+opaque operator (attention/op.py) that reads it. So prefill, decode and any mixture of the two are
+one code path, and the model compiles as a single graph. This file is the plain reference:
+execution tricks (CPU products, packed weights, compile hints) are applied from outside it
+(engine/compilation.py). Parameter names follow the Hugging
 Face checkpoints with the leading `model.` dropped, except that q/k/v and gate/up are fused (their
 rows stacked); `checkpoint_layout` says where each checkpoint tensor lands.
 """
@@ -11,46 +14,28 @@ rows stacked); `checkpoint_layout` says where each checkpoint tensor lands.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from compiled_engine.attention.backend import AttentionBackend
-from compiled_engine.attention.metadata import AttentionMetadata
-from compiled_engine.attention.op import attention_forward, paged_attention
+from compiled_engine.attention.op import paged_attention
 from compiled_engine.model.config import ModelConfig, RopeConfig
-from compiled_engine.model.packed_linear import packed_linear
 from compiled_engine.parallel.shard import NO_SHARD, TPShard
 
 
 class Linear(nn.Module):
     """y = x @ weight.T + bias, with the weight stored [out_features, in_features] as in the
-    checkpoints and nn.Linear.
-
-    Under torch.compile on CPU, a one-token product is written as a multiply-and-sum over each
-    weight row. Inductor makes that one vectorised loop, split across cores by output row, which
-    streams the weight at close to memory bandwidth; the GEMV that F.linear calls keeps one core
-    busy on this machine (docs/benchmarks.md). Products of more rows go through the weight's
-    oneDNN-packed copy when it has one (`packed`, model/packed_linear.py), else F.linear."""
+    checkpoints and nn.Linear."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        # Set when the weight has a oneDNN-packed copy (model/packed_linear.py, compiled CPU runs).
-        self.packed = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling() and not isinstance(self.weight, DTensor):
-            y = (x[:, None, :] * self.weight[None]).sum(-1)
-            return y + self.bias if self.bias is not None else y
-        if self.packed:
-            return packed_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -149,7 +134,7 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """One decoder layer: the unit that torch.compile compiles once and reuses for every layer."""
+    """One decoder layer."""
 
     def __init__(self, config: ModelConfig, shard: TPShard) -> None:
         super().__init__()
@@ -164,43 +149,27 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, shard: TPShard = NO_SHARD) -> None:
+    def __init__(self, config: ModelConfig, shard: TPShard = NO_SHARD) -> None:
         super().__init__()
         self.config = config
         self.shard = shard
-        self.backend = backend
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(TransformerBlock(config, shard) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)  # tied: the embedding's own weight
         self.rotary = RotaryEmbedding(config.rope, config.head_dim)
-        # The head for a single row, compiled on CPU (engine/compilation.py); else lm_head itself.
-        self.one_row_head: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [tokens]; kv_cache: [layers, pages, 2, page_size, kv_heads,
-        head_dim]. Returns the final hidden states, [tokens, hidden]."""
+        head_dim]. Returns the final hidden states, [tokens, hidden]. Must run inside the
+        runner's `attention_forward(backend, plan)` for this batch."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        if x.shape[0] > 1:  # for torch.compile: the token count is the one shape that varies
-            for tensor in (x, cos, sin):
-                torch._dynamo.mark_dynamic(tensor, 0)
-        with attention_forward(self.backend, metadata):
-            for i, layer in enumerate(self.layers):
-                layer_cache = kv_cache[i]
-                torch._dynamo.maybe_mark_dynamic(layer_cache, 0)  # any pool size, one graph
-                x = layer(x, cos, sin, layer_cache)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_cache[i])
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.shape[0] == 1 and self.one_row_head is not None:
-            return self.one_row_head(hidden)
         return self.lm_head(hidden)
 
 

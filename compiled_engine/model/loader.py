@@ -11,7 +11,6 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from compiled_engine.attention.backend import AttentionBackend
 from compiled_engine.errors import ModelLoadError
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.llama import RotaryEmbedding, Transformer, checkpoint_layout
@@ -73,7 +72,6 @@ def _indexed_files(model_dir: Path, index_path: Path) -> dict[Path, list[str] | 
 def load_model(
     model_dir: str | Path,
     config: ModelConfig,
-    backend: AttentionBackend,
     dtype: torch.dtype,
     device: torch.device,
     shard: TPShard = NO_SHARD,
@@ -83,7 +81,7 @@ def load_model(
     model_dir = Path(model_dir)
     shard.check(config)
     with torch.device("meta"):
-        model = Transformer(config, backend, shard)
+        model = Transformer(config, shard)
     layout = checkpoint_layout(config, shard)
     params = {
         name: torch.empty(param.shape, dtype=dtype, device=device)

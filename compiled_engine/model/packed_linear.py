@@ -1,8 +1,8 @@
 """oneDNN-packed weights for the CPU products of a few rows (batched decode, small prefills).
 
-For 8 to 32 rows, oneDNN's linear on a weight reordered once into its blocked layout ran the
-decoder layer's products about 1.3x (32 rows) to 1.7x (8 rows) faster than F.linear on this CPU;
-from about 128 rows on the two are even (docs/benchmarks.md). Inductor only uses these kernels
+For a few rows, oneDNN's linear on a weight reordered once into its blocked layout runs the
+decoder layer's products faster than F.linear on the CPU; for many rows the two are even
+(figures in docs/benchmarks.md, "Compiled path on CPU, second round"). Inductor only uses these kernels
 when it freezes the weights into constants, which would give every layer its own compiled graph,
 so the compiled layer calls them through the opaque operator `compiled_engine::packed_linear`,
 which finds the packed copy of the weight it is given. The packed copies (layers and head) are

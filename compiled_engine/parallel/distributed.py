@@ -9,25 +9,15 @@ CUDA; every collective has a timeout, so a dead or hung rank is an error, never 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from compiled_engine.engine.step_inputs import StepInputs
+
 DEFAULT_TIMEOUT_S = 60.0
-
-
-@dataclass(frozen=True)
-class StepInputs:
-    """One forward: the new tokens of every sequence, flat, and where their pages are."""
-
-    token_ids: list[int]
-    positions: list[int]
-    query_lens: list[int]
-    seq_lens: list[int]
-    block_tables: list[list[int]]
 
 
 def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> DeviceMesh:

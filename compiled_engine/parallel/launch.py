@@ -82,9 +82,10 @@ class TensorParallelGroup:
 def run_worker(rank: int, size: int, init_method: str, model_dir: str, config: EngineConfig) -> None:
     """Ranks 1..N-1: load this rank's shard, then run every step rank 0 broadcasts."""
     from compiled_engine.engine.model_runner import ModelRunner  # the runner imports this package
+    from compiled_engine.engine.tp_worker import serve_as_worker
 
     mesh = init_tensor_parallel(rank, size, init_method, config.resolved_device(), config.distributed_timeout_s)
     try:
-        ModelRunner(Path(model_dir), config, TPShard(rank, size), mesh).serve_as_worker()
+        serve_as_worker(ModelRunner(Path(model_dir), config, TPShard(rank, size), mesh))
     finally:
         dist.destroy_process_group()

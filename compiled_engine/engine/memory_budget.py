@@ -1,0 +1,45 @@
+"""How many bytes the KV page pool gets: what the user set, 1 GiB on the CPU, or on CUDA what
+`--gpu-memory-utilization` leaves after the weights, the largest forward's activations and the
+CUDA-graph pool, each measured on the device."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from compiled_engine.config import EngineConfig
+from compiled_engine.errors import ModelConfigError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_GIB = 1.0
+
+
+def kv_budget_bytes(config: EngineConfig, device: torch.device, measure_cuda: Callable[[], tuple[int, int]]) -> int:
+    """`measure_cuda()` runs the largest forward and captures the largest decode graph once
+    against a scratch cache, returning (activation bytes, graph pool bytes); only called on CUDA
+    without an explicit budget."""
+    if config.kv_cache_memory_gib is not None:
+        return int(config.kv_cache_memory_gib * (1 << 30))
+    if device.type != "cuda":
+        return int(DEFAULT_CPU_KV_CACHE_GIB * (1 << 30))
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    weights = torch.cuda.memory_allocated(device)
+    activations, graph_pool = measure_cuda()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    budget = int(config.gpu_memory_utilization * total) - weights - activations - graph_pool
+    logger.info(
+        "GPU memory: %.1f GiB total x %.2f; weights %.2f GiB, activations %.2f GiB, CUDA graphs %.2f GiB; KV cache gets %.2f GiB",
+        total / 2**30, config.gpu_memory_utilization, weights / 2**30, activations / 2**30, graph_pool / 2**30, budget / 2**30,
+    )  # fmt: skip
+    if budget <= 0:
+        raise ModelConfigError(
+            f"no GPU memory is left for the KV cache at --gpu-memory-utilization {config.gpu_memory_utilization}: "
+            "raise it, or lower --max-num-batched-tokens / --max-num-seqs"
+        )
+    return budget

@@ -1,0 +1,43 @@
+"""StepInputs: one forward as plain lists, what the runner builds its tensors from and what
+tensor-parallel ranks receive from rank 0."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from compiled_engine.engine.sequence import Sequence
+
+ScheduledBatch = list[tuple[Sequence, int]]  # each sequence with how many new tokens it runs
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """The new tokens of every sequence, flat, with their positions, and where their pages are."""
+
+    token_ids: list[int]
+    positions: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+
+    @property
+    def decode_only(self) -> bool:
+        return len(self.token_ids) == len(self.query_lens)
+
+    @classmethod
+    def from_batch(cls, batch: ScheduledBatch) -> StepInputs:
+        token_ids: list[int] = []
+        positions: list[int] = []
+        query_lens, seq_lens = [], []
+        for seq, num_new in batch:
+            start = seq.num_computed_tokens
+            end = start + num_new
+            prompt_len = len(seq.prompt_token_ids)
+            if start >= prompt_len:  # decoding: no copy of the prompt
+                token_ids.extend(seq.output_token_ids[start - prompt_len : end - prompt_len])
+            else:
+                token_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            query_lens.append(num_new)
+            seq_lens.append(end)
+        return cls(token_ids, positions, query_lens, seq_lens, [list(seq.block_table) for seq, _ in batch])
