@@ -1,12 +1,19 @@
 """How the model runs: eager (the plain reference), or compiled with the CPU products swapped in.
 
-Compiled, the whole forward (embedding, every decoder layer, the final norm) is one
-`torch.compile` entry, so a step pays Dynamo's guards and wrappers once instead of once per layer.
-The decoder layer is a `nested_compile_region`: Dynamo traces each layer call but Inductor
-compiles the layer's code once and every layer calls it with its own weights, so compile time
-stays that of one layer. Attention is an opaque operator (attention/op.py) inside it. The token
-count is the one dynamic dimension (a one-token graph and a many-token graph), the page count of
-the pool is dynamic too (the warm-up's scratch cache and the real pool share the graphs).
+Compiled, every decoder layer runs one compiled code object (its weights are graph inputs, not
+constants), so compile time is that of one layer, and the token count is the one dynamic
+dimension. Attention is an opaque operator (attention/op.py) inside it. Two ways in:
+- a step of one token (batch-1 decode, where host work is a large share of the step) runs the
+  whole forward (embedding, every layer, the final norm) as one compiled entry, so it pays
+  Dynamo's guards and wrappers once instead of once per layer. The layer is a
+  `nested_compile_region` in it: Dynamo traces each layer call, but Inductor compiles the
+  layer's code once and every layer calls it;
+- a step of several tokens (prompts, batched decode) runs the forward eagerly around the layers,
+  each compiled on its own with the token count marked dynamic: per-layer guards cost little
+  beside such a step, and this graph compiles in a fraction of the time of a whole-forward one
+  with a symbolic token count.
+The page count of the pool is dynamic too (the warm-up's scratch cache and the real pool share
+the graphs).
 
 The model file stays plain; what the compiled CPU path needs is applied here, from outside:
 - `CpuLinear` (a module swap of every `Linear`): a one-token product written as a
@@ -16,8 +23,8 @@ The model file stays plain; what the compiled CPU path needs is applied here, fr
   oneDNN-packed copy (model/packed_linear.py);
 - the head's one-row product compiled on its own (the largest GEMV of a decode step); many rows
   stay eager through the packed head.
-Tensor-parallel (DTensor) weights keep the plain Linear, and each layer is compiled on its own
-(nested compile regions do not take DTensor yet).
+Tensor-parallel (DTensor) weights keep the plain Linear, and every step runs the layers compiled
+one by one (nested compile regions do not take DTensor yet).
 """
 
 from __future__ import annotations
@@ -71,11 +78,24 @@ def _decoder_layer(layer: TransformerBlock, x: torch.Tensor, cos: torch.Tensor, 
     return TransformerBlock.forward(layer, x, cos, sin, kv_cache)
 
 
-class RegionBlock(TransformerBlock):
-    """A decoder layer whose forward is the one compiled region every layer shares."""
+# One compiled code object for every layer: their weights are graph inputs, not constants.
+_compiled_layer = torch.compile(TransformerBlock.forward, fullgraph=True)
+
+
+class CompiledBlock(TransformerBlock):
+    """A decoder layer of the compiled model. Traced inside the whole forward (one-token steps):
+    the nested region every layer shares. Called eagerly (steps of several tokens, tensor
+    parallelism): the layer compiled on its own, with the token count marked dynamic."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-        return _decoder_layer(self, x, cos, sin, kv_cache)
+        if torch.compiler.is_compiling():
+            return _decoder_layer(self, x, cos, sin, kv_cache)
+        if x.shape[0] > 1:
+            for tensor in (x, cos, sin):
+                torch._dynamo.mark_dynamic(tensor, 0)
+        torch._dynamo.maybe_mark_dynamic(kv_cache, 0)  # any pool size, one graph
+        out: torch.Tensor = _compiled_layer(self, x, cos, sin, kv_cache)
+        return out
 
 
 class ModelForward:
@@ -95,7 +115,8 @@ class ModelForward:
 
 
 class CompiledForward(ModelForward):
-    """The whole forward as one compiled entry; on CPU also the head's one-row product."""
+    """One-token steps (batch-1 decode) as one compiled entry for the whole forward; steps of
+    more tokens through the layers compiled one by one; on CPU also the head's one-row product."""
 
     compiled = True
 
@@ -111,27 +132,21 @@ class CompiledForward(ModelForward):
             for module in model.modules():
                 if isinstance(module, Linear):
                     _swap_in_cpu_linear(module)
-        if any(isinstance(p, DTensor) for p in model.parameters()):
-            # Tensor parallelism: torch's nested compile regions have no rule for DTensor's
-            # functional tensors yet, so each layer is compiled on its own (one Dynamo entry per
-            # layer, all sharing one compiled code object) and the forward around them is eager.
-            for layer in model.layers:
-                layer.compile(fullgraph=True)
-            self._forward = model.forward
-        else:
-            for layer in model.layers:
-                assert isinstance(layer, TransformerBlock)
-                layer.__class__ = RegionBlock
-            self._forward = torch.compile(model.forward, fullgraph=True)
+        for layer in model.layers:
+            assert isinstance(layer, TransformerBlock)
+            layer.__class__ = CompiledBlock
+        # Tensor parallelism: torch's nested compile regions have no rule for DTensor's
+        # functional tensors yet, so there every step runs the layers compiled one by one.
+        tensor_parallel = any(isinstance(p, DTensor) for p in model.parameters())
+        self._one_token_forward = None if tensor_parallel else torch.compile(model.forward, fullgraph=True)
         self.one_row_head = torch.compile(model.lm_head.forward, fullgraph=True, dynamic=False) if on_cpu else None
 
     def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-        if input_ids.shape[0] > 1:  # the token count is the one shape that varies
-            torch._dynamo.mark_dynamic(input_ids, 0)
-            torch._dynamo.mark_dynamic(positions, 0)
-        torch._dynamo.maybe_mark_dynamic(kv_cache, 1)  # any pool size, one graph
-        hidden: torch.Tensor = self._forward(input_ids, positions, kv_cache)
-        return hidden
+        if input_ids.shape[0] == 1 and self._one_token_forward is not None:
+            torch._dynamo.maybe_mark_dynamic(kv_cache, 1)  # any pool size, one graph
+            hidden: torch.Tensor = self._one_token_forward(input_ids, positions, kv_cache)
+            return hidden
+        return self.model(input_ids, positions, kv_cache)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.shape[0] == 1 and self.one_row_head is not None:
