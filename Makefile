@@ -34,5 +34,6 @@ test: $(VENV)/.installed-dev
 	$(PY) -m pytest -q
 
 lint: $(VENV)/.installed-dev
-	$(VENV)/bin/ruff check compiled_engine reference_oracle tests
+	$(VENV)/bin/ruff check compiled_engine reference_oracle tests perf
+	$(VENV)/bin/ruff format --check compiled_engine reference_oracle tests perf
 	$(VENV)/bin/mypy

@@ -34,7 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
-        "--api-key", action="append", default=None,
+        "--api-key",
+        action="append",
+        default=None,
         help="require a bearer key on /v1/*; repeat for several tenants, each with its own prefix-cache "
         "salt (default: $COMPILED_ENGINE_API_KEY, comma-separated)",
     )
@@ -65,7 +67,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from compiled_engine.engine.sampling_params import SamplingParams
 
     params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
         max_tokens=args.max_tokens,
     )
     started = time.perf_counter()
@@ -117,8 +122,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from compiled_engine.server.launch import run_server
 
     return run_server(
-        engine_config_from_args(args), args.host, args.port, _api_keys(args.api_key), args.served_model_name,
-        args.max_waiting_requests, args.max_body_bytes, args.shutdown_grace_s,
+        engine_config_from_args(args),
+        args.host,
+        args.port,
+        _api_keys(args.api_key),
+        args.served_model_name,
+        args.max_waiting_requests,
+        args.max_body_bytes,
+        args.shutdown_grace_s,
     )
 
 

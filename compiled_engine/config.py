@@ -26,7 +26,9 @@ class EngineConfig(msgspec.Struct, frozen=True):
     kv_cache_memory_gib: float | None = None
     gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None  # None = the model's max_position_embeddings
-    attention_backend: str | None = None  # one of attention.backend.BACKENDS; None = flashinfer on CUDA, cpu on the CPU, when they can run
+    attention_backend: str | None = (
+        None  # one of attention.backend.BACKENDS; None = flashinfer on CUDA, cpu on the CPU, when they can run
+    )
     sampler: str | None = None  # one of engine.sampler.SAMPLERS; None = flashinfer on CUDA when installed
     max_num_seqs: int = 256  # sequences running at once
     max_num_batched_tokens: int = 2048  # tokens in one forward (decodes plus prefill chunks)

@@ -53,13 +53,9 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
         metavar="DIR_OR_HUB_ID",
     ),
     EngineOption("device", "--device", "default: cuda when available", DEVICES),
-    EngineOption(
-        "dtype", "--dtype", "default: bfloat16 on cuda, float32 on cpu", tuple(sorted(DTYPES))
-    ),
+    EngineOption("dtype", "--dtype", "default: bfloat16 on cuda, float32 on cpu", tuple(sorted(DTYPES))),
     EngineOption("page_size", "--page-size", "tokens per KV page"),
-    EngineOption(
-        "num_pages", "--num-pages", "KV pages (default: as many as --kv-cache-memory-gib holds)"
-    ),
+    EngineOption("num_pages", "--num-pages", "KV pages (default: as many as --kv-cache-memory-gib holds)"),
     EngineOption(
         "kv_cache_memory_gib",
         "--kv-cache-memory-gib",
@@ -81,15 +77,13 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption(
         "attention_backend",
         "--attention-backend",
-        "default: flashinfer on CUDA, cpu (native decode kernel) on the CPU, when they can run "
-        "the model; else torch",
+        "default: flashinfer on CUDA, cpu (native decode kernel) on the CPU, when they can run the model; else torch",
         BACKENDS,
     ),
     EngineOption(
         "sampler",
         "--sampler",
-        "default: flashinfer on CUDA when installed (requests with their own seed always take "
-        "torch's)",
+        "default: flashinfer on CUDA when installed (requests with their own seed always take torch's)",
         SAMPLERS,
     ),
     EngineOption("max_num_seqs", "--max-num-seqs", "sequences running at once"),
@@ -108,15 +102,13 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption(
         "enforce_eager",
         "--enforce-eager",
-        "plain eager PyTorch: no torch.compile, no CUDA graphs (absent: eager only when "
-        f"{ENFORCE_EAGER_ENV}=1)",
+        f"plain eager PyTorch: no torch.compile, no CUDA graphs (absent: eager only when {ENFORCE_EAGER_ENV}=1)",
     ),
     EngineOption("cuda_graphs", "--no-cuda-graphs", "compiled, but decode without CUDA graphs"),
     EngineOption(
         "tensor_parallel_size",
         "--tensor-parallel-size",
-        "split the model across this many processes: gloo on CPU, NCCL on CUDA, see "
-        "docs/parallel.md",
+        "split the model across this many processes: gloo on CPU, NCCL on CUDA, see docs/parallel.md",
     ),
     EngineOption(
         "distributed_timeout_s",
@@ -140,9 +132,7 @@ def value_type(annotation: Any) -> type:
     else:
         members = [annotation]
     if len(members) != 1 or members[0] not in _VALUE_TYPES:
-        raise TypeError(
-            f"an engine option must be one of str, int, float or bool, not {annotation!r}"
-        )
+        raise TypeError(f"an engine option must be one of str, int, float or bool, not {annotation!r}")
     kind: type = members[0]
     return kind
 
@@ -168,13 +158,9 @@ def add_engine_options(parser: argparse.ArgumentParser, *, exclude: Collection[s
         kind = value_type(field.type)
         if kind is bool:  # a bare flag: off for a field that defaults to True, else on
             bare: dict[str, Any] = (
-                {"action": "store_false"}
-                if default is True
-                else {"action": "store_const", "const": True}
+                {"action": "store_false"} if default is True else {"action": "store_const", "const": True}
             )
-            group.add_argument(
-                option.flag, dest=option.field, default=default, help=option.help, **bare
-            )
+            group.add_argument(option.flag, dest=option.field, default=default, help=option.help, **bare)
         else:
             shown = option.help if default is None else f"{option.help} (default: {default})"
             group.add_argument(

@@ -22,7 +22,15 @@ from compiled_engine.attention.native_decode import load_native_decode
 from compiled_engine.attention.torch_backend import TorchAttentionBackend
 
 
-def per_call_us(backend: AttentionBackend[Any], metadata: AttentionMetadata, caches: list[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rounds: int) -> float:
+def per_call_us(
+    backend: AttentionBackend[Any],
+    metadata: AttentionMetadata,
+    caches: list[torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rounds: int,
+) -> float:
     """Per layer call, with the plan prepared once per forward (as the runner does) and counted."""
     scale = q.shape[-1] ** -0.5
     plan = backend.prepare(metadata, caches[0])
@@ -44,12 +52,16 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--shapes", default="1x512,1x2048,8x300,32x300,32x1000", help="sequences x context, comma-separated")
+    parser.add_argument(
+        "--shapes", default="1x512,1x2048,8x300,32x300,32x1000", help="sequences x context, comma-separated"
+    )
     args = parser.parse_args()
     native = CpuAttentionBackend(load_native_decode(), args.heads)
     reference = TorchAttentionBackend()
     rng = random.Random(0)
-    print(f"threads {torch.get_num_threads()}, heads {args.heads}/{args.kv_heads}, head_dim {args.head_dim}, {args.layers} layers")
+    print(
+        f"threads {torch.get_num_threads()}, heads {args.heads}/{args.kv_heads}, head_dim {args.head_dim}, {args.layers} layers"
+    )
     print(f"{'batch':>10} {'torch us':>10} {'cpu us':>10} {'speed-up':>9}")
     for shape in args.shapes.split(","):
         seqs, context = (int(x) for x in shape.split("x"))
@@ -64,7 +76,9 @@ def main() -> None:
         v = torch.randn(seqs, args.kv_heads, args.head_dim)
         times = []
         for backend in (reference, native):
-            metadata = AttentionMetadata.build([1] * seqs, [context] * seqs, tables, args.page_size, torch.device("cpu"))
+            metadata = AttentionMetadata.build(
+                [1] * seqs, [context] * seqs, tables, args.page_size, torch.device("cpu")
+            )
             times.append(per_call_us(backend, metadata, caches, q, k, v, args.rounds))
         print(f"{shape:>10} {times[0]:>10.1f} {times[1]:>10.1f} {times[0] / times[1]:>8.2f}x")
 

@@ -34,7 +34,9 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None)
     parser.add_argument("--prompt", default="The three primary colors are")
-    parser.add_argument("--prompt-len", type=int, default=None, help="random token prompts of this length instead of --prompt")
+    parser.add_argument(
+        "--prompt-len", type=int, default=None, help="random token prompts of this length instead of --prompt"
+    )
     parser.add_argument("--batch", type=int, default=1, help="requests running together")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--enforce-eager", action="store_true")
@@ -43,11 +45,16 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
 
-    engine = LLMEngine(EngineConfig(
-        model=args.model, device=args.device, kv_cache_memory_gib=1.0, max_num_seqs=max(args.batch, 1),
-        enforce_eager=True if args.enforce_eager else None,
-        attention_backend=args.attention_backend,
-    ))
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            device=args.device,
+            kv_cache_memory_gib=1.0,
+            max_num_seqs=max(args.batch, 1),
+            enforce_eager=True if args.enforce_eager else None,
+            attention_backend=args.attention_backend,
+        )
+    )
 
     rng = random.Random(0)
     vocab = engine.runner.model_config.vocab_size
@@ -58,7 +65,9 @@ def main() -> None:
     def start(max_tokens: int) -> None:
         for _ in range(args.batch):
             engine.add_request(prompt(), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-        while engine.scheduler.waiting or any(s.num_computed_tokens < len(s.prompt_token_ids) for s in engine.scheduler.running):
+        while engine.scheduler.waiting or any(
+            s.num_computed_tokens < len(s.prompt_token_ids) for s in engine.scheduler.running
+        ):
             engine.step()
 
     def finish() -> None:
@@ -82,9 +91,15 @@ def main() -> None:
         while engine.has_unfinished_requests():
             engine.step()
             steps += 1
-    print(f"{steps} decode steps of batch {args.batch}, {1000 * (time.perf_counter() - began) / max(steps, 1):.1f} ms per step (profiled)")
+    print(
+        f"{steps} decode steps of batch {args.batch}, {1000 * (time.perf_counter() - began) / max(steps, 1):.1f} ms per step (profiled)"
+    )
     graphs_ms = inside_compiled_graphs_us(prof) / 1000 / max(steps, 1)
-    attention_ms = sum(e.cpu_time_total for e in prof.key_averages() if e.key == "compiled_engine::paged_attention") / 1000 / max(steps, 1)
+    attention_ms = (
+        sum(e.cpu_time_total for e in prof.key_averages() if e.key == "compiled_engine::paged_attention")
+        / 1000
+        / max(steps, 1)
+    )
     print(
         f"unprofiled: {plain_ms:.2f} ms per step; inside the compiled graphs {graphs_ms:.2f} ms "
         f"(attention {attention_ms:.2f} ms of it); host work {plain_ms - graphs_ms:.2f} ms per step"

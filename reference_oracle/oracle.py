@@ -25,7 +25,9 @@ class ReferenceOracle:
         try:
             from transformers import AutoModelForCausalLM, AutoTokenizer
         except ImportError as exc:
-            raise RuntimeError("the reference oracle needs transformers: pip install 'compiled_engine[convert]'") from exc
+            raise RuntimeError(
+                "the reference oracle needs transformers: pip install 'compiled_engine[convert]'"
+            ) from exc
         self.model_dir = Path(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(
             self.model_dir, dtype=torch.float32, attn_implementation="eager"

@@ -21,9 +21,7 @@ def slot(table: list[int], pos: int, page_size: int) -> int:
     return table[pos // page_size] * page_size + pos % page_size
 
 
-def dense_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-) -> torch.Tensor:
+def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q: [q_len, H, d] for the last q_len positions; k, v: [seq_len, KVH, d] of the whole
     sequence. Plain causal softmax attention in float64."""
     q, k, v = q.double(), k.double(), v.double()
@@ -136,9 +134,7 @@ def test_build_slot_mapping_property(data: st.DataObject) -> None:
         ([1], [1], [[]], "0 pages cannot hold 1 tokens"),
     ],
 )
-def test_build_errors(
-    query_lens: list[int], seq_lens: list[int], tables: list[list[int]], message: str
-) -> None:
+def test_build_errors(query_lens: list[int], seq_lens: list[int], tables: list[list[int]], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         AttentionMetadata.build(query_lens, seq_lens, tables, page_size=4, device=CPU)
 
@@ -206,12 +202,8 @@ class Sequence:
         self.cached, self.new = cached, new
         self.seq_len = cached + new
         self.q = torch.randn(new, NUM_HEADS, HEAD_DIM, generator=gen, dtype=torch.float64)
-        self.k = torch.randn(
-            self.seq_len, num_kv_heads, HEAD_DIM, generator=gen, dtype=torch.float64
-        )
-        self.v = torch.randn(
-            self.seq_len, num_kv_heads, HEAD_DIM, generator=gen, dtype=torch.float64
-        )
+        self.k = torch.randn(self.seq_len, num_kv_heads, HEAD_DIM, generator=gen, dtype=torch.float64)
+        self.v = torch.randn(self.seq_len, num_kv_heads, HEAD_DIM, generator=gen, dtype=torch.float64)
         self.table: list[int] = []
 
 
@@ -223,9 +215,7 @@ def place_prefix(cache: torch.Tensor, seq: Sequence) -> None:
         cache[page, 1, off] = seq.v[pos].to(cache.dtype)
 
 
-def run_batch(
-    seqs: list[Sequence], cache: torch.Tensor, dtype: torch.dtype, scale: float
-) -> torch.Tensor:
+def run_batch(seqs: list[Sequence], cache: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
     md = AttentionMetadata.build(
         [s.new for s in seqs], [s.seq_len for s in seqs], [s.table for s in seqs], PAGE_SIZE, CPU
     )
@@ -240,14 +230,10 @@ def run_batch(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("num_kv_heads", [4, 2, 1])  # GQA ratios 1, 2, 4
 @pytest.mark.parametrize("seed", [0, 1])
-def test_mixed_batch_matches_dense_reference(
-    num_kv_heads: int, dtype: torch.dtype, seed: int
-) -> None:
+def test_mixed_batch_matches_dense_reference(num_kv_heads: int, dtype: torch.dtype, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     seqs = [
-        Sequence(
-            cached=6, new=5, num_kv_heads=num_kv_heads, gen=gen
-        ),  # prefill over a cached prefix
+        Sequence(cached=6, new=5, num_kv_heads=num_kv_heads, gen=gen),  # prefill over a cached prefix
         Sequence(cached=9, new=1, num_kv_heads=num_kv_heads, gen=gen),  # decode
         Sequence(cached=0, new=7, num_kv_heads=num_kv_heads, gen=gen),  # fresh prefill
         Sequence(cached=0, new=1, num_kv_heads=num_kv_heads, gen=gen),  # one-token prompt
@@ -309,9 +295,7 @@ def test_chunked_prefill_matches_single_pass(num_kv_heads: int) -> None:
     table = [5, 1, 3]  # non-contiguous, 3 pages of 4 hold 10 tokens
     scale = 0.3
 
-    whole_cache = torch.full(
-        (6, 2, PAGE_SIZE, num_kv_heads, HEAD_DIM), GARBAGE, dtype=torch.float64
-    )
+    whole_cache = torch.full((6, 2, PAGE_SIZE, num_kv_heads, HEAD_DIM), GARBAGE, dtype=torch.float64)
     seq.table = table
     whole = run_batch([seq], whole_cache, torch.float64, scale)
 
@@ -328,9 +312,7 @@ def test_chunked_prefill_matches_single_pass(num_kv_heads: int) -> None:
 
     chunked = torch.cat(outs)
     torch.testing.assert_close(chunked, whole, atol=1e-12, rtol=0)
-    torch.testing.assert_close(
-        whole, dense_reference(seq.q, seq.k, seq.v, scale), atol=1e-10, rtol=0
-    )
+    torch.testing.assert_close(whole, dense_reference(seq.q, seq.k, seq.v, scale), atol=1e-10, rtol=0)
     assert torch.equal(chunk_cache.isnan(), whole_cache.isnan())
     torch.testing.assert_close(chunk_cache.nan_to_num(), whole_cache.nan_to_num(), atol=0, rtol=0)
 

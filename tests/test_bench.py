@@ -19,7 +19,17 @@ from compiled_engine.config import EngineConfig
 from compiled_engine.engine.llm_engine import LLMEngine
 from tests.server_process import free_port, running_server
 
-ENV_KEYS = {"git_commit", "python", "torch", "transformers", "device", "dtype", "cpu_model", "cpu_threads", "model_config_hash"}
+ENV_KEYS = {
+    "git_commit",
+    "python",
+    "torch",
+    "transformers",
+    "device",
+    "dtype",
+    "cpu_model",
+    "cpu_threads",
+    "model_config_hash",
+}
 
 
 def _run(argv: list[str], tmp_path: Path) -> dict[str, object]:
@@ -33,20 +43,67 @@ def _run(argv: list[str], tmp_path: Path) -> dict[str, object]:
 
 def test_latency_with_hf_baseline(tiny_model_factory: Callable[..., Path], tmp_path: Path) -> None:
     model = str(tiny_model_factory("llama"))
-    report = _run(["latency", "--model", model, "--prompt-len", "24", "--output-len", "6", "--repeats", "1", "--baseline", "hf", "--kv-cache-memory-gib", "0.01"], tmp_path)
+    report = _run(
+        [
+            "latency",
+            "--model",
+            model,
+            "--prompt-len",
+            "24",
+            "--output-len",
+            "6",
+            "--repeats",
+            "1",
+            "--baseline",
+            "hf",
+            "--kv-cache-memory-gib",
+            "0.01",
+        ],
+        tmp_path,
+    )
     results = report["results"]
     assert isinstance(results, dict)
     ours, hf = results["ours"], results["hf"]
-    for key in ("ttft_s", "prefill_tokens_per_s", "decode_ms_per_token", "decode_tokens_per_s", "effective_bandwidth_bytes_per_s", "bandwidth_fraction"):
+    for key in (
+        "ttft_s",
+        "prefill_tokens_per_s",
+        "decode_ms_per_token",
+        "decode_tokens_per_s",
+        "effective_bandwidth_bytes_per_s",
+        "bandwidth_fraction",
+    ):
         assert ours[key] > 0
     assert hf["decode_tokens_per_s"] > 0 and hf["prefill_tokens_per_s"] > 0
-    assert results["ratio_vs_hf"]["decode_tokens_per_s"] == pytest.approx(ours["decode_tokens_per_s"] / hf["decode_tokens_per_s"])
+    assert results["ratio_vs_hf"]["decode_tokens_per_s"] == pytest.approx(
+        ours["decode_tokens_per_s"] / hf["decode_tokens_per_s"]
+    )
     assert report["workload"] == {"prompt_len": 24, "output_len": 6, "repeats": 1, "seed": 0}
 
 
 def test_offline_with_hf_baseline(tiny_model_factory: Callable[..., Path], tmp_path: Path) -> None:
     model = str(tiny_model_factory("llama"))
-    report = _run(["offline", "--model", model, "--num-seqs", "5", "--input-len", "4", "20", "--output-len", "2", "9", "--baseline", "hf", "--hf-batch-size", "2", "--kv-cache-memory-gib", "0.01"], tmp_path)
+    report = _run(
+        [
+            "offline",
+            "--model",
+            model,
+            "--num-seqs",
+            "5",
+            "--input-len",
+            "4",
+            "20",
+            "--output-len",
+            "2",
+            "9",
+            "--baseline",
+            "hf",
+            "--hf-batch-size",
+            "2",
+            "--kv-cache-memory-gib",
+            "0.01",
+        ],
+        tmp_path,
+    )
     results = report["results"]
     assert isinstance(results, dict)
     workload = report["workload"]
@@ -57,12 +114,33 @@ def test_offline_with_hf_baseline(tiny_model_factory: Callable[..., Path], tmp_p
     assert results["hf"]["output_tokens_per_s"] > 0 and "output_tokens_per_s" in results["ratio_vs_hf"]
 
 
-def test_a_baseline_that_cannot_run_says_why(tiny_model_factory: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_baseline_that_cannot_run_says_why(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def unavailable(*args: object) -> None:
         raise BaselineUnavailable("transformers is not installed")
 
     monkeypatch.setattr(bench, "load_hf", unavailable)
-    report = _run(["offline", "--model", str(tiny_model_factory("llama")), "--num-seqs", "2", "--input-len", "4", "8", "--output-len", "2", "3", "--baseline", "hf", "--kv-cache-memory-gib", "0.01"], tmp_path)
+    report = _run(
+        [
+            "offline",
+            "--model",
+            str(tiny_model_factory("llama")),
+            "--num-seqs",
+            "2",
+            "--input-len",
+            "4",
+            "8",
+            "--output-len",
+            "2",
+            "3",
+            "--baseline",
+            "hf",
+            "--kv-cache-memory-gib",
+            "0.01",
+        ],
+        tmp_path,
+    )
     results = report["results"]
     assert isinstance(results, dict)
     assert results["hf"] == {"error": "transformers is not installed"}
@@ -76,7 +154,20 @@ def test_bad_model_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 # -- serve ----------------------------------------------------------------------------------------
 
-SERVE_FIGURES = {"seconds", "completed", "errors", "error_examples", "request_throughput", "output_tokens_per_s", "total_tokens_per_s", "ttft_s", "itl_s", "tpot_s", "e2e_s", "samples"}
+SERVE_FIGURES = {
+    "seconds",
+    "completed",
+    "errors",
+    "error_examples",
+    "request_throughput",
+    "output_tokens_per_s",
+    "total_tokens_per_s",
+    "ttft_s",
+    "itl_s",
+    "tpot_s",
+    "e2e_s",
+    "samples",
+}
 
 
 def _strict_load(path: Path) -> dict[str, Any]:
@@ -89,7 +180,24 @@ def _strict_load(path: Path) -> dict[str, Any]:
 
 def test_serve_concurrency_sweep_with_hf_baseline_json_and_plot(tmp_path: Path) -> None:
     out, plot = tmp_path / "serve.json", tmp_path / "serve.png"
-    argv = ["serve", "--num-prompts", "4", "--input-len", "6", "20", "--output-len", "3", "6", "--concurrency", "1", "2", "--baseline", "hf", "--kv-cache-memory-gib", "0.05"]
+    argv = [
+        "serve",
+        "--num-prompts",
+        "4",
+        "--input-len",
+        "6",
+        "20",
+        "--output-len",
+        "3",
+        "6",
+        "--concurrency",
+        "1",
+        "2",
+        "--baseline",
+        "hf",
+        "--kv-cache-memory-gib",
+        "0.05",
+    ]
     assert bench.main([*argv, "--json", str(out), "--plot", str(plot)]) == 0
     report = _strict_load(out)
     assert report["benchmark"] == "serve"
@@ -109,7 +217,9 @@ def test_serve_concurrency_sweep_with_hf_baseline_json_and_plot(tmp_path: Path) 
         # ignore_eos: every request produced exactly the tokens it asked for, on both sides
         assert ours["output_tokens_per_s"] * ours["seconds"] == pytest.approx(workload["output_tokens"])
         assert hf["output_tokens_per_s"] * hf["seconds"] == pytest.approx(workload["output_tokens"])
-        assert point["ratio_vs_hf"]["output_tokens_per_s"] == pytest.approx(ours["output_tokens_per_s"] / hf["output_tokens_per_s"])
+        assert point["ratio_vs_hf"]["output_tokens_per_s"] == pytest.approx(
+            ours["output_tokens_per_s"] / hf["output_tokens_per_s"]
+        )
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -118,7 +228,30 @@ def test_serve_poisson_rate_against_another_server(tmp_path: Path, capsys: pytes
     key); an unbounded rate is written as "inf"; the hf baseline says why it cannot run."""
     with running_server(tmp_path, "--kv-cache-memory-gib", "0.05", "--api-key", "k1") as server:
         out = tmp_path / "rate.json"
-        argv = ["serve", "--base-url", server.url, "--api-key", "k1", "--num-prompts", "3", "--input-len", "5", "9", "--output-len", "2", "4", "--request-rate", "inf", "50", "--max-concurrency", "2", "--baseline", "hf", "--json", str(out)]
+        argv = [
+            "serve",
+            "--base-url",
+            server.url,
+            "--api-key",
+            "k1",
+            "--num-prompts",
+            "3",
+            "--input-len",
+            "5",
+            "9",
+            "--output-len",
+            "2",
+            "4",
+            "--request-rate",
+            "inf",
+            "50",
+            "--max-concurrency",
+            "2",
+            "--baseline",
+            "hf",
+            "--json",
+            str(out),
+        ]
         assert bench.main(argv) == 0
     report = _strict_load(out)
     assert report["workload"]["loads"] == ["inf", 50.0] and report["workload"]["max_concurrency"] == 2
@@ -133,7 +266,23 @@ def test_serve_poisson_rate_against_another_server(tmp_path: Path, capsys: pytes
 def test_serve_counts_failed_requests_and_keeps_going(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with running_server(tmp_path, "--kv-cache-memory-gib", "0.05", "--max-model-len", "32") as server:
         out = tmp_path / "fail.json"
-        argv = ["serve", "--base-url", server.url, "--num-prompts", "3", "--input-len", "40", "50", "--output-len", "2", "2", "--concurrency", "2", "--json", str(out)]
+        argv = [
+            "serve",
+            "--base-url",
+            server.url,
+            "--num-prompts",
+            "3",
+            "--input-len",
+            "40",
+            "50",
+            "--output-len",
+            "2",
+            "2",
+            "--concurrency",
+            "2",
+            "--json",
+            str(out),
+        ]
         assert bench.main(argv) == 0
     point = _strict_load(out)["results"][0]["ours"]
     assert point["completed"] == 0 and point["errors"] == 3
@@ -144,7 +293,9 @@ def test_serve_counts_failed_requests_and_keeps_going(tmp_path: Path, capsys: py
 
 def test_serve_to_an_unreachable_url_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     port = free_port()  # nothing listens there
-    assert bench.main(["serve", "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "1", "--concurrency", "1"]) == 2
+    assert (
+        bench.main(["serve", "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "1", "--concurrency", "1"]) == 2
+    )
     assert "error:" in capsys.readouterr().err
 
 
@@ -161,12 +312,16 @@ def test_serve_to_an_unreachable_url_is_a_clear_error(capsys: pytest.CaptureFixt
         (["serve", "--num-pages", "0"], "num_pages must be at least 1"),
     ],
 )
-def test_bad_arguments_are_clear_errors_before_any_work(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_arguments_are_clear_errors_before_any_work(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert bench.main(argv) == 2
     assert message.replace("ends in", "ending in") in capsys.readouterr().err
 
 
-def test_missing_matplotlib_is_reported_before_the_run(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_missing_matplotlib_is_reported_before_the_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     def unavailable() -> None:
         raise PlotUnavailable("--plot needs matplotlib")
 
@@ -187,8 +342,9 @@ def test_latency_and_offline_plots(tiny_model_factory: Callable[..., Path], tmp_
         assert plot.read_bytes()[:4] == b"\x89PNG"
 
 
-
-def test_the_engine_options_reach_the_engine(tiny_model_factory: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_engine_options_reach_the_engine(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The bench takes every engine option of the CLI (engine_options.py), with EngineConfig's defaults."""
     configs: list[EngineConfig] = []
 
@@ -198,10 +354,49 @@ def test_the_engine_options_reach_the_engine(tiny_model_factory: Callable[..., P
 
     monkeypatch.setattr(bench, "LLMEngine", recording)
     model = str(tiny_model_factory("llama"))
-    engine_argv = ["--model", model, "--page-size", "8", "--num-pages", "48", "--max-model-len", "64", "--max-num-batched-tokens", "16", "--sampler", "torch", "--max-num-seqs", "2"]
-    _run(["offline", *engine_argv, "--no-prefix-caching", "--num-seqs", "3", "--input-len", "4", "20", "--output-len", "2", "4"], tmp_path)
+    engine_argv = [
+        "--model",
+        model,
+        "--page-size",
+        "8",
+        "--num-pages",
+        "48",
+        "--max-model-len",
+        "64",
+        "--max-num-batched-tokens",
+        "16",
+        "--sampler",
+        "torch",
+        "--max-num-seqs",
+        "2",
+    ]
+    _run(
+        [
+            "offline",
+            *engine_argv,
+            "--no-prefix-caching",
+            "--num-seqs",
+            "3",
+            "--input-len",
+            "4",
+            "20",
+            "--output-len",
+            "2",
+            "4",
+        ],
+        tmp_path,
+    )
     _run(["latency", *engine_argv, "--prompt-len", "8", "--output-len", "3", "--repeats", "1"], tmp_path)
-    options: dict[str, Any] = dict(model=model, page_size=8, num_pages=48, max_model_len=64, max_num_batched_tokens=16, sampler="torch", max_num_seqs=2, enable_prefix_caching=False)
+    options: dict[str, Any] = dict(
+        model=model,
+        page_size=8,
+        num_pages=48,
+        max_model_len=64,
+        max_num_batched_tokens=16,
+        sampler="torch",
+        max_num_seqs=2,
+        enable_prefix_caching=False,
+    )
     assert configs == [EngineConfig(**options)] * 2  # latency turns prefix caching off itself
 
 
@@ -254,7 +449,9 @@ def test_nvtx_ranges_are_inert_without_cuda(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_weight_bytes_counts_the_head_once_and_the_embedding_never(tied: bool, tiny_model_factory: Callable[..., Path]) -> None:
+def test_weight_bytes_counts_the_head_once_and_the_embedding_never(
+    tied: bool, tiny_model_factory: Callable[..., Path]
+) -> None:
     model_dir = tiny_model_factory("llama", tie_word_embeddings=tied)
     engine = LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory_gib=0.01))
     model = engine.runner.model

@@ -73,24 +73,18 @@ def test_out_of_pages_is_all_or_nothing() -> None:
     a: list[int] = []
     bm.grow(a, 12)  # 3 pages
     b: list[int] = []
-    with pytest.raises(
-        OutOfPagesError, match=r"^13 tokens need 4 more pages of 4; 2 of 5 are free$"
-    ):
+    with pytest.raises(OutOfPagesError, match=r"^13 tokens need 4 more pages of 4; 2 of 5 are free$"):
         bm.grow(b, 13)
     assert b == []
     assert bm.num_free_pages == 2
     # Growing an existing table: counts what is missing beyond the pages it holds.
-    with pytest.raises(
-        OutOfPagesError, match=r"^24 tokens need 3 more pages of 4; 2 of 5 are free$"
-    ):
+    with pytest.raises(OutOfPagesError, match=r"^24 tokens need 3 more pages of 4; 2 of 5 are free$"):
         bm.grow(a, 24)
     assert len(a) == 3 and bm.num_free_pages == 2
     # Exactly what is left still fits.
     bm.grow(b, 8)
     assert len(b) == 2 and bm.num_free_pages == 0
-    with pytest.raises(
-        OutOfPagesError, match=r"^1 tokens need 1 more pages of 4; 0 of 5 are free$"
-    ):
+    with pytest.raises(OutOfPagesError, match=r"^1 tokens need 1 more pages of 4; 0 of 5 are free$"):
         bm.grow([], 1)
     assert sorted(a + b) == list(range(5))
 
@@ -124,9 +118,7 @@ def test_double_free_raises_and_changes_nothing() -> None:
     bm.free(table)
     bm.free(table)  # the emptied table holds nothing: a no-op
     assert bm.num_free_pages == 4
-    with pytest.raises(
-        RuntimeError, match=rf"^page {copy[0]} freed more often than it was allocated$"
-    ):
+    with pytest.raises(RuntimeError, match=rf"^page {copy[0]} freed more often than it was allocated$"):
         bm.free(copy)
     assert len(copy) == 2  # the offending table is left as it was
     assert bm.num_free_pages == 4
@@ -226,9 +218,7 @@ def test_randomized_grow_free_sequence() -> None:
 class BlockManagerMachine(RuleBasedStateMachine):
     """Random grow/free interleavings keep free + allocated == total, with no page shared."""
 
-    @initialize(
-        num_pages=st.integers(1, 20), page_size=st.integers(1, 6), num_tables=st.integers(1, 4)
-    )
+    @initialize(num_pages=st.integers(1, 20), page_size=st.integers(1, 6), num_tables=st.integers(1, 4))
     def setup(self, num_pages: int, page_size: int, num_tables: int) -> None:
         self.bm = BlockManager(num_pages, page_size)
         self.tables: list[list[int]] = [[] for _ in range(num_tables)]
@@ -274,9 +264,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert self.bm.num_free_pages + len(pages) == self.bm.num_pages
 
 
-BlockManagerMachine.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=30, deadline=None
-)
+BlockManagerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 TestBlockManagerMachine = BlockManagerMachine.TestCase
 
 

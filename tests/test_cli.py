@@ -24,7 +24,15 @@ def test_generate_chat_answers_paris(capsys: pytest.CaptureFixture[str], default
     out, err = capsys.readouterr()
     assert code == 0
     assert "Paris" in out
-    for key in ("model_load_ms=", "prefill_ms=", "ttft_ms=", "mean_tpot_ms=", "decode_tokens_per_s=", "device=cpu", "dtype=float32"):
+    for key in (
+        "model_load_ms=",
+        "prefill_ms=",
+        "ttft_ms=",
+        "mean_tpot_ms=",
+        "decode_tokens_per_s=",
+        "device=cpu",
+        "dtype=float32",
+    ):
         assert key in err
 
 
@@ -73,13 +81,19 @@ def test_verify_missing_prompts_file_is_a_clear_error(tmp_path: Path, capsys: py
 def test_divergence_report_names_step_tokens_and_top5(default_model_dir: Path) -> None:
     tokenizer = Tokenizer(default_model_dir)
     ours = GenerationResult(
-        [1, 2], [100, 200, 300], FinishReason.LENGTH,
+        [1, 2],
+        [100, 200, 300],
+        FinishReason.LENGTH,
         top_logits=[StepLogits([100, 5, 6, 7, 8], [9.0, 8.0, 7.0, 6.0, 5.0])] * 2
         + [StepLogits([300, 301, 302, 303, 304], [3.5, 3.4, 3.0, 2.0, 1.0])],
     )
-    golden = GoldenResult([1, 2], [100, 200, 301], prefill_logits=None,  # type: ignore[arg-type]
-                          top_token_ids=[[100], [200], [301, 300, 302, 303, 304]],
-                          top_values=[[9.0], [8.0], [3.45, 3.44, 3.0, 2.0, 1.0]])
+    golden = GoldenResult(
+        [1, 2],
+        [100, 200, 301],
+        prefill_logits=None,  # type: ignore[arg-type]
+        top_token_ids=[[100], [200], [301, 300, 302, 303, 304]],
+        top_values=[[9.0], [8.0], [3.45, 3.44, 3.0, 2.0, 1.0]],
+    )
     report = report_divergence(tokenizer, 3, PromptSpec("hi", chat=True), ours, golden)
     assert report is not None
     assert "prompt 3 (chat)" in report
@@ -93,7 +107,18 @@ def test_divergence_report_names_step_tokens_and_top5(default_model_dir: Path) -
 
 
 def test_generate_sampling_flags_are_seeded(capsys: pytest.CaptureFixture[str], default_model_dir: Path) -> None:
-    argv = ["generate", "--prompt", "Once upon a time", "--max-tokens", "8", "--temperature", "0.9", "--top-p", "0.95", *SMALL_KV]
+    argv = [
+        "generate",
+        "--prompt",
+        "Once upon a time",
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "0.9",
+        "--top-p",
+        "0.95",
+        *SMALL_KV,
+    ]
     texts = []
     for seed in ("3", "3", "4"):
         assert main([*argv, "--seed", seed]) == 0
@@ -121,7 +146,19 @@ def test_engine_options_reach_verify_and_serve(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(launch, "run_server", record)
     assert main(["verify"]) == 0
     assert configs.pop() == EngineConfig()
-    flags = ["--enforce-eager", "--no-cuda-graphs", "--no-prefix-caching", "--seed", "5", "--max-num-seqs", "3", "--page-size", "8"]
+    flags = [
+        "--enforce-eager",
+        "--no-cuda-graphs",
+        "--no-prefix-caching",
+        "--seed",
+        "5",
+        "--max-num-seqs",
+        "3",
+        "--page-size",
+        "8",
+    ]
     assert main(["serve", *flags]) == 0
-    assert configs.pop() == EngineConfig(enforce_eager=True, cuda_graphs=False, enable_prefix_caching=False, seed=5, max_num_seqs=3, page_size=8)
+    assert configs.pop() == EngineConfig(
+        enforce_eager=True, cuda_graphs=False, enable_prefix_caching=False, seed=5, max_num_seqs=3, page_size=8
+    )
     assert main(["verify", "--max-num-seqs", "0"]) == 2  # EngineConfig's own check, as a clear error

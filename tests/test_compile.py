@@ -37,7 +37,9 @@ CPU = torch.device("cpu")
 
 
 def _runner(model_dir: Path, compiled: bool) -> ModelRunner:
-    return ModelRunner(model_dir, EngineConfig(model=str(model_dir), enforce_eager=not compiled, kv_cache_memory_gib=0.02))
+    return ModelRunner(
+        model_dir, EngineConfig(model=str(model_dir), enforce_eager=not compiled, kv_cache_memory_gib=0.02)
+    )
 
 
 def _batches(vocab: int) -> list[list[tuple[int, int, int, list[int]]]]:
@@ -62,7 +64,9 @@ def _run_steps(runner: ModelRunner, tokens: dict[int, list[int]]) -> list[torch.
         for seq, cached, new, _ in step:
             ids += tokens[seq][cached : cached + new]
             positions += range(cached, cached + new)
-        inputs = StepInputs(ids, positions, [new for _, _, new, _ in step], [c + n for _, c, n, _ in step], [t for *_, t in step])
+        inputs = StepInputs(
+            ids, positions, [new for _, _, new, _ in step], [c + n for _, c, n, _ in step], [t for *_, t in step]
+        )
         logits = runner.execute(inputs)
         assert logits is not None
         outs.append(logits)
@@ -70,7 +74,9 @@ def _run_steps(runner: ModelRunner, tokens: dict[int, list[int]]) -> list[torch.
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
-def test_compiled_logits_match_eager_on_mixed_batches_without_recompiling(model_type: str, tiny_model_factory: Callable[..., Path]) -> None:
+def test_compiled_logits_match_eager_on_mixed_batches_without_recompiling(
+    model_type: str, tiny_model_factory: Callable[..., Path]
+) -> None:
     model_dir = tiny_model_factory(model_type, max_position_embeddings=64)
     gen = torch.Generator().manual_seed(0)
     tokens = {s: torch.randint(3, 320, (40,), generator=gen).tolist() for s in range(4)}
@@ -94,6 +100,7 @@ def test_compiled_logits_match_eager_on_mixed_batches_without_recompiling(model_
 def test_compiled_engine_greedy_ids_equal_eager_for_the_default_model(default_model_dir: Path) -> None:
     """The default model through the whole engine: prompts of different lengths arriving while
     others decode, in small prefill chunks, so batches mix prefill and decode."""
+
     def generate(compiled: bool) -> list[list[int]]:
         engine = LLMEngine(EngineConfig(enforce_eager=not compiled, kv_cache_memory_gib=0.1, max_num_batched_tokens=24))
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -112,7 +119,9 @@ def test_compiled_engine_greedy_ids_equal_eager_for_the_default_model(default_mo
     assert generate(compiled=True) == generate(compiled=False)
 
 
-def test_enforce_eager_switches_compilation_off(tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_enforce_eager_switches_compilation_off(
+    tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     model_dir = tiny_model_factory("llama")
     assert not _runner(model_dir, compiled=False).forward.compiled
     monkeypatch.setenv(ENFORCE_EAGER_ENV, "1")
@@ -122,7 +131,9 @@ def test_enforce_eager_switches_compilation_off(tiny_model_factory: Callable[...
     assert not EngineConfig().resolved_enforce_eager()  # compiled is the default
 
 
-def test_compile_cache_lives_under_the_engine_cache_unless_the_user_chose(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compile_cache_lives_under_the_engine_cache_unless_the_user_chose(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv(INDUCTOR_CACHE_ENV, raising=False)
     assert use_compile_cache(tmp_path / "inductor") == tmp_path / "inductor"
     assert os.environ[INDUCTOR_CACHE_ENV] == str(tmp_path / "inductor") and (tmp_path / "inductor").is_dir()
@@ -131,19 +142,27 @@ def test_compile_cache_lives_under_the_engine_cache_unless_the_user_chose(tmp_pa
     assert not (tmp_path / "other").exists()
 
 
-def test_the_default_compiled_server_answers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, default_model_dir: Path) -> None:
+def test_the_default_compiled_server_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, default_model_dir: Path
+) -> None:
     """`serve` as users start it: compiled (the engine loop thread runs the compiled layers)."""
     monkeypatch.setenv(ENFORCE_EAGER_ENV, "0")
     with running_server(tmp_path, "--kv-cache-memory-gib", "0.05") as server:
         assert "torch.compile: model compiled" in server.log_text()
-        question = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 16, "temperature": 0}
+        question = {
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 16,
+            "temperature": 0,
+        }
         reply = httpx.post(f"{server.url}/v1/chat/completions", json=question, timeout=120).json()
         assert "Paris" in reply["choices"][0]["message"]["content"]
         body = {"prompt": "The three primary colors are", "max_tokens": 12, "temperature": 0}
         whole = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
         with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=120) as stream:
             chunks = [line[5:].strip() for line in stream.iter_lines() if line.startswith("data:")]
-        streamed = "".join(json.loads(c)["choices"][0]["text"] for c in chunks if c != "[DONE]" and json.loads(c)["choices"])
+        streamed = "".join(
+            json.loads(c)["choices"][0]["text"] for c in chunks if c != "[DONE]" and json.loads(c)["choices"]
+        )
         assert streamed == whole
 
 
@@ -176,7 +195,9 @@ def test_compiled_head_of_one_row_equals_eager(tiny_model_factory: Callable[...,
 
 
 @torch.inference_mode()
-def test_a_compiled_decode_step_is_one_compiled_entry_and_one_attention_plan(tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_compiled_decode_step_is_one_compiled_entry_and_one_attention_plan(
+    tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The lean step: one Dynamo entry for the whole forward (plus the head's one-row graph on
     CPU), not one per layer; the backend prepares one plan per forward and every layer attends
     by that same plan."""
@@ -191,7 +212,9 @@ def test_a_compiled_decode_step_is_one_compiled_entry_and_one_attention_plan(tin
         prepared.append(prepare(metadata, kv_cache))
         return prepared[-1]
 
-    def recording_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, plan: object, scale: float) -> torch.Tensor:
+    def recording_forward(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, plan: object, scale: float
+    ) -> torch.Tensor:
         attended.append(plan)
         return forward(q, k, v, kv_cache, plan, scale)
 

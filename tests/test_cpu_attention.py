@@ -21,7 +21,9 @@ from compiled_engine.attention.torch_backend import TorchAttentionBackend
 CPU = torch.device("cpu")
 
 
-def _batch(query_lens: list[int], seq_lens: list[int], page_size: int, heads: int, kv_heads: int, head_dim: int, seed: int = 0):
+def _batch(
+    query_lens: list[int], seq_lens: list[int], page_size: int, heads: int, kv_heads: int, head_dim: int, seed: int = 0
+):
     """Random q/k/v, a random cache and two copies of the metadata over shuffled pages."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -42,7 +44,9 @@ def _batch(query_lens: list[int], seq_lens: list[int], page_size: int, heads: in
     return q, k, v, cache, metadata
 
 
-def _compare(query_lens: list[int], seq_lens: list[int], page_size: int, heads: int, kv_heads: int, head_dim: int) -> None:
+def _compare(
+    query_lens: list[int], seq_lens: list[int], page_size: int, heads: int, kv_heads: int, head_dim: int
+) -> None:
     q, k, v, cache, (md_native, md_reference) = _batch(query_lens, seq_lens, page_size, heads, kv_heads, head_dim)
     scale = head_dim**-0.5
     native_cache, reference_cache = cache.clone(), cache.clone()
@@ -132,7 +136,10 @@ def _plan_inputs():
         (lambda a: {**a, "block_tables": a["block_tables"].long()}, "block_tables must be int32"),
         (lambda a: {**a, "seq_lens": a["seq_lens"][:1]}, r"seq_lens must be int32 \[seqs\]"),
         (lambda a: {**a, "max_seq_len": 41}, "maximum max_seq_len=41"),
-        (lambda a: {**a, "seq_lens": torch.tensor([20, 99], dtype=torch.int32), "max_seq_len": 99}, "block tables' capacity"),
+        (
+            lambda a: {**a, "seq_lens": torch.tensor([20, 99], dtype=torch.int32), "max_seq_len": 99},
+            "block tables' capacity",
+        ),
         (lambda a: {**a, "slots": a["slots"] + 10**6}, "slots must be in"),
         (lambda a: {**a, "block_tables": a["block_tables"] + 1000}, "page ids"),
         (lambda a: {**a, "cache_shape": (8, 2, 16, 2, 36)}, "head_dim 36"),
@@ -192,7 +199,9 @@ def test_the_library_is_built_once_and_reused(fresh_kernel_cache: Path, monkeypa
     assert load_native_decode().plan is not None
 
 
-def test_a_missing_compiler_falls_back_to_torch(fresh_kernel_cache: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_missing_compiler_falls_back_to_torch(
+    fresh_kernel_cache: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.setenv("CC", "no-such-compiler")
     with pytest.raises(KernelBuildError, match="'no-such-compiler' is not on PATH"):
         load_native_decode()
@@ -214,7 +223,9 @@ def test_a_failing_compiler_reports_its_error(fresh_kernel_cache: Path, monkeypa
     assert list((fresh_kernel_cache / "kernels").glob("*.so")) == []  # no partial library left behind
 
 
-def test_an_unwritable_cache_falls_back_to_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_an_unwritable_cache_falls_back_to_torch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
     monkeypatch.setenv("COMPILED_ENGINE_CACHE", str(blocker))

@@ -70,7 +70,9 @@ def test_fill_writes_the_batch_then_padding_rows_on_the_scratch_page() -> None:
         ([1], [0], [[0, 1, 2, 3, 4]], 1, "exceeds the 4"),  # more pages than a row holds
     ],
 )
-def test_fill_rejects_what_does_not_fit(tokens: list[int], positions: list[int], tables: list[list[int]], size: int, message: str) -> None:
+def test_fill_rejects_what_does_not_fit(
+    tokens: list[int], positions: list[int], tables: list[list[int]], size: int, message: str
+) -> None:
     buffers = DecodeBuffers(max_size=4, max_pages=4, page_size=4, scratch_page=9, device=CPU)
     with pytest.raises(ValueError, match=message):
         buffers.fill(tokens, positions, tables, size)
@@ -81,7 +83,10 @@ def test_padded_decode_batch_in_static_buffers_matches_the_batch_alone(tiny_mode
     """What a graph replays, run eagerly on CPU: 3 sequences padded to 4 rows give the logits of
     the 3 sequences run without padding, and the padding writes only the scratch page."""
     model_dir = tiny_model_factory("llama")
-    runner = ModelRunner(model_dir, EngineConfig(model=str(model_dir), enforce_eager=True, num_pages=12, page_size=4, attention_backend="torch"))
+    runner = ModelRunner(
+        model_dir,
+        EngineConfig(model=str(model_dir), enforce_eager=True, num_pages=12, page_size=4, attention_backend="torch"),
+    )
     gen = torch.Generator().manual_seed(0)
     lens = [3, 6, 9]
     tables = [[0], [1, 2], [3, 4, 5]]
@@ -98,10 +103,14 @@ def test_padded_decode_batch_in_static_buffers_matches_the_batch_alone(tiny_mode
     runner.kv_cache.copy_(before)
 
     scratch = 11
-    buffers = DecodeBuffers(max_size=8, max_pages=runner.max_pages_per_seq, page_size=4, scratch_page=scratch, device=CPU)
+    buffers = DecodeBuffers(
+        max_size=8, max_pages=runner.max_pages_per_seq, page_size=4, scratch_page=scratch, device=CPU
+    )
     buffers.fill(last, [n - 1 for n in lens], tables, size=4)
     graph_forward = runner.decode_graph_forward(runner.kv_cache)
-    padded = graph_forward(buffers.input_ids[:4], buffers.positions[:4], runner.backend.prepare_graph(buffers.metadata(4)))
+    padded = graph_forward(
+        buffers.input_ids[:4], buffers.positions[:4], runner.backend.prepare_graph(buffers.metadata(4))
+    )
     assert alone is not None
     torch.testing.assert_close(padded[:3], alone, atol=1e-5, rtol=1e-5)
     # same cache as the unpadded run everywhere but the scratch page
@@ -165,11 +174,15 @@ def test_a_backend_without_graph_support_is_refused() -> None:
     [("torch", "float32", 1e-3), ("flashinfer", "bfloat16", 5e-2)],
 )
 @torch.inference_mode()
-def test_every_captured_size_replays_like_eager_on_cuda(tiny_model_factory: Callable[..., Path], backend: str, dtype: str, tolerance: float) -> None:
+def test_every_captured_size_replays_like_eager_on_cuda(
+    tiny_model_factory: Callable[..., Path], backend: str, dtype: str, tolerance: float
+) -> None:
     """Graphed decode (compiled, with this backend) against eager decode with the torch backend."""
     if backend == "flashinfer":
         pytest.importorskip("flashinfer")
-    model_dir = tiny_model_factory("llama", hidden_size=256, num_attention_heads=4)  # head_dim 64, which FlashInfer runs
+    model_dir = tiny_model_factory(
+        "llama", hidden_size=256, num_attention_heads=4
+    )  # head_dim 64, which FlashInfer runs
     config = dict(model=str(model_dir), device="cuda", dtype=dtype, kv_cache_memory_gib=0.05, max_num_seqs=20)
     graphed = ModelRunner(model_dir, EngineConfig(**config, enforce_eager=False, attention_backend=backend))  # type: ignore[arg-type]  # the tests default to eager
     eager = ModelRunner(model_dir, EngineConfig(**config, enforce_eager=True, attention_backend="torch"))  # type: ignore[arg-type]
@@ -181,7 +194,17 @@ def test_every_captured_size_replays_like_eager_on_cuda(tiny_model_factory: Call
         tables = [[i * 3 + j for j in range(3)] for i in range(n)]
         tokens = torch.randint(3, 320, (n,), generator=gen).tolist()
         positions = [length - 1 for length in lens]
-        want = eager.execute(StepInputs(tokens, positions, [1] * n, lens, [t[: -(-length // graphed.page_size)] for t, length in zip(tables, lens, strict=True)]))
-        got = graphed.graphs.replay(tokens, positions, [t[: -(-length // graphed.page_size)] for t, length in zip(tables, lens, strict=True)])
+        want = eager.execute(
+            StepInputs(
+                tokens,
+                positions,
+                [1] * n,
+                lens,
+                [t[: -(-length // graphed.page_size)] for t, length in zip(tables, lens, strict=True)],
+            )
+        )
+        got = graphed.graphs.replay(
+            tokens, positions, [t[: -(-length // graphed.page_size)] for t, length in zip(tables, lens, strict=True)]
+        )
         assert got is not None
         torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)

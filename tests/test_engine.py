@@ -41,17 +41,24 @@ def test_seeded_sampling_ignores_batch_mates(tiny: LLM) -> None:
     others = [SamplingParams(temperature=0.7, max_tokens=20), SamplingParams(temperature=0, max_tokens=5)]
     crowd = tiny.generate([PROMPTS[0], PROMPTS[1], PROMPTS[3]], [others[0], params, others[1]], use_tqdm=False)
     assert crowd[1].token_ids == alone
-    unseeded = [tiny.generate([PROMPTS[1]], SamplingParams(temperature=1.0, max_tokens=12), use_tqdm=False)[0].token_ids for _ in range(3)]
+    unseeded = [
+        tiny.generate([PROMPTS[1]], SamplingParams(temperature=1.0, max_tokens=12), use_tqdm=False)[0].token_ids
+        for _ in range(3)
+    ]
     assert len({tuple(t) for t in unseeded}) > 1  # without a seed, runs differ
     _pool_is_whole(tiny)
 
 
 def test_n_completions_share_the_prompt_and_differ(tiny: LLM) -> None:
-    [out] = tiny.generate([PROMPTS[1]], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    [out] = tiny.generate(
+        [PROMPTS[1]], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in out.outputs}) == 3
     assert all(len(c.token_ids) == 8 and c.finish_reason == "length" for c in out.outputs)
-    [again] = tiny.generate([PROMPTS[1]], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    [again] = tiny.generate(
+        [PROMPTS[1]], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
     _pool_is_whole(tiny)
 
@@ -72,7 +79,9 @@ def test_greedy_logprobs_match_the_reference(tiny: LLM, tiny_model_factory: Call
 def test_stop_token_ids_and_min_tokens(tiny: LLM) -> None:
     greedy = tiny.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0].token_ids
     stop_at = greedy[1]
-    [out] = tiny.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[stop_at]), use_tqdm=False)
+    [out] = tiny.generate(
+        [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[stop_at]), use_tqdm=False
+    )
     assert out.token_ids == greedy[: greedy.index(stop_at) + 1]
     assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop_at
     params = SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[stop_at], min_tokens=4)
@@ -107,16 +116,64 @@ def test_abort_in_every_state(tiny: LLM, state: str) -> None:
     ("prompt", "params", "message", "problem", "param"),
     [
         ([], SamplingParams(), "the prompt is empty", PromptProblem.EMPTY, "prompt"),
-        ([5, 999], SamplingParams(), "token id 999 is outside the vocabulary (0..319) at prompt position 1", PromptProblem.OUT_OF_VOCABULARY, "prompt"),
-        ([-1], SamplingParams(), "token id -1 is outside the vocabulary (0..319) at prompt position 0", PromptProblem.OUT_OF_VOCABULARY, "prompt"),
-        (list(range(190)), SamplingParams(max_tokens=10), "the prompt has 190 tokens and max_tokens is 10: 200 exceeds the context length 192", PromptProblem.CONTEXT_LENGTH_EXCEEDED, "max_tokens"),
+        (
+            [5, 999],
+            SamplingParams(),
+            "token id 999 is outside the vocabulary (0..319) at prompt position 1",
+            PromptProblem.OUT_OF_VOCABULARY,
+            "prompt",
+        ),
+        (
+            [-1],
+            SamplingParams(),
+            "token id -1 is outside the vocabulary (0..319) at prompt position 0",
+            PromptProblem.OUT_OF_VOCABULARY,
+            "prompt",
+        ),
+        (
+            list(range(190)),
+            SamplingParams(max_tokens=10),
+            "the prompt has 190 tokens and max_tokens is 10: 200 exceeds the context length 192",
+            PromptProblem.CONTEXT_LENGTH_EXCEEDED,
+            "max_tokens",
+        ),
         # The prompt alone fills the context: no max_tokens would help, so the message is about the prompt.
-        (list(range(250)), SamplingParams(max_tokens=10), "the prompt has 250 tokens; this model's context length is 192 tokens", PromptProblem.TOO_LONG, "prompt"),
-        (list(range(192)), SamplingParams(max_tokens=1), "the prompt has 192 tokens; this model's context length is 192 tokens", PromptProblem.TOO_LONG, "prompt"),
+        (
+            list(range(250)),
+            SamplingParams(max_tokens=10),
+            "the prompt has 250 tokens; this model's context length is 192 tokens",
+            PromptProblem.TOO_LONG,
+            "prompt",
+        ),
+        (
+            list(range(192)),
+            SamplingParams(max_tokens=1),
+            "the prompt has 192 tokens; this model's context length is 192 tokens",
+            PromptProblem.TOO_LONG,
+            "prompt",
+        ),
         ("text", SamplingParams(), "has no tokenizer: pass token ids", PromptProblem.NO_TOKENIZER, "prompt"),
-        ([1, 2], SamplingParams(stop=["x"]), "stop strings need a tokenizer; this model has none", PromptProblem.NO_TOKENIZER, "stop"),
-        ([True, 1], SamplingParams(), "a token-id prompt must be a list of integers; item 0 is bool True", PromptProblem.NOT_TOKEN_IDS, "prompt"),
-        (5, SamplingParams(), "a prompt must be a string or a list of token ids, got int", PromptProblem.NOT_TOKEN_IDS, "prompt"),
+        (
+            [1, 2],
+            SamplingParams(stop=["x"]),
+            "stop strings need a tokenizer; this model has none",
+            PromptProblem.NO_TOKENIZER,
+            "stop",
+        ),
+        (
+            [True, 1],
+            SamplingParams(),
+            "a token-id prompt must be a list of integers; item 0 is bool True",
+            PromptProblem.NOT_TOKEN_IDS,
+            "prompt",
+        ),
+        (
+            5,
+            SamplingParams(),
+            "a prompt must be a string or a list of token ids, got int",
+            PromptProblem.NOT_TOKEN_IDS,
+            "prompt",
+        ),
     ],
 )
 def test_bad_requests_are_refused_clearly(
@@ -131,7 +188,9 @@ def test_bad_requests_are_refused_clearly(
 
 
 def test_a_prompt_that_just_fits_the_context_is_accepted(tiny: LLM) -> None:
-    [out] = tiny.generate([list(range(182))], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    [out] = tiny.generate(
+        [list(range(182))], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False
+    )
     assert len(out.token_ids) == 10  # 182 + 10 = 192, the context length
     _pool_is_whole(tiny)
 
@@ -164,7 +223,9 @@ def test_sampling_params_validation(kwargs: dict[str, object], message: str) -> 
 def test_context_is_capped_to_what_the_kv_cache_holds(tiny: LLM, tiny_model_factory: Callable[..., Path]) -> None:
     # 48 pages of 4 tokens: a 256-position model can only be offered 192 tokens of context.
     assert tiny.engine.max_model_len == 192
-    with pytest.raises(ModelConfigError, match="max_model_len=256 needs 256 tokens of KV cache, but 48 pages of 4 hold 192"):
+    with pytest.raises(
+        ModelConfigError, match="max_model_len=256 needs 256 tokens of KV cache, but 48 pages of 4 hold 192"
+    ):
         LLM(model=str(tiny_model_factory("llama")), page_size=4, num_pages=48, max_model_len=256)
 
 
@@ -188,13 +249,18 @@ def test_a_rejected_prompt_in_a_batch_leaves_nothing_behind(tiny: LLM) -> None:
 
 
 def test_chat_answers_and_metrics(smol: LLM) -> None:
-    [out] = smol.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=20))
+    [out] = smol.chat(
+        [{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=20)
+    )
     assert "Paris" in out.text and out.finish_reason == "stop" and out.outputs[0].stop_reason is None
     m = out.metrics
     assert m is not None and m.queue_time is not None and m.ttft is not None and m.e2e is not None
     assert 0 <= m.queue_time <= m.ttft <= m.e2e
     assert m.tpot is not None and 0 < m.tpot < m.e2e
-    [forced] = smol.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    [forced] = smol.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+    )
     assert forced.finish_reason == "length" and len(forced.token_ids) == 12
     assert forced.token_ids[: len(out.token_ids)] == out.token_ids
     assert forced.num_cached_tokens > 0  # the same chat prompt again: its full pages were cached
@@ -207,7 +273,11 @@ def test_stop_string_spanning_tokens_is_cut_and_never_shown(smol: LLM) -> None:
     assert tokenizer is not None
     pieces = [tokenizer.decode(full.token_ids[: i + 1]) for i in range(len(full.token_ids))]
     # A stop string made of the end of one token and the start of the next.
-    k = next(i for i in range(2, len(pieces) - 1) if len(pieces[i]) - len(pieces[i - 1]) >= 2 and len(pieces[i + 1]) - len(pieces[i]) >= 2)
+    k = next(
+        i
+        for i in range(2, len(pieces) - 1)
+        if len(pieces[i]) - len(pieces[i - 1]) >= 2 and len(pieces[i + 1]) - len(pieces[i]) >= 2
+    )
     stop = pieces[k][-2:] + pieces[k + 1][len(pieces[k]) : len(pieces[k]) + 2]
     expected = full.text[: full.text.index(stop)]
     engine = smol.engine

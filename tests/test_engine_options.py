@@ -67,9 +67,7 @@ def test_boolean_flags_keep_their_spellings_and_meanings() -> None:
     $COMPILED_ENGINE_ENFORCE_EAGER still decides."""
     parser = _parser()
     assert engine_config_from_args(parser.parse_args([])).enforce_eager is None
-    config = engine_config_from_args(
-        parser.parse_args(["--enforce-eager", "--no-cuda-graphs", "--no-prefix-caching"])
-    )
+    config = engine_config_from_args(parser.parse_args(["--enforce-eager", "--no-cuda-graphs", "--no-prefix-caching"]))
     assert config.enforce_eager is True
     assert config.cuda_graphs is False
     assert config.enable_prefix_caching is False
@@ -103,9 +101,7 @@ def test_excluded_fields_and_overrides() -> None:
     parser.add_argument("--seed", type=int, default=123)  # the command's own, not the engine's
     args = parser.parse_args(["--seed", "5", "--max-num-seqs", "4"])
     assert engine_config_from_args(args).seed is None
-    assert engine_config_from_args(args, max_num_seqs=9, seed=1) == EngineConfig(
-        max_num_seqs=9, seed=1
-    )
+    assert engine_config_from_args(args, max_num_seqs=9, seed=1) == EngineConfig(max_num_seqs=9, seed=1)
     with pytest.raises(ValueError, match="no EngineConfig field named nope"):
         _parser(exclude={"nope"})
     with pytest.raises(ValueError, match="without add_engine_options"):

@@ -20,7 +20,9 @@ pytestmark = [
 PAGE = 16
 
 
-def _run(backend: object, batch: list[tuple[int, int]], kv_heads: int, heads: int, head_dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _run(
+    backend: object, batch: list[tuple[int, int]], kv_heads: int, heads: int, head_dim: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """batch: (cached tokens, new tokens) per sequence. Returns (output, cache after)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     device, dtype = torch.device("cuda"), torch.bfloat16

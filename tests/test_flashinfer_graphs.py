@@ -27,19 +27,39 @@ class StandInDecodeWrapper:
     the page table into the fixed buffers (graph mode) and run() reads them, as a replayed
     kernel would."""
 
-    def __init__(self, workspace: torch.Tensor, layout: str, use_cuda_graph: bool = False, use_tensor_cores: bool = False,
-                 paged_kv_indptr_buffer: torch.Tensor | None = None, paged_kv_indices_buffer: torch.Tensor | None = None,
-                 paged_kv_last_page_len_buffer: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        workspace: torch.Tensor,
+        layout: str,
+        use_cuda_graph: bool = False,
+        use_tensor_cores: bool = False,
+        paged_kv_indptr_buffer: torch.Tensor | None = None,
+        paged_kv_indices_buffer: torch.Tensor | None = None,
+        paged_kv_last_page_len_buffer: torch.Tensor | None = None,
+    ) -> None:
         assert layout == "NHD"
         self.graph = use_cuda_graph
-        self.indptr, self.indices, self.last = paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer
+        self.indptr, self.indices, self.last = (
+            paged_kv_indptr_buffer,
+            paged_kv_indices_buffer,
+            paged_kv_last_page_len_buffer,
+        )
         if use_cuda_graph:
             assert self.indptr is not None and self.indices is not None and self.last is not None
             assert self.indptr.dtype == self.indices.dtype == self.last.dtype == torch.int32
         self.plans = 0
 
-    def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
-             head_dim: int, page_size: int, **options: Any) -> None:
+    def plan(
+        self,
+        indptr: torch.Tensor,
+        indices: torch.Tensor,
+        last: torch.Tensor,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        **options: Any,
+    ) -> None:
         assert not RecordingGraph.capturing, "plan() inside a graph capture"
         assert indptr.dtype == indices.dtype == last.dtype == torch.int32
         assert bool((indptr[1:] >= indptr[:-1]).all()), "indptr must not decrease"
@@ -129,7 +149,9 @@ def test_a_graph_plan_needs_its_size_planned_first(backend: Any) -> None:
         backend.prepare_graph(buffers.metadata(2))
 
 
-def test_the_graph_runner_plans_before_each_capture_and_replay_never_inside(monkeypatch: pytest.MonkeyPatch, backend: Any) -> None:
+def test_the_graph_runner_plans_before_each_capture_and_replay_never_inside(
+    monkeypatch: pytest.MonkeyPatch, backend: Any
+) -> None:
     use_stand_ins(monkeypatch)
     plans: list[tuple[bool, int, list[int], list[list[int]]]] = []
     runs: list[tuple[bool, Any]] = []

@@ -22,9 +22,7 @@ CPU = torch.device("cpu")
 Factory = Callable[..., Path]
 
 
-def load(
-    model_dir: Path, config: ModelConfig | None = None, dtype: torch.dtype = torch.float32
-) -> Transformer:
+def load(model_dir: Path, config: ModelConfig | None = None, dtype: torch.dtype = torch.float32) -> Transformer:
     config = config or ModelConfig.from_model_dir(model_dir)
     return load_model(model_dir, config, dtype, CPU)
 
@@ -35,9 +33,7 @@ def load_error(model_dir: Path, message: str, config: ModelConfig | None = None)
     return str(info.value)
 
 
-def copy_model(
-    factory: Factory, tmp_path: Path, model_type: str = "llama", **overrides: object
-) -> Path:
+def copy_model(factory: Factory, tmp_path: Path, model_type: str = "llama", **overrides: object) -> Path:
     target = tmp_path / "model"
     shutil.copytree(factory(model_type, **overrides), target)
     return target
@@ -151,9 +147,7 @@ def test_half_precision_checkpoint_loads_as_float32(
     assert torch.equal(model.embed_tokens.weight, tensors["model.embed_tokens.weight"].float())
 
 
-def test_sharded_checkpoint_loads_like_single_file(
-    tiny_model_factory: Factory, tmp_path: Path
-) -> None:
+def test_sharded_checkpoint_loads_like_single_file(tiny_model_factory: Factory, tmp_path: Path) -> None:
     single = tiny_model_factory("llama")
     sharded = copy_model(tiny_model_factory, tmp_path)
     names = shard(sharded, in_layer_zero)
@@ -166,9 +160,7 @@ def test_sharded_checkpoint_loads_like_single_file(
         assert torch.equal(a[key], b[key]), key
 
 
-def test_checkpoint_sharded_by_transformers_loads(
-    tiny_model_factory: Factory, tmp_path: Path
-) -> None:
+def test_checkpoint_sharded_by_transformers_loads(tiny_model_factory: Factory, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     single = tiny_model_factory("qwen3")
@@ -216,14 +208,10 @@ def test_tied_embeddings_give_the_head_the_embedding(tiny_model_factory: Factory
     assert model.lm_head.weight is model.embed_tokens.weight  # shared, not a copy
     assert torch.equal(model.lm_head.weight, tensors["model.embed_tokens.weight"])
     hidden = torch.randn(3, 64)
-    torch.testing.assert_close(
-        model.compute_logits(hidden), hidden @ tensors["model.embed_tokens.weight"].T
-    )
+    torch.testing.assert_close(model.compute_logits(hidden), hidden @ tensors["model.embed_tokens.weight"].T)
 
 
-def test_tied_embeddings_ignore_a_stored_lm_head(
-    tiny_model_factory: Factory, tmp_path: Path
-) -> None:
+def test_tied_embeddings_ignore_a_stored_lm_head(tiny_model_factory: Factory, tmp_path: Path) -> None:
     model_dir = copy_model(tiny_model_factory, tmp_path, tie_word_embeddings=True)
 
     def add_head(tensors: dict[str, torch.Tensor]) -> None:
@@ -237,9 +225,7 @@ def test_tied_embeddings_ignore_a_stored_lm_head(
 
 def test_untied_config_needs_lm_head(tiny_model_factory: Factory) -> None:
     model_dir = tiny_model_factory("llama", tie_word_embeddings=True)
-    config = msgspec.structs.replace(
-        ModelConfig.from_model_dir(model_dir), tie_word_embeddings=False
-    )
+    config = msgspec.structs.replace(ModelConfig.from_model_dir(model_dir), tie_word_embeddings=False)
     message = load_error(model_dir, re.escape("missing tensors 'lm_head.weight'"), config)
     assert message.startswith(f"{model_dir}: ")
 
@@ -254,9 +240,7 @@ def test_missing_tensor_is_named(tiny_model_factory: Factory, tmp_path: Path) ->
         del tensors["model.layers.1.mlp.up_proj.weight"]
 
     rewrite(model_dir, drop)
-    message = load_error(
-        model_dir, re.escape("missing tensors 'model.layers.1.mlp.up_proj.weight'")
-    )
+    message = load_error(model_dir, re.escape("missing tensors 'model.layers.1.mlp.up_proj.weight'"))
     assert message == f"{model_dir}: missing tensors 'model.layers.1.mlp.up_proj.weight'"
 
 
@@ -273,9 +257,7 @@ def test_many_missing_tensors_are_summarised(tiny_model_factory: Factory, tmp_pa
     assert message.count("'model.layers.1.") == 5
 
 
-def test_unexpected_tensor_is_named_with_its_file(
-    tiny_model_factory: Factory, tmp_path: Path
-) -> None:
+def test_unexpected_tensor_is_named_with_its_file(tiny_model_factory: Factory, tmp_path: Path) -> None:
     model_dir = copy_model(tiny_model_factory, tmp_path)
 
     def add_layer_two(tensors: dict[str, torch.Tensor]) -> None:
@@ -295,12 +277,8 @@ def test_qwen3_checkpoint_with_llama_config_has_unexpected_norms(
     tiny_model_factory: Factory,
 ) -> None:
     model_dir = tiny_model_factory("qwen3")
-    config = msgspec.structs.replace(
-        ModelConfig.from_model_dir(model_dir), architecture="llama", qk_norm=False
-    )
-    load_error(
-        model_dir, r"unexpected tensor 'model\.layers\.\d\.self_attn\.[qk]_norm\.weight'", config
-    )
+    config = msgspec.structs.replace(ModelConfig.from_model_dir(model_dir), architecture="llama", qk_norm=False)
+    load_error(model_dir, r"unexpected tensor 'model\.layers\.\d\.self_attn\.[qk]_norm\.weight'", config)
 
 
 def test_wrong_shape_reports_both(tiny_model_factory: Factory, tmp_path: Path) -> None:
@@ -324,19 +302,13 @@ def test_config_that_disagrees_with_checkpoint(tiny_model_factory: Factory) -> N
     config = msgspec.structs.replace(ModelConfig.from_model_dir(model_dir), vocab_size=321)
     load_error(
         model_dir,
-        re.escape(
-            "tensor 'lm_head.weight' in model.safetensors has shape [320, 64], the config implies [321, 64]"
-        ),
+        re.escape("tensor 'lm_head.weight' in model.safetensors has shape [320, 64], the config implies [321, 64]"),
         config,
     )
 
 
-@pytest.mark.parametrize(
-    ("dtype", "name"), [(torch.int32, "I32"), (torch.int64, "I64"), (torch.bool, "BOOL")]
-)
-def test_integer_dtype_is_rejected(
-    tiny_model_factory: Factory, tmp_path: Path, dtype: torch.dtype, name: str
-) -> None:
+@pytest.mark.parametrize(("dtype", "name"), [(torch.int32, "I32"), (torch.int64, "I64"), (torch.bool, "BOOL")])
+def test_integer_dtype_is_rejected(tiny_model_factory: Factory, tmp_path: Path, dtype: torch.dtype, name: str) -> None:
     model_dir = copy_model(tiny_model_factory, tmp_path)
 
     def to_int(tensors: dict[str, torch.Tensor]) -> None:
@@ -345,10 +317,7 @@ def test_integer_dtype_is_rejected(
     rewrite(model_dir, to_int)
     load_error(
         model_dir,
-        re.escape(
-            f"tensor 'model.norm.weight' in model.safetensors has dtype {name}; "
-            "supported: BF16, F16, F32"
-        ),
+        re.escape(f"tensor 'model.norm.weight' in model.safetensors has dtype {name}; supported: BF16, F16, F32"),
     )
 
 
@@ -356,9 +325,7 @@ def test_integer_dtype_is_rejected(
 
 
 @pytest.mark.parametrize("pickle_name", ["pytorch_model.bin", "model.pt"])
-def test_pickle_only_checkpoint_is_refused(
-    tiny_model_factory: Factory, tmp_path: Path, pickle_name: str
-) -> None:
+def test_pickle_only_checkpoint_is_refused(tiny_model_factory: Factory, tmp_path: Path, pickle_name: str) -> None:
     model_dir = copy_model(tiny_model_factory, tmp_path)
     torch.save(load_file(model_dir / SINGLE_FILE), model_dir / pickle_name)
     (model_dir / SINGLE_FILE).unlink()
@@ -378,9 +345,7 @@ def test_no_weights_at_all(tiny_model_factory: Factory, tmp_path: Path) -> None:
     [b"garbage" * 10, b"", b'\x08\x00\x00\x00\x00\x00\x00\x00{"a": 1}'],
     ids=["garbage", "empty", "bad-header"],
 )
-def test_corrupt_safetensors_file(
-    tiny_model_factory: Factory, tmp_path: Path, content: bytes
-) -> None:
+def test_corrupt_safetensors_file(tiny_model_factory: Factory, tmp_path: Path, content: bytes) -> None:
     model_dir = copy_model(tiny_model_factory, tmp_path)
     (model_dir / SINGLE_FILE).write_bytes(content)
     load_error(model_dir, re.escape(f"{model_dir / SINGLE_FILE} is not a valid safetensors file: "))
@@ -411,8 +376,7 @@ def test_absolute_shard_path_is_refused(sharded_dir: Path) -> None:
     load_error(
         sharded_dir,
         re.escape(
-            f"shard '{absolute}' listed in {INDEX_FILE} for tensor 'model.norm.weight' lies "
-            "outside the model directory"
+            f"shard '{absolute}' listed in {INDEX_FILE} for tensor 'model.norm.weight' lies outside the model directory"
         ),
     )
 
@@ -433,9 +397,7 @@ def test_shard_path_escaping_with_dotdot_is_refused(sharded_dir: Path) -> None:
 def test_dotdot_that_stays_inside_is_allowed(sharded_dir: Path) -> None:
     weight_map = read_index(sharded_dir)
     (sharded_dir / "sub").mkdir()
-    write_index(
-        sharded_dir, {k: f"sub/../{v}" if in_layer_zero(k) else v for k, v in weight_map.items()}
-    )
+    write_index(sharded_dir, {k: f"sub/../{v}" if in_layer_zero(k) else v for k, v in weight_map.items()})
     assert load(sharded_dir).layers[0].mlp is not None
 
 
@@ -465,8 +427,7 @@ def test_tensor_listed_in_index_but_absent_from_shard(sharded_dir: Path) -> None
     load_error(
         sharded_dir,
         re.escape(
-            f"tensor 'model.norm.weight' listed in {INDEX_FILE} is missing from "
-            "model-00001-of-00002.safetensors"
+            f"tensor 'model.norm.weight' listed in {INDEX_FILE} is missing from model-00001-of-00002.safetensors"
         ),
     )
 
@@ -513,9 +474,7 @@ def test_index_that_is_not_utf8(sharded_dir: Path) -> None:
     load_error(sharded_dir, re.escape(f"{sharded_dir / INDEX_FILE} is not valid JSON: "))
 
 
-@pytest.mark.parametrize(
-    "index", [{}, {"weight_map": {}}, {"weight_map": ["a"]}, [1, 2], {"metadata": {}}]
-)
+@pytest.mark.parametrize("index", [{}, {"weight_map": {}}, {"weight_map": ["a"]}, [1, 2], {"metadata": {}}])
 def test_index_without_weight_map(sharded_dir: Path, index: object) -> None:
     (sharded_dir / INDEX_FILE).write_text(json.dumps(index))
     load_error(sharded_dir, re.escape(f"{sharded_dir / INDEX_FILE} has no 'weight_map' object"))

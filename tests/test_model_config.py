@@ -48,9 +48,7 @@ def hf_dict(model_type: str = "llama", **overrides: Any) -> dict[str, Any]:
     return hf_config(model_type, **overrides).to_dict()
 
 
-def legacy(
-    raw: dict[str, Any], theta: float, scaling: dict[str, Any] | None = None
-) -> dict[str, Any]:
+def legacy(raw: dict[str, Any], theta: float, scaling: dict[str, Any] | None = None) -> dict[str, Any]:
     """The same config spelled the transformers-4 way: top-level rope_theta, rope_scaling."""
     out = {k: v for k, v in raw.items() if k != "rope_parameters"}
     out["rope_theta"] = theta
@@ -216,9 +214,7 @@ def test_linear_rope_old_type_key() -> None:
     rope = ModelConfig.from_dict(old).rope
     assert rope.type == "linear"
     assert rope.factor == 2.0
-    modern = hf_dict(
-        "llama", rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}
-    )
+    modern = hf_dict("llama", rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})
     assert ModelConfig.from_dict(modern).rope == rope
 
 
@@ -240,9 +236,7 @@ def test_architecture_missing_entirely() -> None:
 
 
 def test_source_names_the_file() -> None:
-    with pytest.raises(
-        ModelConfigError, match=r"^/models/x/config\.json: unsupported architecture"
-    ):
+    with pytest.raises(ModelConfigError, match=r"^/models/x/config\.json: unsupported architecture"):
         ModelConfig.from_dict({"model_type": "gpt2"}, source="/models/x/config.json")
 
 
@@ -252,9 +246,7 @@ def test_unsupported_rope_type(rope_type: str) -> None:
     raw["rope_parameters"] = {"rope_type": rope_type, "factor": 4.0, "rope_theta": 1e4}
     config_error(
         raw,
-        re.escape(
-            f"unsupported rope scaling type '{rope_type}' (supported: default, llama3, linear)"
-        ),
+        re.escape(f"unsupported rope scaling type '{rope_type}' (supported: default, llama3, linear)"),
     )
     old = legacy(hf_dict("llama"), 1e4, scaling={"type": rope_type, "factor": 4.0})
     config_error(old, re.escape(f"unsupported rope scaling type '{rope_type}'"))
@@ -275,9 +267,7 @@ def test_yarn_config_written_by_transformers_is_rejected() -> None:
     config_error(raw, "unsupported rope scaling type 'yarn'")
 
 
-@pytest.mark.parametrize(
-    "key", ["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"]
-)
+@pytest.mark.parametrize("key", ["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"])
 def test_llama3_rope_missing_key(key: str) -> None:
     params = {**LLAMA3_ROPE, "rope_theta": 5e5}
     del params[key]
@@ -300,8 +290,7 @@ def test_rope_factor_must_be_a_positive_number(factor: Any) -> None:
         config_error(
             raw,
             re.escape(
-                f"rope scaling type '{params['rope_type']}' field 'factor' must be a positive "
-                f"number, got {factor!r}"
+                f"rope scaling type '{params['rope_type']}' field 'factor' must be a positive number, got {factor!r}"
             ),
         )
 
@@ -368,9 +357,7 @@ def test_hidden_not_divisible_by_heads_without_head_dim() -> None:
     del raw["head_dim"]
     config_error(
         raw,
-        re.escape(
-            "hidden_size=66 is not divisible by num_attention_heads=4 and no head_dim is given"
-        ),
+        re.escape("hidden_size=66 is not divisible by num_attention_heads=4 and no head_dim is given"),
     )
 
 
@@ -441,9 +428,7 @@ def test_non_positive_values(field: str, value: float) -> None:
 
 
 def test_sliding_window_rejected_from_transformers_layer_types() -> None:
-    raw = hf_dict(
-        "qwen3", head_dim=32, use_sliding_window=True, sliding_window=64, max_window_layers=1
-    )
+    raw = hf_dict("qwen3", head_dim=32, use_sliding_window=True, sliding_window=64, max_window_layers=1)
     assert "sliding_attention" in raw["layer_types"]
     error = config_error(raw, "sliding-window attention is not supported")
     assert "use_sliding_window=True" in str(error)
@@ -454,9 +439,7 @@ def test_sliding_window_rejected_by_flag_or_layer_types_alone() -> None:
     flag_only = {**hf_dict("llama"), "use_sliding_window": True}
     config_error(
         flag_only,
-        re.escape(
-            "sliding-window attention is not supported (use_sliding_window=True, layer_types=[])"
-        ),
+        re.escape("sliding-window attention is not supported (use_sliding_window=True, layer_types=[])"),
     )
     types_only = {
         **hf_dict("qwen3", head_dim=32),
@@ -488,22 +471,16 @@ def test_attention_bias_is_carried() -> None:
 
 
 def test_missing_config_file(tmp_path: Path) -> None:
-    with pytest.raises(
-        ModelConfigError, match=re.escape(f"{tmp_path / 'config.json'} does not exist")
-    ):
+    with pytest.raises(ModelConfigError, match=re.escape(f"{tmp_path / 'config.json'} does not exist")):
         ModelConfig.from_model_dir(tmp_path)
     with pytest.raises(ModelConfigError, match="does not exist"):
         ModelConfig.from_model_dir(tmp_path / "no-such-dir")
 
 
-@pytest.mark.parametrize(
-    "content", [b"{not json", b"", b'{"model_type": "llama",}', b"\xff\xfe\x00garbage"]
-)
+@pytest.mark.parametrize("content", [b"{not json", b"", b'{"model_type": "llama",}', b"\xff\xfe\x00garbage"])
 def test_invalid_json_file(tmp_path: Path, content: bytes) -> None:
     (tmp_path / "config.json").write_bytes(content)
-    with pytest.raises(
-        ModelConfigError, match=re.escape(f"{tmp_path / 'config.json'} is not valid JSON: ")
-    ):
+    with pytest.raises(ModelConfigError, match=re.escape(f"{tmp_path / 'config.json'} is not valid JSON: ")):
         ModelConfig.from_model_dir(tmp_path)
 
 
@@ -577,9 +554,7 @@ def test_llama3_rope_with_other_factors_matches_transformers() -> None:
 
 
 def test_linear_rope_matches_transformers() -> None:
-    hf = hf_config(
-        "llama", rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
-    )
+    hf = hf_config("llama", rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0})
     expected, _ = ROPE_INIT_FUNCTIONS["linear"](hf, device=None)
     ours = _ours(hf)
     torch.testing.assert_close(ours, expected, rtol=1e-6, atol=0)

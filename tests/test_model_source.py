@@ -121,8 +121,7 @@ def _prepare_fake_default(root: Path) -> Path:
         "version": MANIFEST_VERSION,
         "model": DEFAULT_MODEL_NAME,
         "files": {
-            name: {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
-            for name, data in files.items()
+            name: {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)} for name, data in files.items()
         },
     }
     (model_dir / MANIFEST).write_text(json.dumps(manifest))
@@ -237,16 +236,12 @@ def test_file_that_looks_like_a_hub_id(
         "   ",
     ],
 )
-def test_garbage_name(
-    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, forbid_download: list[str]
-) -> None:
+def test_garbage_name(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, forbid_download: list[str]) -> None:
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     with pytest.raises(ModelSourceError) as info:
         resolve_model_dir(name)
-    assert str(info.value) == (
-        f"--model {name!r} is neither a local directory nor a Hub id (owner/name)"
-    )
+    assert str(info.value) == (f"--model {name!r} is neither a local directory nor a Hub id (owner/name)")
     assert forbid_download == []
 
 
@@ -263,9 +258,7 @@ def test_empty_name_is_not_the_working_directory(
 def test_name_the_hub_would_reject(name: str, hub_cache: Path, network_attempts: list[str]) -> None:
     with pytest.raises(ModelSourceError) as info:
         resolve_model_dir(name)
-    assert str(info.value).startswith(
-        f"--model {name!r} is neither a local directory nor a valid Hub id: "
-    )
+    assert str(info.value).startswith(f"--model {name!r} is neither a local directory nor a valid Hub id: ")
     assert network_attempts == []
 
 
@@ -287,9 +280,7 @@ def test_hub_id_resolves_from_offline_cache(
     assert network_attempts == []
 
 
-def test_hub_id_picks_the_commit_refs_main_names(
-    hub_cache: Path, network_attempts: list[str]
-) -> None:
+def test_hub_id_picks_the_commit_refs_main_names(hub_cache: Path, network_attempts: list[str]) -> None:
     snapshot = cache_repo(hub_cache, "owner/name", {"config.json": b"{}"})
     other = snapshot.parent / ("f" * 40)
     other.mkdir()
@@ -348,13 +339,11 @@ def _http_error(kind: type[RepositoryNotFoundError], message: str) -> Repository
         ),
         (
             ConnectionError("connection refused"),
-            "could not download 'owner/name' from the Hugging Face Hub (network error: "
-            "connection refused)",
+            "could not download 'owner/name' from the Hugging Face Hub (network error: connection refused)",
         ),
         (
             LocalEntryNotFoundError("nothing cached"),
-            "model 'owner/name' is not in the local Hugging Face cache and the Hub cannot be "
-            "reached",
+            "model 'owner/name' is not in the local Hugging Face cache and the Hub cannot be reached",
         ),
     ],
     ids=["not-found", "gated", "connection", "not-cached"],

@@ -46,11 +46,15 @@ def test_packing_refuses_what_onednn_does_not_run_here() -> None:
         pack(torch.randn(4, 4, dtype=torch.bfloat16))
 
 
-def test_the_compiled_model_packs_its_layer_and_head_weights_and_the_eager_one_does_not(tiny_model_factory: Callable[..., Path]) -> None:
+def test_the_compiled_model_packs_its_layer_and_head_weights_and_the_eager_one_does_not(
+    tiny_model_factory: Callable[..., Path],
+) -> None:
     model_dir = tiny_model_factory("qwen3", max_position_embeddings=64)
 
     def build(compiled: bool) -> tuple[ModelRunner, list[Linear]]:
-        runner = ModelRunner(model_dir, EngineConfig(model=str(model_dir), enforce_eager=not compiled, kv_cache_memory_gib=0.02))
+        runner = ModelRunner(
+            model_dir, EngineConfig(model=str(model_dir), enforce_eager=not compiled, kv_cache_memory_gib=0.02)
+        )
         return runner, [m for layer in runner.model.layers for m in layer.modules() if isinstance(m, Linear)]
 
     runner, compiled = build(compiled=True)
@@ -59,7 +63,9 @@ def test_the_compiled_model_packs_its_layer_and_head_weights_and_the_eager_one_d
     assert isinstance(head, CpuLinear) and head.packed and is_packed(head.weight)
     hidden = torch.randn(4, runner.model.config.hidden_size)
     with torch.inference_mode():
-        torch.testing.assert_close(runner.model.compute_logits(hidden), F.linear(hidden, head.weight), atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(
+            runner.model.compute_logits(hidden), F.linear(hidden, head.weight), atol=1e-4, rtol=1e-5
+        )
     # and the compiled graph for many tokens really runs the packed products
     with torch.profiler.profile() as prof:
         runner.hidden_states(StepInputs(list(range(3, 8)), list(range(5)), [5], [5], [[0]]))

@@ -92,9 +92,7 @@ def test_prompt_spec_is_frozen() -> None:
 
 def test_missing_file(tmp_path: Path) -> None:
     path = tmp_path / "nope.json"
-    with pytest.raises(
-        RequestError, match=rf"^prompts file {re.escape(str(path))} does not exist$"
-    ):
+    with pytest.raises(RequestError, match=rf"^prompts file {re.escape(str(path))} does not exist$"):
         load_prompts(path)
     with pytest.raises(RequestError, match="does not exist"):
         load_prompts(tmp_path)  # a directory is not a prompts file
@@ -110,9 +108,7 @@ def test_bad_json(tmp_path: Path, content: str) -> None:
 @pytest.mark.parametrize("content", ['{"text": "x"}', '"just a string"', "42", "null"])
 def test_json_not_a_list(tmp_path: Path, content: str) -> None:
     path = write(tmp_path, "p.json", content)
-    with pytest.raises(
-        RequestError, match=rf"^{re.escape(str(path))} must hold a JSON list of prompts$"
-    ):
+    with pytest.raises(RequestError, match=rf"^{re.escape(str(path))} must hold a JSON list of prompts$"):
         load_prompts(path)
 
 
@@ -129,15 +125,11 @@ def test_json_not_a_list(tmp_path: Path, content: str) -> None:
 )
 def test_invalid_item(tmp_path: Path, items: list[object], index: int, detail: str) -> None:
     path = write(tmp_path, "p.json", json.dumps(items))
-    with pytest.raises(
-        RequestError, match=rf"^{re.escape(str(path))}: prompt {index} is invalid: {detail}"
-    ):
+    with pytest.raises(RequestError, match=rf"^{re.escape(str(path))}: prompt {index} is invalid: {detail}"):
         load_prompts(path)
 
 
-@pytest.mark.parametrize(
-    ("name", "content"), [("p.json", "[]"), ("p.txt", ""), ("p.txt", "\n  \n\t\n")]
-)
+@pytest.mark.parametrize(("name", "content"), [("p.json", "[]"), ("p.txt", ""), ("p.txt", "\n  \n\t\n")])
 def test_empty(tmp_path: Path, name: str, content: str) -> None:
     path = write(tmp_path, name, content)
     with pytest.raises(RequestError, match=rf"^{re.escape(str(path))} holds no prompts$"):
@@ -147,7 +139,5 @@ def test_empty(tmp_path: Path, name: str, content: str) -> None:
 @pytest.mark.parametrize("name", ["p.json", "p.txt"])
 def test_not_utf8(tmp_path: Path, name: str) -> None:
     path = write(tmp_path, name, b"\xff\xfe prompt \x80\n")
-    with pytest.raises(
-        RequestError, match=rf"^prompts file {re.escape(str(path))} is not UTF-8 text: "
-    ):
+    with pytest.raises(RequestError, match=rf"^prompts file {re.escape(str(path))} is not UTF-8 text: "):
         load_prompts(path)

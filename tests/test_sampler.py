@@ -36,12 +36,12 @@ def sample_one(logits: list[float], params: SamplingParams, **fields: list[Any])
     return out.token_ids[0]
 
 
-def draw_counts(logits: torch.Tensor, params: SamplingParams, n: int = N_DRAWS,
-                banned: list[int] | None = None) -> torch.Tensor:
+def draw_counts(
+    logits: torch.Tensor, params: SamplingParams, n: int = N_DRAWS, banned: list[int] | None = None
+) -> torch.Tensor:
     """Empirical counts of n independent draws: one row per position, all in one batch."""
     vocab = logits.shape[-1]
-    batch = batch_of([params] * n, seeds=[99] * n, positions=list(range(n)),
-                     banned=[banned or [] for _ in range(n)])
+    batch = batch_of([params] * n, seeds=[99] * n, positions=list(range(n)), banned=[banned or [] for _ in range(n)])
     out = Sampler()(logits.expand(n, vocab).contiguous(), batch)
     return torch.bincount(torch.tensor(out.token_ids), minlength=vocab).double()
 
@@ -73,14 +73,17 @@ def test_greedy_is_argmax() -> None:
     assert out.logprobs == [None] * 6
 
 
-@pytest.mark.parametrize(("logits", "penalty", "seen", "expected"), [
-    ([2.0, 1.5, 0.0], 1.0, [0], 0),
-    ([2.0, 1.5, 0.0], 1.4, [0], 1),  # 2.0 / 1.4 = 1.43 < 1.5, flips
-    ([2.0, 1.5, 0.0], 1.3, [0], 0),  # 2.0 / 1.3 = 1.54 > 1.5, stays
-    ([-1.0, -0.6, -3.0], 1.5, [1], 1),  # -0.6 * 1.5 = -0.9 > -1.0, stays
-    ([-1.0, -0.6, -3.0], 1.8, [1], 0),  # -0.6 * 1.8 = -1.08 < -1.0; dividing would have kept it
-    ([-1.0, -0.6, -3.0], 0.5, [0], 0),  # penalty < 1 rewards: -1.0 * 0.5 = -0.5 > -0.6
-])
+@pytest.mark.parametrize(
+    ("logits", "penalty", "seen", "expected"),
+    [
+        ([2.0, 1.5, 0.0], 1.0, [0], 0),
+        ([2.0, 1.5, 0.0], 1.4, [0], 1),  # 2.0 / 1.4 = 1.43 < 1.5, flips
+        ([2.0, 1.5, 0.0], 1.3, [0], 0),  # 2.0 / 1.3 = 1.54 > 1.5, stays
+        ([-1.0, -0.6, -3.0], 1.5, [1], 1),  # -0.6 * 1.5 = -0.9 > -1.0, stays
+        ([-1.0, -0.6, -3.0], 1.8, [1], 0),  # -0.6 * 1.8 = -1.08 < -1.0; dividing would have kept it
+        ([-1.0, -0.6, -3.0], 0.5, [0], 0),  # penalty < 1 rewards: -1.0 * 0.5 = -0.5 > -0.6
+    ],
+)
 def test_repetition_penalty_greedy(logits: list[float], penalty: float, seen: list[int], expected: int) -> None:
     params = SamplingParams(temperature=0, repetition_penalty=penalty)
     # The penalty applies to tokens seen in the prompt or in the output alike.
@@ -88,18 +91,22 @@ def test_repetition_penalty_greedy(logits: list[float], penalty: float, seen: li
     assert sample_one(logits, params, output=[seen]) == expected
 
 
-@pytest.mark.parametrize(("presence", "frequency", "output", "expected"), [
-    (0.15, 0.0, [0], 0),  # 1.0 - 0.15 = 0.85 > 0.8
-    (0.25, 0.0, [0], 1),  # 0.75 < 0.8
-    (0.25, 0.0, [0, 0, 0, 2], 1),  # presence does not grow with the count
-    (0.0, 0.06, [0, 0, 0], 0),  # 1.0 - 3 * 0.06 = 0.82 > 0.8
-    (0.0, 0.07, [0, 0, 0], 1),  # 1.0 - 3 * 0.07 = 0.79 < 0.8
-    (0.1, 0.04, [0, 0], 0),  # 1.0 - 0.1 - 2 * 0.04 = 0.82
-    (0.1, 0.06, [0, 0], 1),  # 1.0 - 0.1 - 2 * 0.06 = 0.78
-    (-0.3, 0.0, [1], 1),  # negative presence rewards: 0.8 + 0.3 = 1.1 > 1.0
-])
-def test_presence_and_frequency_penalties_greedy(presence: float, frequency: float,
-                                                 output: list[int], expected: int) -> None:
+@pytest.mark.parametrize(
+    ("presence", "frequency", "output", "expected"),
+    [
+        (0.15, 0.0, [0], 0),  # 1.0 - 0.15 = 0.85 > 0.8
+        (0.25, 0.0, [0], 1),  # 0.75 < 0.8
+        (0.25, 0.0, [0, 0, 0, 2], 1),  # presence does not grow with the count
+        (0.0, 0.06, [0, 0, 0], 0),  # 1.0 - 3 * 0.06 = 0.82 > 0.8
+        (0.0, 0.07, [0, 0, 0], 1),  # 1.0 - 3 * 0.07 = 0.79 < 0.8
+        (0.1, 0.04, [0, 0], 0),  # 1.0 - 0.1 - 2 * 0.04 = 0.82
+        (0.1, 0.06, [0, 0], 1),  # 1.0 - 0.1 - 2 * 0.06 = 0.78
+        (-0.3, 0.0, [1], 1),  # negative presence rewards: 0.8 + 0.3 = 1.1 > 1.0
+    ],
+)
+def test_presence_and_frequency_penalties_greedy(
+    presence: float, frequency: float, output: list[int], expected: int
+) -> None:
     params = SamplingParams(temperature=0, presence_penalty=presence, frequency_penalty=frequency)
     assert sample_one([1.0, 0.8, 0.0], params, output=[output]) == expected
 
@@ -128,19 +135,17 @@ def test_same_seed_and_position_same_token_whatever_the_batch() -> None:
     full = Sampler()(logits, batch_of(params, positions=positions)).token_ids
     assert full == Sampler()(logits, batch_of(params, positions=positions)).token_ids
     for i in range(5):
-        alone = Sampler()(logits[i:i + 1], batch_of([params[i]], positions=[positions[i]]))
+        alone = Sampler()(logits[i : i + 1], batch_of([params[i]], positions=[positions[i]]))
         assert alone.token_ids == [full[i]]
     perm = [3, 0, 4, 2, 1]
-    permuted = Sampler()(logits[perm], batch_of([params[i] for i in perm],
-                                                positions=[positions[i] for i in perm]))
+    permuted = Sampler()(logits[perm], batch_of([params[i] for i in perm], positions=[positions[i] for i in perm]))
     assert permuted.token_ids == [full[i] for i in perm]
 
 
 def test_positions_and_seeds_give_different_draws() -> None:
     vocab, steps = 1000, 200
     flat = torch.zeros(steps, vocab)
-    by_position = Sampler()(flat, batch_of([SamplingParams(seed=5)] * steps,
-                                           positions=list(range(steps)))).token_ids
+    by_position = Sampler()(flat, batch_of([SamplingParams(seed=5)] * steps, positions=list(range(steps)))).token_ids
     by_seed = Sampler()(flat, batch_of([SamplingParams()] * steps, seeds=list(range(steps)))).token_ids
     # 200 uniform draws from 1000 give about 181 distinct values; a stuck stream gives 1.
     assert len(set(by_position)) > 160
@@ -180,13 +185,16 @@ def test_top_k(top_k: int) -> None:
     assert_matches(draw_counts(probs.log(), SamplingParams(top_k=top_k)), kept)
 
 
-@pytest.mark.parametrize(("top_p", "n_kept"), [
-    (0.3, 1),  # the top token alone exceeds 0.3
-    (0.6, 2),  # 0.4 < 0.6 <= 0.65
-    (0.7, 3),  # 0.65 < 0.7 <= 0.8
-    (0.93, 5),  # 0.9 < 0.93 <= 0.95
-    (0.985, 7),  # 0.98 < 0.985 <= 0.99
-])
+@pytest.mark.parametrize(
+    ("top_p", "n_kept"),
+    [
+        (0.3, 1),  # the top token alone exceeds 0.3
+        (0.6, 2),  # 0.4 < 0.6 <= 0.65
+        (0.7, 3),  # 0.65 < 0.7 <= 0.8
+        (0.93, 5),  # 0.9 < 0.93 <= 0.95
+        (0.985, 7),  # 0.98 < 0.985 <= 0.99
+    ],
+)
 def test_top_p(top_p: float, n_kept: int) -> None:
     probs = torch.tensor(PROBS)
     kept = torch.where(torch.arange(8) < n_kept, probs, 0.0)
@@ -229,8 +237,9 @@ def test_logprobs_come_from_the_raw_logits() -> None:
         SamplingParams(logprobs=None),
         SamplingParams(temperature=0, logprobs=0),
     ]
-    out = Sampler()(logits, batch_of(params, prompt=[[int(logits[0].argmax())], [], [], []],
-                                     output=[[], [1, 2], [], []]))
+    out = Sampler()(
+        logits, batch_of(params, prompt=[[int(logits[0].argmax())], [], [], []], output=[[], [1, 2], [], []])
+    )
     raw = torch.log_softmax(logits, -1)
     assert out.logprobs[2] is None
     for i in (0, 1, 3):
@@ -280,12 +289,13 @@ def test_mixed_batch_matches_rows_sampled_alone() -> None:
     for step in range(30):
         logits = torch.randn(rows, vocab, generator=gen) * 2
         positions = [step + i for i in range(rows)]
-        fields: dict[str, list[Any]] = dict(seeds=seeds, positions=positions, prompt=prompt,
-                                            output=output, banned=banned)
+        fields: dict[str, list[Any]] = dict(
+            seeds=seeds, positions=positions, prompt=prompt, output=output, banned=banned
+        )
         together = Sampler()(logits, batch_of(params, **fields))
         for i in range(rows):
-            one = {k: v[i:i + 1] for k, v in fields.items()}
-            alone = Sampler()(logits[i:i + 1], batch_of(params[i:i + 1], **one))
+            one = {k: v[i : i + 1] for k, v in fields.items()}
+            alone = Sampler()(logits[i : i + 1], batch_of(params[i : i + 1], **one))
             assert alone.token_ids == [together.token_ids[i]], (step, i)
             assert_same_logprobs(alone.logprobs[0], together.logprobs[i])
             assert together.token_ids[i] not in banned[i]
@@ -301,8 +311,10 @@ def test_batch_fields_must_match_rows() -> None:
 def test_cuda_matches_cpu() -> None:
     gen = torch.Generator().manual_seed(6)
     logits = torch.randn(64, 5000, generator=gen) * 3
-    params = [SamplingParams(temperature=0.0 if i % 4 == 0 else 1.0, top_k=50 * (i % 3),
-                             top_p=0.9 if i % 5 == 0 else 1.0) for i in range(64)]
+    params = [
+        SamplingParams(temperature=0.0 if i % 4 == 0 else 1.0, top_k=50 * (i % 3), top_p=0.9 if i % 5 == 0 else 1.0)
+        for i in range(64)
+    ]
     batch = batch_of(params, seeds=[2**62 + i for i in range(64)], positions=list(range(64)))
     cpu = Sampler()(logits, batch).token_ids
     cuda = Sampler()(logits.cuda(), batch).token_ids
@@ -327,8 +339,14 @@ class FakeFlashInferSampling:
         self.calls.append(("plain", logits.clone(), None, None))
         return logits.argmax(-1).to(torch.int32)
 
-    def top_k_top_p_sampling_from_logits(self, logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                                         filter_apply_order: str = "", generator: torch.Generator | None = None) -> torch.Tensor:
+    def top_k_top_p_sampling_from_logits(
+        self,
+        logits: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        filter_apply_order: str = "",
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
         assert filter_apply_order == "top_k_first" and isinstance(generator, torch.Generator)
         self.calls.append(("top_k_top_p", logits.clone(), top_k.tolist(), top_p.tolist()))
         return logits.argmin(-1).to(torch.int32)  # distinguishable from the plain path

@@ -138,7 +138,11 @@ def test_abort_in_every_state_returns_every_page(state: str) -> None:
             fake_step(scheduler)
         target = first
     assert target is not None
-    expected = {"waiting": SequenceStatus.WAITING, "prefilling": SequenceStatus.RUNNING, "decoding": SequenceStatus.RUNNING}
+    expected = {
+        "waiting": SequenceStatus.WAITING,
+        "prefilling": SequenceStatus.RUNNING,
+        "decoding": SequenceStatus.RUNNING,
+    }
     assert target.status is expected[state]
     assert target.is_prefilling == (state != "decoding")
     scheduler.finish(target, FinishReason.ABORT)

@@ -111,9 +111,7 @@ class Harness:
         length = max(1, min(request.length, capacity - max_tokens))
         shared = min(request.shared, length)
         tail = random.Random(request.tail_seed)
-        prompt = BASE_PROMPTS[request.base][:shared] + [
-            tail.randrange(VOCAB) for _ in range(length - shared)
-        ]
+        prompt = BASE_PROMPTS[request.base][:shared] + [tail.randrange(VOCAB) for _ in range(length - shared)]
         assert self.bm.pages_for_tokens(len(prompt) + max_tokens) <= self.config.num_pages
         params = SamplingParams(n=request.n, temperature=0.0, max_tokens=max_tokens)
         seqs: list[Sequence] = []
@@ -179,9 +177,7 @@ class Harness:
                 assert forked or self.config.prefix_caching
                 COUNTERS["fork_shares" if forked else "prefix_hits"] += 1
         assert self.bm.stats.queried_tokens - queried_before == sum(s.num_tokens for s in admitted)
-        assert self.bm.stats.hit_tokens - hits_before == sum(
-            s.num_computed_tokens for s in admitted
-        )
+        assert self.bm.stats.hit_tokens - hits_before == sum(s.num_computed_tokens for s in admitted)
         self.bm.check_consistency([s.block_table for s in self.sched.running])
         # The forward pass: write each scheduled token into its slot. Pages past the computed
         # ones were just handed out (fresh or evicted): whatever they held before is gone.
@@ -198,11 +194,7 @@ class Harness:
                 assert self.shadow_salt[page] == seq.cache_salt
                 self.shadow[page][pos % page_size] = tokens[pos]
         due = self.sched.advance(out)
-        assert due == [
-            item.seq
-            for item in out.scheduled
-            if item.seq.num_computed_tokens == item.seq.num_tokens
-        ]
+        assert due == [item.seq for item in out.scheduled if item.seq.num_computed_tokens == item.seq.num_tokens]
         for seq in due:
             token = STOP if rng.random() < STOP_CHANCE else rng.randrange(VOCAB)
             reason = seq.append_token(token)
@@ -236,9 +228,7 @@ class Harness:
             seq = item.seq
             assert seq.status is SequenceStatus.RUNNING and seq in self.sched.running
             assert 1 <= item.num_tokens <= seq.num_uncomputed_tokens
-            assert len(seq.block_table) >= bm.pages_for_tokens(
-                seq.num_computed_tokens + item.num_tokens
-            )
+            assert len(seq.block_table) >= bm.pages_for_tokens(seq.num_computed_tokens + item.num_tokens)
         for seq in out.preempted:
             assert seq.seq_id not in ids
             assert seq.status is SequenceStatus.WAITING and seq in self.sched.waiting
@@ -285,9 +275,7 @@ class Harness:
             assert 0 <= computed <= seq.num_tokens
             assert len(seq.output_token_ids) <= seq.params.max_tokens
             table = seq.block_table
-            assert (
-                bm.pages_for_tokens(computed) <= len(table) <= bm.pages_for_tokens(seq.num_tokens)
-            )
+            assert bm.pages_for_tokens(computed) <= len(table) <= bm.pages_for_tokens(seq.num_tokens)
             # Every computed position reads back its own token, written under its own salt.
             tokens = seq.token_ids
             for index in range(ceil_div(computed, page_size)):
@@ -364,9 +352,7 @@ rounds = st.lists(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 @given(config=configs, rounds=rounds, drain_seed=st.integers(0, 2**32 - 1))
-def run_lifecycles(
-    config: Config, rounds: list[tuple[Request, list[Action]]], drain_seed: int
-) -> None:
+def run_lifecycles(config: Config, rounds: list[tuple[Request, list[Action]]], drain_seed: int) -> None:
     harness = Harness(config)
     for request, round_actions in rounds:
         harness.add(request)

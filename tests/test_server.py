@@ -23,8 +23,17 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Iterator[ServerProcess]:
     with running_server(
-        tmp_path_factory.mktemp("server"), "--api-key", KEY_A, "--api-key", KEY_B, "--served-model-name", MODEL,
-        "--kv-cache-memory-gib", "0.05", "--max-body-bytes", "65536",
+        tmp_path_factory.mktemp("server"),
+        "--api-key",
+        KEY_A,
+        "--api-key",
+        KEY_B,
+        "--served-model-name",
+        MODEL,
+        "--kv-cache-memory-gib",
+        "0.05",
+        "--max-body-bytes",
+        "65536",
     ) as process:
         yield process
 
@@ -55,7 +64,11 @@ def test_chat_streamed_equals_plain_equals_offline(client: openai.OpenAI, defaul
     assert plain.choices[0].finish_reason == "stop"
     assert plain.usage is not None and plain.usage.completion_tokens > 0
     stream = client.chat.completions.create(
-        model=MODEL, messages=QUESTION, max_tokens=24, temperature=0, stream=True,  # type: ignore[arg-type]
+        model=MODEL,
+        messages=QUESTION,
+        max_tokens=24,
+        temperature=0,
+        stream=True,  # type: ignore[arg-type]
         stream_options={"include_usage": True},
     )
     pieces, finish, usage = [], None, None
@@ -74,10 +87,16 @@ def test_chat_streamed_equals_plain_equals_offline(client: openai.OpenAI, defaul
 
 def test_completions_streamed_equals_plain(client: openai.OpenAI) -> None:
     plain = client.completions.create(model=MODEL, prompt="The three primary colors are", max_tokens=12, temperature=0)
-    chunks = client.completions.create(model=MODEL, prompt="The three primary colors are", max_tokens=12, temperature=0, stream=True)
+    chunks = client.completions.create(
+        model=MODEL, prompt="The three primary colors are", max_tokens=12, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.choices[0].text
-    assert plain.choices[0].finish_reason == "length" and plain.usage is not None and plain.usage.completion_tokens == 12
-    ids = client.completions.create(model=MODEL, prompt=[504, 2365, 3903, 5063, 359], max_tokens=3, temperature=0, logprobs=2, echo=True)
+    assert (
+        plain.choices[0].finish_reason == "length" and plain.usage is not None and plain.usage.completion_tokens == 12
+    )
+    ids = client.completions.create(
+        model=MODEL, prompt=[504, 2365, 3903, 5063, 359], max_tokens=3, temperature=0, logprobs=2, echo=True
+    )
     choice = ids.choices[0]
     assert choice.logprobs is not None and len(choice.logprobs.tokens or []) == 3
     assert all(len(t) == 2 for t in choice.logprobs.top_logprobs or [])
@@ -117,16 +136,28 @@ BAD_INPUTS = [
     (None, {"messages": []}, 400, "messages must not be empty"),
     (None, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role must be one of"),
     (None, {"messages": QUESTION, "tools": [{"type": "function"}]}, 400, "'tools' is not supported"),
-    (None, {"messages": QUESTION, "response_format": {"type": "json_object"}}, 400, "'response_format' is not supported"),
+    (
+        None,
+        {"messages": QUESTION, "response_format": {"type": "json_object"}},
+        400,
+        "'response_format' is not supported",
+    ),
     (None, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "only text is supported"),
     (None, {"messages": QUESTION, "model": "gpt-4"}, 404, "does not exist"),
-    (None, {"messages": [{"role": "user", "content": "word " * 9000}]}, 400, "tokens; this model's context length is 1152 tokens"),
+    (
+        None,
+        {"messages": [{"role": "user", "content": "word " * 9000}]},
+        400,
+        "tokens; this model's context length is 1152 tokens",
+    ),
     (None, {"messages": [{"role": "user", "content": "x" * 70000}]}, 413, "too large"),
 ]
 
 
 @pytest.mark.parametrize(("raw", "body", "status", "message"), BAD_INPUTS)
-def test_bad_input_gets_its_status_and_an_openai_error(server: ServerProcess, raw: str | None, body: dict[str, object] | None, status: int, message: str) -> None:
+def test_bad_input_gets_its_status_and_an_openai_error(
+    server: ServerProcess, raw: str | None, body: dict[str, object] | None, status: int, message: str
+) -> None:
     headers = {"Authorization": f"Bearer {KEY_A}", "Content-Type": "application/json"}
     content = raw if raw is not None else json.dumps(body)
     response = httpx.post(f"{server.url}/v1/chat/completions", content=content, headers=headers)
@@ -164,17 +195,49 @@ ENGINE_REFUSALS = [
     ("/v1/completions", {"prompt": []}, "the prompt is empty", "prompt", None),
     ("/v1/completions", {"prompt": ""}, "the prompt is empty", "prompt", None),
     ("/v1/completions", {"prompt": [5, 10**6]}, "token id 1000000 is outside the vocabulary", "prompt", None),
-    ("/v1/completions", {"prompt": [5] * 1200}, "the prompt has 1200 tokens; this model's context length is 1152 tokens", "prompt", "context_length_exceeded"),
-    ("/v1/completions", {"prompt": [5] * 1100, "max_tokens": 100}, "the prompt has 1100 tokens and max_tokens is 100: 1200 exceeds the context length 1152", "max_tokens", "context_length_exceeded"),
+    (
+        "/v1/completions",
+        {"prompt": [5] * 1200},
+        "the prompt has 1200 tokens; this model's context length is 1152 tokens",
+        "prompt",
+        "context_length_exceeded",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": [5] * 1100, "max_tokens": 100},
+        "the prompt has 1100 tokens and max_tokens is 100: 1200 exceeds the context length 1152",
+        "max_tokens",
+        "context_length_exceeded",
+    ),
     ("/v1/completions", {"prompt": [5], "max_tokens": 0}, "max_tokens must be at least 1, got 0", "max_tokens", None),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 1200}]}, "tokens; this model's context length is 1152 tokens", "messages", "context_length_exceeded"),
-    ("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 10**9}, "exceeds the context length 1152", "max_tokens", "context_length_exceeded"),
-    ("/v1/chat/completions", {"messages": QUESTION, "logprobs": True, "top_logprobs": 21}, "logprobs must be in [0, 20]", "top_logprobs", None),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "word " * 1200}]},
+        "tokens; this model's context length is 1152 tokens",
+        "messages",
+        "context_length_exceeded",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": QUESTION, "max_tokens": 10**9},
+        "exceeds the context length 1152",
+        "max_tokens",
+        "context_length_exceeded",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": QUESTION, "logprobs": True, "top_logprobs": 21},
+        "logprobs must be in [0, 20]",
+        "top_logprobs",
+        None,
+    ),
 ]
 
 
 @pytest.mark.parametrize(("path", "body", "message", "param", "code"), ENGINE_REFUSALS)
-def test_the_engines_refusal_names_the_field(server: ServerProcess, path: str, body: dict[str, object], message: str, param: str, code: str | None) -> None:
+def test_the_engines_refusal_names_the_field(
+    server: ServerProcess, path: str, body: dict[str, object], message: str, param: str, code: str | None
+) -> None:
     response = httpx.post(f"{server.url}{path}", json=body, headers={"Authorization": f"Bearer {KEY_A}"})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
@@ -190,7 +253,10 @@ def test_a_refused_prompt_in_a_batch_leaves_nothing_running(server: ServerProces
     # The valid prompt may be admitted before its sibling is refused: it must be aborted then,
     # not left to run its 1000 tokens (far longer than this wait) for nobody.
     for _ in range(50):
-        if metric(server, "compiled_engine_kv_pages_used") == 0 and metric(server, "compiled_engine_running_requests") == 0:
+        if (
+            metric(server, "compiled_engine_kv_pages_used") == 0
+            and metric(server, "compiled_engine_running_requests") == 0
+        ):
             break
         time.sleep(0.1)
     assert metric(server, "compiled_engine_kv_pages_used") == 0
@@ -199,7 +265,11 @@ def test_a_refused_prompt_in_a_batch_leaves_nothing_running(server: ServerProces
 
 def test_closing_a_stream_frees_its_pages(server: ServerProcess, client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(
-        model=MODEL, messages=QUESTION, max_tokens=1000, temperature=0, stream=True,  # type: ignore[arg-type]
+        model=MODEL,
+        messages=QUESTION,
+        max_tokens=1000,
+        temperature=0,
+        stream=True,  # type: ignore[arg-type]
         extra_body={"ignore_eos": True},
     )
     for i, _ in enumerate(stream):
@@ -208,7 +278,10 @@ def test_closing_a_stream_frees_its_pages(server: ServerProcess, client: openai.
     assert metric(server, "compiled_engine_kv_pages_used") > 0
     stream.close()
     for _ in range(100):
-        if metric(server, "compiled_engine_kv_pages_used") == 0 and metric(server, "compiled_engine_running_requests") == 0:
+        if (
+            metric(server, "compiled_engine_kv_pages_used") == 0
+            and metric(server, "compiled_engine_running_requests") == 0
+        ):
             break
         time.sleep(0.1)
     assert metric(server, "compiled_engine_kv_pages_used") == 0
@@ -226,7 +299,9 @@ def test_openapi_schema_describes_every_route(server: ServerProcess) -> None:
 def test_a_flood_gets_429s_and_no_5xx(tmp_path: Path, default_model_dir: Path) -> None:
     import asyncio
 
-    with running_server(tmp_path, "--max-waiting-requests", "2", "--max-num-seqs", "1", "--kv-cache-memory-gib", "0.05") as flooded:
+    with running_server(
+        tmp_path, "--max-waiting-requests", "2", "--max-num-seqs", "1", "--kv-cache-memory-gib", "0.05"
+    ) as flooded:
 
         async def flood() -> list[httpx.Response]:
             async with httpx.AsyncClient(timeout=120) as http:
@@ -271,7 +346,11 @@ def test_metrics_count_requests_tokens_and_latency(server: ServerProcess, client
     assert metric(server, "compiled_engine_generated_tokens_total") == before + 3
     assert metric(server, "compiled_engine_time_to_first_token_seconds_count") > 0
     assert metric(server, "compiled_engine_e2e_request_latency_seconds_count") > 0
-    assert metric(server, "compiled_engine_prefix_cache_queried_tokens_total") >= metric(server, "compiled_engine_prefix_cache_hit_tokens_total") > 0
+    assert (
+        metric(server, "compiled_engine_prefix_cache_queried_tokens_total")
+        >= metric(server, "compiled_engine_prefix_cache_hit_tokens_total")
+        > 0
+    )
     assert metric(server, "compiled_engine_kv_pages_free") > 0
 
 

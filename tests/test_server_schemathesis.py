@@ -21,11 +21,15 @@ def test_no_generated_request_gets_a_5xx(tmp_path: Path, default_model_dir: Path
         for operation in operations:
 
             @given(case=operation.as_strategy())
-            @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)
+            @settings(
+                max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None
+            )
             def no_5xx(case: Any) -> None:
                 response = case.call(base_url=server.url, timeout=120)
                 statuses[f"{case.method} {case.path}"].append(response.status_code)
-                assert response.status_code < 500, f"{case.method} {case.path}: {response.status_code} {response.text[:500]}"
+                assert response.status_code < 500, (
+                    f"{case.method} {case.path}: {response.status_code} {response.text[:500]}"
+                )
 
             no_5xx()
         for route in ("POST /v1/completions", "POST /v1/chat/completions"):

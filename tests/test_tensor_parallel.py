@@ -54,7 +54,9 @@ def _child(queue: Any, config: EngineConfig, prompts: list[list[int]], max_token
         queue.put(("error", f"{type(exc).__name__}: {exc}"))
 
 
-def _in_child(config: EngineConfig, prompts: list[list[int]], max_tokens: int, timeout_s: float = 600) -> list[tuple[list[int], list[float]]]:
+def _in_child(
+    config: EngineConfig, prompts: list[list[int]], max_tokens: int, timeout_s: float = 600
+) -> list[tuple[list[int], list[float]]]:
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     child = context.Process(target=_child, args=(queue, config, prompts, max_tokens))
@@ -83,7 +85,9 @@ def _assert_same(tp: list[tuple[list[int], list[float]]], single: list[tuple[lis
         ("llama", 2, {"attention_bias": True}),  # sharded biases, replicated o_proj bias
     ],
 )
-def test_tp_matches_single_process_on_tiny_models(model_type: str, size: int, overrides: dict[str, Any], tiny_model_factory: Callable[..., Path]) -> None:
+def test_tp_matches_single_process_on_tiny_models(
+    model_type: str, size: int, overrides: dict[str, Any], tiny_model_factory: Callable[..., Path]
+) -> None:
     model_dir = str(tiny_model_factory(model_type, **overrides))
     base = EngineConfig(model=model_dir, kv_cache_memory_gib=0.01, enforce_eager=True, max_num_batched_tokens=8)
     single = _generate(base, PROMPTS, 6)
@@ -96,7 +100,9 @@ def test_compiled_tp_matches_eager_single_process(tiny_model_factory: Callable[.
     collectives; a graph break would raise) and agree with plain eager on one process."""
     model_dir = str(tiny_model_factory("qwen3"))
     base = EngineConfig(model=model_dir, kv_cache_memory_gib=0.01, enforce_eager=True, max_num_batched_tokens=8)
-    compiled = _in_child(EngineConfig(**{**_fields(base), "tensor_parallel_size": 2, "enforce_eager": False}), PROMPTS, 6)
+    compiled = _in_child(
+        EngineConfig(**{**_fields(base), "tensor_parallel_size": 2, "enforce_eager": False}), PROMPTS, 6
+    )
     _assert_same(compiled, _generate(base, PROMPTS, 6))
 
 
@@ -108,7 +114,9 @@ def test_default_model_tp3_matches_tp1(default_model_dir: Path) -> None:
     tokenizer = Tokenizer(default_model_dir)
     prompts = [tokenizer.encode_prompt(p.text, p.chat) for p in DEFAULT_PROMPTS[:2]]
     base = EngineConfig(kv_cache_memory_gib=0.05, enforce_eager=True)
-    _assert_same(_in_child(EngineConfig(**{**_fields(base), "tensor_parallel_size": 3}), prompts, 8), _generate(base, prompts, 8))
+    _assert_same(
+        _in_child(EngineConfig(**{**_fields(base), "tensor_parallel_size": 3}), prompts, 8), _generate(base, prompts, 8)
+    )
 
 
 def _fields(config: EngineConfig) -> dict[str, Any]:
@@ -118,7 +126,9 @@ def _fields(config: EngineConfig) -> dict[str, Any]:
 def test_uneven_head_counts_are_refused_before_anything_starts(tiny_model_factory: Callable[..., Path]) -> None:
     model_dir = str(tiny_model_factory("llama"))  # 4 query heads, 2 KV heads, intermediate 128
     started = time.perf_counter()
-    with pytest.raises(ModelConfigError, match=r"--tensor-parallel-size 3 must divide num_attention_heads=4, num_key_value_heads=2"):
+    with pytest.raises(
+        ModelConfigError, match=r"--tensor-parallel-size 3 must divide num_attention_heads=4, num_key_value_heads=2"
+    ):
         LLMEngine(EngineConfig(model=model_dir, tensor_parallel_size=3, enforce_eager=True))
     assert time.perf_counter() - started < 5  # no process was spawned, no weight read
     with pytest.raises(ValueError, match="tensor_parallel_size must be at least 1"):
@@ -126,10 +136,20 @@ def test_uneven_head_counts_are_refused_before_anything_starts(tiny_model_factor
 
 
 def test_kv_heads_split_or_replicated() -> None:
-    config = ModelConfig.from_dict(dict(
-        model_type="llama", vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=16, rms_norm_eps=1e-6, rope_theta=10000.0,
-    ))
+    config = ModelConfig.from_dict(
+        dict(
+            model_type="llama",
+            vocab_size=32,
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            max_position_embeddings=16,
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+        )
+    )
     assert [TPShard(r, 2).kv_heads(config) for r in range(2)] == [(0, 1), (1, 1)]
     assert [TPShard(r, 4).kv_heads(config) for r in range(4)] == [(0, 1), (0, 1), (1, 1), (1, 1)]
     # rank r's query heads read exactly its KV head (group of 4 query heads per KV head)
@@ -146,7 +166,11 @@ def test_each_rank_reads_only_its_slices(tiny_model_factory: Callable[..., Path]
     halves = [load_model(model_dir, config, torch.float32, torch.device("cpu"), TPShard(r, 2)) for r in range(2)]
 
     def sharded_bytes(model: torch.nn.Module) -> int:
-        return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.endswith(("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")))
+        return sum(
+            p.numel() * p.element_size()
+            for n, p in model.named_parameters()
+            if n.endswith(("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight"))
+        )
 
     assert sharded_bytes(halves[0]) == sharded_bytes(halves[1]) == sharded_bytes(whole) // 2
     # the two ranks' slices put side by side are the whole weight
@@ -159,7 +183,15 @@ def test_each_rank_reads_only_its_slices(tiny_model_factory: Callable[..., Path]
 
 
 def _dead_worker_child(queue: Any, model_dir: str, how: str) -> None:
-    engine = LLMEngine(EngineConfig(model=model_dir, tensor_parallel_size=2, enforce_eager=True, kv_cache_memory_gib=0.01, distributed_timeout_s=5))
+    engine = LLMEngine(
+        EngineConfig(
+            model=model_dir,
+            tensor_parallel_size=2,
+            enforce_eager=True,
+            kv_cache_memory_gib=0.01,
+            distributed_timeout_s=5,
+        )
+    )
     assert engine.tensor_parallel is not None
     engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     engine.step()
@@ -181,7 +213,9 @@ def _dead_worker_child(queue: Any, model_dir: str, how: str) -> None:
 
 
 @pytest.mark.parametrize("how", ["killed", "hung"])
-def test_a_dead_or_hung_worker_fails_the_engine_instead_of_hanging(how: str, tiny_model_factory: Callable[..., Path]) -> None:
+def test_a_dead_or_hung_worker_fails_the_engine_instead_of_hanging(
+    how: str, tiny_model_factory: Callable[..., Path]
+) -> None:
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     child = context.Process(target=_dead_worker_child, args=(queue, str(tiny_model_factory("qwen3")), how))
@@ -203,9 +237,23 @@ def test_server_with_a_lost_worker_reports_not_ready_and_exits_non_zero(tmp_path
 
     from tests.server_process import running_server
 
-    with running_server(tmp_path, "--tensor-parallel-size", "3", "--device", "cpu", "--kv-cache-memory-gib", "0.05", "--distributed-timeout-s", "10") as server:
+    with running_server(
+        tmp_path,
+        "--tensor-parallel-size",
+        "3",
+        "--device",
+        "cpu",
+        "--kv-cache-memory-gib",
+        "0.05",
+        "--distributed-timeout-s",
+        "10",
+    ) as server:
         # children of any of the server's threads (the engine loop thread starts the ranks)
-        children = [pid for task in Path(f"/proc/{server.process.pid}/task").iterdir() for pid in (task / "children").read_text().split()]
+        children = [
+            pid
+            for task in Path(f"/proc/{server.process.pid}/task").iterdir()
+            for pid in (task / "children").read_text().split()
+        ]
         # the spawned ranks (not multiprocessing's resource tracker)
         workers = [int(pid) for pid in children if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
         assert len(workers) == 2, children

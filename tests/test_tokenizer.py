@@ -42,9 +42,7 @@ def hf_tok(default_model_dir: Path) -> Any:
 def byte_token_ids(default_model_dir: Path) -> list[int]:
     """The 256 base tokens of the byte-level vocabulary (one byte each), which is where
     incomplete UTF-8 sequences come from."""
-    vocab = RawTokenizer.from_file(str(default_model_dir / "tokenizer.json")).get_vocab(
-        with_added_tokens=False
-    )
+    vocab = RawTokenizer.from_file(str(default_model_dir / "tokenizer.json")).get_vocab(with_added_tokens=False)
     ids = sorted(i for token, i in vocab.items() if len(token) == 1)
     # The GGUF-built vocabulary lacks 21 of the 256 (bytes that never occur in UTF-8 text,
     # and a few control characters).
@@ -75,9 +73,7 @@ def make_dir(tmp_path: Path, default_model_dir: Path) -> Callable[..., Path]:
     return make
 
 
-def hf_encode_chat(
-    hf_tok: Any, messages: list[dict[str, str]], add_generation_prompt: bool
-) -> list[int]:
+def hf_encode_chat(hf_tok: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
     out = hf_tok.apply_chat_template(
         messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
     )
@@ -109,9 +105,7 @@ TEXTS = [
 @pytest.mark.parametrize("text", TEXTS)
 def test_encode_matches_transformers(tok: Tokenizer, hf_tok: Any, text: str) -> None:
     assert tok.encode(text) == hf_tok.encode(text)
-    assert tok.encode(text, add_special_tokens=False) == hf_tok.encode(
-        text, add_special_tokens=False
-    )
+    assert tok.encode(text, add_special_tokens=False) == hf_tok.encode(text, add_special_tokens=False)
 
 
 @given(text=st.text(max_size=40))
@@ -121,9 +115,7 @@ def test_encode_matches_transformers_on_random_text(tok: Tokenizer, hf_tok: Any,
 
 
 @pytest.mark.parametrize("text", [t for t in TEXTS if "<|" not in t])
-def test_decode_round_trips_and_matches_transformers(
-    tok: Tokenizer, hf_tok: Any, text: str
-) -> None:
+def test_decode_round_trips_and_matches_transformers(tok: Tokenizer, hf_tok: Any, text: str) -> None:
     ids = tok.encode(text)
     assert tok.decode(ids) == text
     assert tok.decode(ids) == hf_tok.decode(ids, clean_up_tokenization_spaces=False)
@@ -168,16 +160,12 @@ CHATS: dict[str, list[dict[str, str]]] = {
 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 @pytest.mark.parametrize("name", list(CHATS))
-def test_encode_chat_matches_transformers(
-    tok: Tokenizer, hf_tok: Any, name: str, add_generation_prompt: bool
-) -> None:
+def test_encode_chat_matches_transformers(tok: Tokenizer, hf_tok: Any, name: str, add_generation_prompt: bool) -> None:
     messages = CHATS[name]
     ours = tok.encode_chat(messages, add_generation_prompt=add_generation_prompt)
     assert ours == hf_encode_chat(hf_tok, messages, add_generation_prompt)
     text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    assert text == hf_tok.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, tokenize=False
-    )
+    assert text == hf_tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
 
 
 def test_encode_chat_generation_prompt_is_the_difference(tok: Tokenizer) -> None:
@@ -185,10 +173,7 @@ def test_encode_chat_generation_prompt_is_the_difference(tok: Tokenizer) -> None
     with_prompt = tok.encode_chat(messages, add_generation_prompt=True)
     without = tok.encode_chat(messages, add_generation_prompt=False)
     assert with_prompt[: len(without)] == without
-    assert (
-        tok.decode(with_prompt[len(without) :], skip_special_tokens=False)
-        == "<|im_start|>assistant\n"
-    )
+    assert tok.decode(with_prompt[len(without) :], skip_special_tokens=False) == "<|im_start|>assistant\n"
     # The default system prompt is injected only when no system message is given.
     assert "SmolLM" in tok.apply_chat_template(messages)
     assert "SmolLM" not in tok.apply_chat_template(CHATS["system_user"])
@@ -229,9 +214,7 @@ def test_template_environment_matches_transformers(make_dir: Callable[..., Path]
     for agp in (True, False):
         text = ours.apply_chat_template(messages, add_generation_prompt=agp)
         assert text == hf.apply_chat_template(messages, add_generation_prompt=agp, tokenize=False)
-        assert ours.encode_chat(messages, add_generation_prompt=agp) == hf_encode_chat(
-            hf, messages, agp
-        )
+        assert ours.encode_chat(messages, add_generation_prompt=agp) == hf_encode_chat(hf, messages, agp)
     text = ours.apply_chat_template(messages)
     assert "hidden" not in text and "never shown" not in text
     # tojson keeps non-ASCII as is (ensure_ascii=False) and escapes the quote.
@@ -257,9 +240,7 @@ def test_chat_template_jinja_used_when_config_has_none(make_dir: Callable[..., P
 
 
 def test_config_template_preferred_over_jinja_file(make_dir: Callable[..., Path]) -> None:
-    d = make_dir(
-        tokenizer_config={"chat_template": "C:{{ messages|length }}"}, chat_template_jinja="J"
-    )
+    d = make_dir(tokenizer_config={"chat_template": "C:{{ messages|length }}"}, chat_template_jinja="J")
     assert Tokenizer(d).apply_chat_template([{"role": "user", "content": "x"}]) == "C:1"
 
 
@@ -277,9 +258,7 @@ def test_named_template_list_uses_default(make_dir: Callable[..., Path]) -> None
     ]
     t = Tokenizer(make_dir(tokenizer_config={"chat_template": named}))
     assert t.chat_template_source == "DEFAULT:{{ messages[0]['content'] }}"
-    assert t.encode_chat([{"role": "user", "content": "hey"}]) == t.encode(
-        "DEFAULT:hey", add_special_tokens=False
-    )
+    assert t.encode_chat([{"role": "user", "content": "hey"}]) == t.encode("DEFAULT:hey", add_special_tokens=False)
 
 
 def test_named_template_list_without_default_falls_back_to_jinja(
@@ -287,9 +266,7 @@ def test_named_template_list_without_default_falls_back_to_jinja(
 ) -> None:
     named = [{"name": "tool_use", "template": "TOOLS"}]
     assert (
-        Tokenizer(
-            make_dir(tokenizer_config={"chat_template": named}, chat_template_jinja="J")
-        ).chat_template_source
+        Tokenizer(make_dir(tokenizer_config={"chat_template": named}, chat_template_jinja="J")).chat_template_source
         == "J"
     )
     t = Tokenizer(make_dir(tokenizer_config={"chat_template": named}))
@@ -341,22 +318,14 @@ def test_add_bos_token_dict_spelling(make_dir: Callable[..., Path]) -> None:
 
 
 @pytest.mark.parametrize("add_bos", [False, None])
-def test_no_bos_unless_asked(
-    make_dir: Callable[..., Path], hf_tok: Any, add_bos: bool | None
-) -> None:
+def test_no_bos_unless_asked(make_dir: Callable[..., Path], hf_tok: Any, add_bos: bool | None) -> None:
     t = Tokenizer(make_dir(tokenizer_config=_bos_config(add_bos)))
-    assert (
-        t.encode("Hello world")
-        == t.encode("Hello world", add_special_tokens=False)
-        == hf_tok.encode("Hello world")
-    )
+    assert t.encode("Hello world") == t.encode("Hello world", add_special_tokens=False) == hf_tok.encode("Hello world")
     assert t.encode("") == []
 
 
 @pytest.mark.parametrize("add_bos", [True, False, None])
-def test_bos_written_in_the_text_is_kept(
-    make_dir: Callable[..., Path], add_bos: bool | None
-) -> None:
+def test_bos_written_in_the_text_is_kept(make_dir: Callable[..., Path], add_bos: bool | None) -> None:
     t = Tokenizer(make_dir(tokenizer_config=_bos_config(add_bos)))
     body = t.encode("<|im_start|>hi", add_special_tokens=False)
     assert body[0] == BOS_ID
@@ -373,9 +342,7 @@ def _with_bos_post_processor(d: Path) -> Path:
             {"Sequence": {"id": "A", "type_id": 0}},
         ],
         "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
-        "special_tokens": {
-            "<|im_start|>": {"id": "<|im_start|>", "ids": [BOS_ID], "tokens": ["<|im_start|>"]}
-        },
+        "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [BOS_ID], "tokens": ["<|im_start|>"]}},
     }
     (d / "tokenizer.json").write_text(json.dumps(raw), encoding="utf-8")
     return d
@@ -436,13 +403,8 @@ def test_eos_falls_back_to_eos_token(make_dir: Callable[..., Path]) -> None:
 
 def test_no_eos_anywhere_gives_empty_set(make_dir: Callable[..., Path]) -> None:
     assert Tokenizer(make_dir()).eos_token_ids == frozenset()
-    assert (
-        Tokenizer(make_dir(tokenizer_config={"eos_token": "<not-a-token>"})).eos_token_ids
-        == frozenset()
-    )
-    assert (
-        Tokenizer(make_dir(generation_config={"eos_token_id": True})).eos_token_ids == frozenset()
-    )
+    assert Tokenizer(make_dir(tokenizer_config={"eos_token": "<not-a-token>"})).eos_token_ids == frozenset()
+    assert Tokenizer(make_dir(generation_config={"eos_token_id": True})).eos_token_ids == frozenset()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -475,9 +437,7 @@ def test_unloadable_tokenizer_json(make_dir: Callable[..., Path]) -> None:
         ("[1, 2, 3]", r"tokenizer_config\.json must hold a JSON object"),
     ],
 )
-def test_corrupt_tokenizer_config(
-    make_dir: Callable[..., Path], content: str | bytes, message: str
-) -> None:
+def test_corrupt_tokenizer_config(make_dir: Callable[..., Path], content: str | bytes, message: str) -> None:
     with pytest.raises(TokenizerError, match=message):
         Tokenizer(make_dir(tokenizer_config=content))
 
@@ -555,9 +515,7 @@ def test_model_without_chat_template(make_dir: Callable[..., Path]) -> None:
 # incremental detokenizer
 
 
-def stream(
-    tok: Tokenizer, ids: list[int], prompt: list[int] | None = None, skip: bool = True
-) -> list[str]:
+def stream(tok: Tokenizer, ids: list[int], prompt: list[int] | None = None, skip: bool = True) -> list[str]:
     detok = IncrementalDetokenizer(tok, prompt or (), skip_special_tokens=skip)
     deltas = [detok.add(i) for i in ids]
     return [*deltas, detok.flush()]
@@ -570,9 +528,7 @@ def test_detokenizer_concatenation_equals_decode(
 ) -> None:
     # Mix arbitrary vocabulary ids with raw byte tokens, so that broken UTF-8 sequences and
     # special tokens both appear often.
-    token = st.one_of(
-        st.integers(0, tok.vocab_size - 1), st.sampled_from(byte_token_ids), st.integers(0, 16)
-    )
+    token = st.one_of(st.integers(0, tok.vocab_size - 1), st.sampled_from(byte_token_ids), st.integers(0, 16))
     ids = data.draw(st.lists(token, max_size=16))
     assert "".join(stream(tok, ids, skip=skip)) == tok.decode(ids, skip_special_tokens=skip)
 
@@ -655,11 +611,7 @@ def test_special_tokens_in_stream(tok: Tokenizer) -> None:
 @given(prompt=st.text(max_size=30), output=st.text(max_size=30))
 @HYPOTHESIS
 def test_detokenizer_with_prompt_context(tok: Tokenizer, prompt: str, output: str) -> None:
-    prompt_ids = (
-        tok.encode_chat([{"role": "user", "content": prompt}])
-        if len(prompt) % 2
-        else tok.encode(prompt)
-    )
+    prompt_ids = tok.encode_chat([{"role": "user", "content": prompt}]) if len(prompt) % 2 else tok.encode(prompt)
     out_ids = tok.encode(output, add_special_tokens=False)
     deltas = stream(tok, out_ids, prompt=prompt_ids)
     assert "".join(deltas) == tok.decode(out_ids)
@@ -667,9 +619,7 @@ def test_detokenizer_with_prompt_context(tok: Tokenizer, prompt: str, output: st
 
 @given(data=st.data())
 @HYPOTHESIS
-def test_detokenizer_with_arbitrary_prompt_ids(
-    tok: Tokenizer, byte_token_ids: list[int], data: st.DataObject
-) -> None:
+def test_detokenizer_with_arbitrary_prompt_ids(tok: Tokenizer, byte_token_ids: list[int], data: st.DataObject) -> None:
     token = st.one_of(st.integers(0, tok.vocab_size - 1), st.sampled_from(byte_token_ids))
     prompt_ids = data.draw(st.lists(token, max_size=8))
     out_ids = data.draw(st.lists(token, max_size=10))

@@ -47,14 +47,26 @@ class AttentionBackend(Generic[Plan]):
         kv_heads, head_dim] (its shape bounds the page ids)."""
         raise NotImplementedError
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, plan: Plan, scale: float) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, plan: Plan, scale: float
+    ) -> torch.Tensor:
         raise NotImplementedError
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         """`prepare` then `forward`, for one layer's call on its own (tests, kernel benchmarks)."""
         return self.forward(q, k, v, kv_cache, self.prepare(metadata, kv_cache), scale)
 
-    def plan_graph(self, size: int, metadata: GraphMetadata, seq_lens: list[int], block_tables: list[list[int]]) -> None:
+    def plan_graph(
+        self, size: int, metadata: GraphMetadata, seq_lens: list[int], block_tables: list[list[int]]
+    ) -> None:
         """Nothing to do on the host unless the backend schedules there."""
 
     def prepare_graph(self, metadata: GraphMetadata) -> Plan:

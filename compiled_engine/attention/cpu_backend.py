@@ -51,7 +51,12 @@ class CpuAttentionBackend(AttentionBackend[CpuPlan]):
             return CpuPlan(None, None, frozenset(), prepare_torch_plan(metadata, page_size, kv_cache.dtype))
         if metadata.decode_only:
             native = self.kernel.plan(
-                metadata.slot_mapping, metadata.block_tables, metadata.seq_lens, max(metadata.seq_lens_cpu), self.num_heads, layer_shape
+                metadata.slot_mapping,
+                metadata.block_tables,
+                metadata.seq_lens,
+                max(metadata.seq_lens_cpu),
+                self.num_heads,
+                layer_shape,
             )
             return CpuPlan(native, None, frozenset(), None)
         decoding = metadata.decoding_seqs()
@@ -68,7 +73,9 @@ class CpuAttentionBackend(AttentionBackend[CpuPlan]):
         )  # fmt: skip
         return CpuPlan(native, tokens, frozenset(decoding), prompts)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, plan: CpuPlan, scale: float) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, plan: CpuPlan, scale: float
+    ) -> torch.Tensor:
         native, prompts = plan.native, plan.prompts
         if prompts is None:  # decode only
             assert native is not None

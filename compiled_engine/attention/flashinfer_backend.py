@@ -69,7 +69,9 @@ def paged_kv_layout(metadata: AttentionMetadata, page_size: int) -> tuple[torch.
     )
 
 
-def host_page_layout(seq_lens: list[int], block_tables: list[list[int]], page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def host_page_layout(
+    seq_lens: list[int], block_tables: list[list[int]], page_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The same page table as `paged_kv_layout`, built on the host from lists (for a graph's
     plan, which must not wait on the device)."""
     pages, indptr, last = _page_counts(seq_lens, page_size)
@@ -106,16 +108,22 @@ class FlashInferAttentionBackend(AttentionBackend[FlashInferPlan]):
         self.scale = shape.softmax_scale  # graph plans need it before the first forward
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=self.num_heads != self.num_kv_heads)
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.num_heads != self.num_kv_heads
+        )
         self.graph_wrappers: dict[int, Any] = {}  # captured batch size -> its decode wrapper
 
-    def plan_graph(self, size: int, metadata: GraphMetadata, seq_lens: list[int], block_tables: list[list[int]]) -> None:
+    def plan_graph(
+        self, size: int, metadata: GraphMetadata, seq_lens: list[int], block_tables: list[list[int]]
+    ) -> None:
         """Outside any graph, before the decode graph of `size` rows is captured or replayed:
         plan that size's wrapper for this batch (padding rows included: one page, length 1).
         `metadata.block_tables` is the static buffer the graph reads; its width bounds the pages
         a row may hold."""
         if not len(seq_lens) == len(block_tables) == size == metadata.num_seqs:
-            raise ValueError(f"a graph of {size} rows needs {size} sequence lengths and block tables, got {len(seq_lens)} and {len(block_tables)}")
+            raise ValueError(
+                f"a graph of {size} rows needs {size} sequence lengths and block tables, got {len(seq_lens)} and {len(block_tables)}"
+            )
         wrapper = self.graph_wrappers.get(size)
         if wrapper is None:
             width = metadata.block_tables.shape[1]
@@ -139,25 +147,54 @@ class FlashInferAttentionBackend(AttentionBackend[FlashInferPlan]):
         """Inside the capture: the size's wrapper, planned by `plan_graph` beforehand."""
         wrapper = self.graph_wrappers.get(metadata.num_seqs)
         if wrapper is None:
-            raise RuntimeError(f"the decode graph of {metadata.num_seqs} rows was not planned (plan_graph) before its capture")
+            raise RuntimeError(
+                f"the decode graph of {metadata.num_seqs} rows was not planned (plan_graph) before its capture"
+            )
         return FlashInferPlan(wrapper, metadata.slot_mapping, kv_rows(metadata.slot_mapping, self.page_size))
 
     def prepare(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> FlashInferPlan:
         indptr, indices, last = paged_kv_layout(metadata, self.page_size)
         if metadata.decode_only:
             self.decode.plan(
-                indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
-                pos_encoding_mode="NONE", sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype,
+                indptr,
+                indices,
+                last,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                self.page_size,
+                pos_encoding_mode="NONE",
+                sm_scale=self.scale,
+                q_data_type=self.dtype,
+                kv_data_type=self.dtype,
             )
         else:
             self.prefill.plan(
-                metadata.query_start_loc, indptr, indices, last, self.num_heads, self.num_kv_heads,
-                self.head_dim, self.page_size, causal=True, sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype,
+                metadata.query_start_loc,
+                indptr,
+                indices,
+                last,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                self.page_size,
+                causal=True,
+                sm_scale=self.scale,
+                q_data_type=self.dtype,
+                kv_data_type=self.dtype,
             )
         wrapper = self.decode if metadata.decode_only else self.prefill
         return FlashInferPlan(wrapper, metadata.slot_mapping, kv_rows(metadata.slot_mapping, self.page_size))
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, plan: FlashInferPlan, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: FlashInferPlan,
+        scale: float,
+    ) -> torch.Tensor:
         if scale != self.scale:
             raise ValueError(f"FlashInfer was planned with scale {self.scale}, the model attends with {scale}")
         write_kv(k, v, kv_cache, plan.slot_mapping, plan.write_rows)

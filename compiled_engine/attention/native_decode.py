@@ -46,7 +46,9 @@ class KernelBuildError(RuntimeError):
     """The C compiler is missing or failed; the message says which and why."""
 
 
-def unsupported_reason(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype) -> str | None:
+def unsupported_reason(
+    num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype
+) -> str | None:
     """Why the native kernel cannot run this attention shape, or None if it can."""
     if dtype != torch.float32:
         return f"the native kernel is fp32 only (got {dtype})"
@@ -99,7 +101,9 @@ def library_path() -> Path:
     """Where the kernel for this source, compiler and CPU lives (built there if missing)."""
     compiler = _compiler()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS + OPENMP), _cpu_identity()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS + OPENMP), _cpu_identity()]).encode()
+    ).hexdigest()[:16]
     path = kernels_dir() / f"paged_decode-{key}.so"
     if not path.exists():
         _build(compiler, path)
@@ -123,7 +127,9 @@ class DecodePlan:
     threads: int
     scratch: torch.Tensor  # shared by the layers: each call writes it before reading it
 
-    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    def run(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         """q: [seqs, heads, d]; k, v: [seqs, kv_heads, d]; kv_cache: one layer's pages."""
         num_seqs = self.slots.shape[0]
         _, _, page_size, num_kv_heads, head_dim = self.cache_shape
@@ -172,7 +178,9 @@ class NativeDecode:
         `block_tables` int32 [seqs, width], `seq_lens` int32 [seqs] with max `max_seq_len`
         (known on the host), for `num_heads` query heads over caches of `cache_shape`."""
         if len(cache_shape) != 5 or cache_shape[1] != 2:
-            raise ValueError(f"paged decode attention: a layer's cache is [pages, 2, page_size, kv_heads, head_dim], not {list(cache_shape)}")
+            raise ValueError(
+                f"paged decode attention: a layer's cache is [pages, 2, page_size, kv_heads, head_dim], not {list(cache_shape)}"
+            )
         _, _, page_size, num_kv_heads, head_dim = cache_shape
         reason = unsupported_reason(num_heads, num_kv_heads, head_dim, page_size, torch.float32)
         if reason is not None:
@@ -183,14 +191,22 @@ class NativeDecode:
             message
             for message, bad in (
                 ("slots must be int64 [seqs]", num_seqs < 1 or slots.dtype != torch.int64),
-                ("block_tables must be int32 [seqs, pages]", block_tables.shape[:1] != (num_seqs,) or width < 1 or block_tables.dtype != torch.int32),
+                (
+                    "block_tables must be int32 [seqs, pages]",
+                    block_tables.shape[:1] != (num_seqs,) or width < 1 or block_tables.dtype != torch.int32,
+                ),
                 ("seq_lens must be int32 [seqs]", seq_lens.shape != (num_seqs,) or seq_lens.dtype != torch.int32),
-                ("every index tensor must be on the CPU", any(t.device.type != "cpu" for t in (slots, block_tables, seq_lens))),
+                (
+                    "every index tensor must be on the CPU",
+                    any(t.device.type != "cpu" for t in (slots, block_tables, seq_lens)),
+                ),
             )
             if bad
         ]
         if not problems and not 1 <= int(seq_lens.min()) <= int(seq_lens.max()) == max_seq_len <= width * page_size:
-            problems.append(f"seq_lens must be 1..{width * page_size} (the block tables' capacity) with maximum max_seq_len={max_seq_len}")
+            problems.append(
+                f"seq_lens must be 1..{width * page_size} (the block tables' capacity) with maximum max_seq_len={max_seq_len}"
+            )
         if not problems and not 0 <= int(slots.min()) <= int(slots.max()) < cache_shape[0] * page_size:
             problems.append(f"slots must be in 0..{cache_shape[0] * page_size - 1}")
         if not problems and not 0 <= int(block_tables.min()) <= int(block_tables.max()) < cache_shape[0]:
@@ -226,6 +242,26 @@ def load_native_decode() -> NativeDecode:
         raise KernelBuildError(f"building or loading the CPU attention kernel failed: {error}") from error
     function = library.paged_decode_attention_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    function.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, ctypes.c_int]
+    function.argtypes = [
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        i64,
+        ptr,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        ctypes.c_float,
+        ptr,
+        ptr,
+        ctypes.c_int,
+    ]
     function.restype = ctypes.c_int
     return NativeDecode(function)

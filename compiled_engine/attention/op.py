@@ -54,18 +54,24 @@ torch.library.define(
 
 
 @torch.library.impl("compiled_engine::paged_attention", "CompositeExplicitAutograd")
-def _paged_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+def _paged_attention_kernel(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float
+) -> torch.Tensor:
     if _current is None:
         raise RuntimeError("paged_attention called outside attention_forward(...)")
     return _current.backend.forward(q, k, v, kv_cache, _current.plan, scale)
 
 
 @torch.library.register_fake("compiled_engine::paged_attention")
-def _paged_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+def _paged_attention_fake(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float
+) -> torch.Tensor:
     return torch.empty_like(q)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Write k, v into `kv_cache` (one layer's pages) and attend; see AttentionBackend.
     q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim]; returns q's shape."""
     return torch.ops.compiled_engine.paged_attention(q, k, v, kv_cache, scale)

@@ -25,7 +25,11 @@ def kv_rows(slots: torch.Tensor, page_size: int) -> torch.Tensor:
 
 
 def write_kv(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor | None = None
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    rows: torch.Tensor | None = None,
 ) -> None:
     """Store each new token's K and V in its slot; `rows` = kv_rows(slot_mapping), if known."""
     page_size = kv_cache.shape[2]
@@ -35,7 +39,9 @@ def write_kv(
     flat.index_copy_(0, rows + page_size, v.to(kv_cache.dtype))
 
 
-def _decode_rows(block_tables: torch.Tensor, seq_lens: torch.Tensor, page_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode_rows(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, page_size: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """For decoding sequences: the flat K rows of their pages ([seqs * width]) and the key mask
     ([seqs, 1, 1, width]: 0 for a sequence's keys, -inf past its length)."""
     tables = block_tables.long()
@@ -71,7 +77,9 @@ class TorchPlan:
     metadata: AttentionMetadata | None
 
 
-def prepare_torch_plan(metadata: AttentionMetadata, page_size: int, dtype: torch.dtype, batch_decodes: bool = True) -> TorchPlan:
+def prepare_torch_plan(
+    metadata: AttentionMetadata, page_size: int, dtype: torch.dtype, batch_decodes: bool = True
+) -> TorchPlan:
     """The index tensors and key masks of a forward, built once before its layers run. With
     `batch_decodes`, the decoding sequences of a mixed batch are picked out to run batched too."""
     write_rows = kv_rows(metadata.slot_mapping, page_size)
@@ -85,7 +93,9 @@ def prepare_torch_plan(metadata: AttentionMetadata, page_size: int, dtype: torch
             device = metadata.block_tables.device
             seqs = torch.tensor(decoding, device=device)
             rows, bias = _decode_rows(metadata.block_tables[seqs], metadata.seq_lens[seqs], page_size, dtype)
-            decode = DecodeRows(rows, bias, torch.tensor([starts[i] for i in decoding], device=device), frozenset(decoding))
+            decode = DecodeRows(
+                rows, bias, torch.tensor([starts[i] for i in decoding], device=device), frozenset(decoding)
+            )
     return TorchPlan(metadata.slot_mapping, write_rows, decode, None if metadata.decode_only else metadata)
 
 
@@ -116,7 +126,14 @@ def decode_attention(
     return attended.reshape(num_seqs, num_heads, head_dim)
 
 
-def attend_prompts(q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float, out: torch.Tensor, skip: frozenset[int] = frozenset()) -> None:
+def attend_prompts(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+    skip: frozenset[int] = frozenset(),
+) -> None:
     """One SDPA per sequence of the batch (except those in `skip`), written into `out`; their
     K/V must already be in the cache. A whole prompt runs `is_causal`; a chunk after a cached
     prefix, or one new token, a mask offset by the prefix."""
@@ -169,7 +186,9 @@ class TorchAttentionBackend(AttentionBackend[TorchPlan]):
         rows, bias = _decode_rows(metadata.block_tables, metadata.seq_lens, page_size, self.dtype)
         return TorchPlan(metadata.slot_mapping, kv_rows(metadata.slot_mapping, page_size), DecodeRows(rows, bias), None)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, plan: TorchPlan, scale: float) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, plan: TorchPlan, scale: float
+    ) -> torch.Tensor:
         write_kv(k, v, kv_cache, plan.slot_mapping, plan.write_rows)
         decode = plan.decode
         if plan.metadata is None:  # every sequence decodes
@@ -180,4 +199,3 @@ class TorchAttentionBackend(AttentionBackend[TorchPlan]):
             out[decode.tokens] = decode_attention(q[decode.tokens], kv_cache, decode.read_rows, decode.key_bias, scale)
         attend_prompts(q, kv_cache, plan.metadata, scale, out, decode.seqs if decode is not None else frozenset())
         return out
-

@@ -1,9 +1,9 @@
 """`python -m compiled_engine.bench latency|offline|serve`: our figures, a same-run baseline, a ceiling.
 
-    python -m compiled_engine.bench latency --prompt-len 512 --output-len 128 --baseline hf --json out.json
-    python -m compiled_engine.bench offline --num-seqs 32 --input-len 100 1024 --output-len 100 1024 --baseline hf
-    python -m compiled_engine.bench serve --concurrency 1 4 16 --baseline hf --plot serve.png
-    python -m compiled_engine.bench serve --base-url http://127.0.0.1:8000 --request-rate 2 8 inf
+python -m compiled_engine.bench latency --prompt-len 512 --output-len 128 --baseline hf --json out.json
+python -m compiled_engine.bench offline --num-seqs 32 --input-len 100 1024 --output-len 100 1024 --baseline hf
+python -m compiled_engine.bench serve --concurrency 1 4 16 --baseline hf --plot serve.png
+python -m compiled_engine.bench serve --base-url http://127.0.0.1:8000 --request-rate 2 8 inf
 """
 
 from __future__ import annotations
@@ -43,7 +43,11 @@ from compiled_engine.server.launch import serve_in_background
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m compiled_engine.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m compiled_engine.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     for name in ("latency", "offline", "serve"):
         sub = commands.add_parser(name)
@@ -52,7 +56,9 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--baseline", choices=["none", "hf"], default="none")
         sub.add_argument("--seed", type=int, default=0, help="seed of the random workload")
         sub.add_argument("--json", type=Path, default=None, help="write every figure and the environment here")
-        sub.add_argument("--plot", type=Path, default=None, help="draw ours vs the baseline into this PNG (needs matplotlib)")
+        sub.add_argument(
+            "--plot", type=Path, default=None, help="draw ours vs the baseline into this PNG (needs matplotlib)"
+        )
     latency = commands.choices["latency"]
     latency.add_argument("--prompt-len", type=int, default=512)
     latency.add_argument("--output-len", type=int, default=128)
@@ -63,15 +69,33 @@ def _parser() -> argparse.ArgumentParser:
     offline.add_argument("--output-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
     offline.add_argument("--hf-batch-size", type=int, default=32)
     serve = commands.choices["serve"]
-    serve.add_argument("--base-url", default=None, help="an OpenAI-compatible server to drive instead of ours; --model names its model (prompts use its vocabulary)")
+    serve.add_argument(
+        "--base-url",
+        default=None,
+        help="an OpenAI-compatible server to drive instead of ours; --model names its model (prompts use its vocabulary)",
+    )
     serve.add_argument("--api-key", default=None, help="bearer key for --base-url")
     serve.add_argument("--num-prompts", type=int, default=64, help="requests per sweep point")
     serve.add_argument("--input-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
     serve.add_argument("--output-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
     load = serve.add_mutually_exclusive_group()
-    load.add_argument("--concurrency", type=int, nargs="+", default=None, help="closed loop: this many requests in flight (a sweep; default 1 4 16 64)")
-    load.add_argument("--request-rate", type=float, nargs="+", default=None, help="open loop: Poisson arrivals per second (a sweep; inf = all at once)")
-    serve.add_argument("--max-concurrency", type=int, default=None, help="with --request-rate: cap on requests in flight")
+    load.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=None,
+        help="closed loop: this many requests in flight (a sweep; default 1 4 16 64)",
+    )
+    load.add_argument(
+        "--request-rate",
+        type=float,
+        nargs="+",
+        default=None,
+        help="open loop: Poisson arrivals per second (a sweep; inf = all at once)",
+    )
+    serve.add_argument(
+        "--max-concurrency", type=int, default=None, help="with --request-rate: cap on requests in flight"
+    )
     return parser
 
 
@@ -113,7 +137,12 @@ def _engine_info(engine: LLMEngine | None) -> dict[str, Any]:
     if engine is None:
         return {}
     runner = engine.runner
-    return {"compiled": runner.forward.compiled, "cuda_graphs": runner.graphs is not None, "compile_seconds": runner.compile_seconds, "attention_backend": runner.backend.name}
+    return {
+        "compiled": runner.forward.compiled,
+        "cuda_graphs": runner.graphs is not None,
+        "compile_seconds": runner.compile_seconds,
+        "attention_backend": runner.backend.name,
+    }
 
 
 def _baseline(args: argparse.Namespace, engine: LLMEngine) -> tuple[Any, str | None]:
@@ -135,7 +164,9 @@ def _print_comparison(
     ours, hf, ratios = result["ours"], result.get("hf", {}), result.get("ratio_vs_hf", {})
     for key, label in rows:
         ratio = ratios.get(key)
-        table.add_row(label, f"{ours[key]:.1f}", f"{hf[key]:.1f}" if key in hf else "-", f"{ratio:.2f}x" if ratio else "-")
+        table.add_row(
+            label, f"{ours[key]:.1f}", f"{hf[key]:.1f}" if key in hf else "-", f"{ratio:.2f}x" if ratio else "-"
+        )
     table.add_row(extra[0], extra[1], "-", "-")
     console.print(table)
     if "error" in hf:
@@ -155,9 +186,12 @@ def bench_latency(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     weights = weight_bytes(engine)
     ttft, tpot = statistics.median(ttfts), statistics.median(tpots)
     ours = {
-        "ttft_s": ttft, "prefill_tokens_per_s": prompt_len / ttft,
-        "decode_ms_per_token": tpot * 1000, "decode_tokens_per_s": 1 / tpot,
-        "weight_bytes": weights, "effective_bandwidth_bytes_per_s": weights / tpot,
+        "ttft_s": ttft,
+        "prefill_tokens_per_s": prompt_len / ttft,
+        "decode_ms_per_token": tpot * 1000,
+        "decode_tokens_per_s": 1 / tpot,
+        "weight_bytes": weights,
+        "effective_bandwidth_bytes_per_s": weights / tpot,
         "bandwidth_fraction": weights / tpot / ceiling,
     }
     result: dict[str, Any] = {"ours": ours}
@@ -165,34 +199,61 @@ def bench_latency(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     if model is not None:
         device = engine.runner.device
         hf_generate_seconds(model, prefill.prompts, 2, device)  # warm-up
-        hf_prefill = statistics.median(hf_generate_seconds(model, prefill.prompts, 1, device) for _ in range(args.repeats))
-        hf_total = statistics.median(hf_generate_seconds(model, decode.prompts, output_len, device) for _ in range(args.repeats))
+        hf_prefill = statistics.median(
+            hf_generate_seconds(model, prefill.prompts, 1, device) for _ in range(args.repeats)
+        )
+        hf_total = statistics.median(
+            hf_generate_seconds(model, decode.prompts, output_len, device) for _ in range(args.repeats)
+        )
         hf_tpot = (hf_total - hf_prefill) / max(output_len - 1, 1)
         result["hf"] = {
-            "ttft_s": hf_prefill, "prefill_tokens_per_s": prompt_len / hf_prefill,
-            "decode_ms_per_token": hf_tpot * 1000, "decode_tokens_per_s": 1 / hf_tpot,
+            "ttft_s": hf_prefill,
+            "prefill_tokens_per_s": prompt_len / hf_prefill,
+            "decode_ms_per_token": hf_tpot * 1000,
+            "decode_tokens_per_s": 1 / hf_tpot,
         }
         result["ratio_vs_hf"] = {k: ours[k] / result["hf"][k] for k in ("prefill_tokens_per_s", "decode_tokens_per_s")}
     elif why:
         result["hf"] = {"error": why}
     _print_comparison(
-        console, f"latency: prompt {prompt_len}, output {output_len}, batch 1", result,
-        (("prefill_tokens_per_s", "prefill tokens/s"), ("decode_tokens_per_s", "decode tokens/s"), ("decode_ms_per_token", "decode ms/token")),
-        ("weight bandwidth", f"{ours['effective_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s ({ours['bandwidth_fraction']:.0%} of {ceiling / 1e9:.1f} measured)"),
+        console,
+        f"latency: prompt {prompt_len}, output {output_len}, batch 1",
+        result,
+        (
+            ("prefill_tokens_per_s", "prefill tokens/s"),
+            ("decode_tokens_per_s", "decode tokens/s"),
+            ("decode_ms_per_token", "decode ms/token"),
+        ),
+        (
+            "weight bandwidth",
+            f"{ours['effective_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s ({ours['bandwidth_fraction']:.0%} of {ceiling / 1e9:.1f} measured)",
+        ),
     )
-    return {"benchmark": "latency", "workload": {"prompt_len": prompt_len, "output_len": output_len, "repeats": args.repeats, "seed": args.seed}, "bandwidth_ceiling_bytes_per_s": ceiling, "results": result, "environment": environment(engine.runner.device, engine.runner.dtype, engine.model_dir), "engine": _engine_info(engine)}
+    return {
+        "benchmark": "latency",
+        "workload": {"prompt_len": prompt_len, "output_len": output_len, "repeats": args.repeats, "seed": args.seed},
+        "bandwidth_ceiling_bytes_per_s": ceiling,
+        "results": result,
+        "environment": environment(engine.runner.device, engine.runner.dtype, engine.model_dir),
+        "engine": _engine_info(engine),
+    }
 
 
 def bench_offline(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     engine = _engine(args)
-    workload: Workload = random_workload(engine.runner.model_config.vocab_size, args.num_seqs, tuple(args.input_len), tuple(args.output_len), args.seed)
-    run_ours(engine, random_workload(engine.runner.model_config.vocab_size, 1, (8, 8), (2, 2), args.seed + 1))  # warm-up
+    workload: Workload = random_workload(
+        engine.runner.model_config.vocab_size, args.num_seqs, tuple(args.input_len), tuple(args.output_len), args.seed
+    )
+    run_ours(
+        engine, random_workload(engine.runner.model_config.vocab_size, 1, (8, 8), (2, 2), args.seed + 1)
+    )  # warm-up
     with _progress(console, "ours", workload.output_tokens) as advance:
         ours_run = run_ours(engine, workload, advance)
     ceiling = measure_read_bandwidth(engine.runner.device)
     seconds = ours_run["seconds"]
     ours = {
-        "seconds": seconds, "steps": ours_run["steps"],
+        "seconds": seconds,
+        "steps": ours_run["steps"],
         "output_tokens_per_s": workload.output_tokens / seconds,
         "total_tokens_per_s": (workload.prompt_tokens + workload.output_tokens) / seconds,
         "bytes_read": ours_run["bytes_read"],
@@ -212,12 +273,29 @@ def bench_offline(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     elif why:
         result["hf"] = {"error": why}
     _print_comparison(
-        console, f"offline: {args.num_seqs} requests, input {args.input_len}, output {args.output_len}", result,
+        console,
+        f"offline: {args.num_seqs} requests, input {args.input_len}, output {args.output_len}",
+        result,
         (("output_tokens_per_s", "output tokens/s"), ("total_tokens_per_s", "total tokens/s")),
         ("bandwidth used", f"{ours['bandwidth_fraction']:.0%} of {ceiling / 1e9:.1f} GB/s measured"),
     )
-    workload_info = {"num_seqs": args.num_seqs, "input_len": args.input_len, "output_len": args.output_len, "prompt_tokens": workload.prompt_tokens, "output_tokens": workload.output_tokens, "seed": args.seed, "ignore_eos": True}
-    return {"benchmark": "offline", "workload": workload_info, "bandwidth_ceiling_bytes_per_s": ceiling, "results": result, "environment": environment(engine.runner.device, engine.runner.dtype, engine.model_dir), "engine": _engine_info(engine)}
+    workload_info = {
+        "num_seqs": args.num_seqs,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "prompt_tokens": workload.prompt_tokens,
+        "output_tokens": workload.output_tokens,
+        "seed": args.seed,
+        "ignore_eos": True,
+    }
+    return {
+        "benchmark": "offline",
+        "workload": workload_info,
+        "bandwidth_ceiling_bytes_per_s": ceiling,
+        "results": result,
+        "environment": environment(engine.runner.device, engine.runner.dtype, engine.model_dir),
+        "engine": _engine_info(engine),
+    }
 
 
 def _serve_row(table: Table, load: str, side: str, r: dict[str, Any]) -> None:
@@ -225,8 +303,17 @@ def _serve_row(table: Table, load: str, side: str, r: dict[str, Any]) -> None:
         return f"{figures[key] * 1000:.0f}" if key in figures else "-"
 
     table.add_row(
-        load, side, f"{r['completed']}/{r['completed'] + r['errors']}", f"{r['request_throughput']:.2f}", f"{r['output_tokens_per_s']:.1f}",
-        ms(r["ttft_s"], "p50"), ms(r["ttft_s"], "p99"), ms(r["itl_s"], "p50"), ms(r["tpot_s"], "p50"), ms(r["e2e_s"], "p50"), ms(r["e2e_s"], "p99"),
+        load,
+        side,
+        f"{r['completed']}/{r['completed'] + r['errors']}",
+        f"{r['request_throughput']:.2f}",
+        f"{r['output_tokens_per_s']:.1f}",
+        ms(r["ttft_s"], "p50"),
+        ms(r["ttft_s"], "p99"),
+        ms(r["itl_s"], "p50"),
+        ms(r["tpot_s"], "p50"),
+        ms(r["e2e_s"], "p50"),
+        ms(r["e2e_s"], "p99"),
     )
 
 
@@ -235,7 +322,9 @@ def bench_serve(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     vocab = ModelConfig.from_model_dir(model_dir).vocab_size
     workload = random_workload(vocab, args.num_prompts, tuple(args.input_len), tuple(args.output_len), args.seed)
     sweep_name = "request_rate" if args.request_rate is not None else "concurrency"
-    loads: list[float] = list(args.request_rate) if args.request_rate is not None else list(args.concurrency or [1, 4, 16, 64])
+    loads: list[float] = (
+        list(args.request_rate) if args.request_rate is not None else list(args.concurrency or [1, 4, 16, 64])
+    )
     async_engine = None
     if not args.base_url:  # built on its loop thread, which runs all its steps (see AsyncEngine)
         async_engine = AsyncEngine(lambda: _engine(args), max_waiting_requests=4096)
@@ -250,10 +339,17 @@ def bench_serve(args: argparse.Namespace, console: Console) -> dict[str, Any]:
             concurrency = int(load) if sweep_name == "concurrency" else args.max_concurrency
             rate = load if sweep_name == "request_rate" else None
             with _progress(console, f"ours, {sweep_name} {load:g}", len(workload.prompts)) as advance:
-                records, seconds = asyncio.run(run_load(
-                    base_url, workload, concurrency=concurrency, request_rate=rate, seed=args.seed,
-                    api_key=args.api_key, on_done=lambda _: advance(1),
-                ))
+                records, seconds = asyncio.run(
+                    run_load(
+                        base_url,
+                        workload,
+                        concurrency=concurrency,
+                        request_rate=rate,
+                        seed=args.seed,
+                        api_key=args.api_key,
+                        on_done=lambda _: advance(1),
+                    )
+                )
             points.append({"load": load, "ours": summarize(records, seconds)})
     device = engine.runner.device if engine is not None else torch.device("cpu")
     dtype = engine.runner.dtype if engine is not None else DTYPES[args.dtype or "float32"]
@@ -270,11 +366,28 @@ def bench_serve(args: argparse.Namespace, console: Console) -> dict[str, Any]:
             if why is None:
                 records, seconds = run_hf_as_server(model, workload, int(point["load"]), device)
                 point["hf"] = summarize(records, seconds)
-                point["ratio_vs_hf"] = {k: point["ours"][k] / point["hf"][k] for k in ("output_tokens_per_s", "request_throughput")}
+                point["ratio_vs_hf"] = {
+                    k: point["ours"][k] / point["hf"][k] for k in ("output_tokens_per_s", "request_throughput")
+                }
             else:
                 point["hf"] = {"error": why}
-    table = Table(title=f"serve: {args.num_prompts} requests per point, input {args.input_len}, output {args.output_len}" + (f" ({args.base_url})" if args.base_url else ""))
-    for column in (sweep_name, "", "ok", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "TPOT p50 ms", "E2E p50 ms", "E2E p99 ms"):
+    table = Table(
+        title=f"serve: {args.num_prompts} requests per point, input {args.input_len}, output {args.output_len}"
+        + (f" ({args.base_url})" if args.base_url else "")
+    )
+    for column in (
+        sweep_name,
+        "",
+        "ok",
+        "req/s",
+        "out tok/s",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "ITL p50 ms",
+        "TPOT p50 ms",
+        "E2E p50 ms",
+        "E2E p99 ms",
+    ):
         table.add_column(column)
     for point in points:
         _serve_row(table, f"{point['load']:g}", "ours" if args.base_url is None else "server", point["ours"])
@@ -283,17 +396,32 @@ def bench_serve(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     console.print(table)
     for point in points:
         if point["ours"]["errors"]:
-            console.print(f"[red]{point['ours']['errors']} requests failed at {sweep_name} {point['load']:g}: {point['ours']['error_examples']}[/red]")
+            console.print(
+                f"[red]{point['ours']['errors']} requests failed at {sweep_name} {point['load']:g}: {point['ours']['error_examples']}[/red]"
+            )
     if points and "error" in points[0].get("hf", {}):
         console.print(f"[yellow]baseline hf did not run: {points[0]['hf']['error']}[/yellow]")
     workload_info = {
-        "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-        "prompt_tokens": workload.prompt_tokens, "output_tokens": workload.output_tokens,
-        "sweep": sweep_name, "loads": loads, "max_concurrency": args.max_concurrency, "seed": args.seed, "ignore_eos": True,
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "prompt_tokens": workload.prompt_tokens,
+        "output_tokens": workload.output_tokens,
+        "sweep": sweep_name,
+        "loads": loads,
+        "max_concurrency": args.max_concurrency,
+        "seed": args.seed,
+        "ignore_eos": True,
         "server": args.base_url or "ours, in-process on loopback",
     }
     env = environment(device if engine is not None else None, dtype if engine is not None else None, model_dir)
-    return {"benchmark": "serve", "workload": workload_info, "results": points, "environment": env, "engine": _engine_info(engine)}
+    return {
+        "benchmark": "serve",
+        "workload": workload_info,
+        "results": points,
+        "environment": env,
+        "engine": _engine_info(engine),
+    }
 
 
 def _strict_json(value: Any) -> Any:

@@ -23,7 +23,9 @@ def _version(package: str) -> str | None:
 
 def _git_commit() -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=Path(__file__).parent)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=Path(__file__).parent
+        )
         return out.stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
@@ -65,7 +67,12 @@ def environment(device: torch.device | None, dtype: torch.dtype | None, model_di
         env["device_name"] = torch.cuda.get_device_name(device)
         env["cuda"] = torch.version.cuda
         try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True, check=True)
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             env["driver"] = out.stdout.strip().splitlines()[0]
         except (OSError, subprocess.CalledProcessError, IndexError):
             env["driver"] = None

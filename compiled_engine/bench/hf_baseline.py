@@ -47,8 +47,12 @@ def hf_generate_seconds(model: Any, prompts: list[list[int]], new_tokens: int, d
     _sync(device)
     start = time.perf_counter()
     model.generate(
-        input_ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-        do_sample=False, pad_token_id=PAD,
+        input_ids,
+        attention_mask=mask,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=PAD,
     )
     _sync(device)
     return time.perf_counter() - start
@@ -72,7 +76,12 @@ def hf_generate_token_times(model: Any, prompts: list[list[int]], new_tokens: in
     input_ids, mask = _left_padded(prompts, device)
     start = time.perf_counter()
     model.generate(
-        input_ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-        do_sample=False, pad_token_id=PAD, stopping_criteria=StoppingCriteriaList([RecordTimes()]),
+        input_ids,
+        attention_mask=mask,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=PAD,
+        stopping_criteria=StoppingCriteriaList([RecordTimes()]),
     )
     return times

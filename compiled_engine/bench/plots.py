@@ -44,7 +44,9 @@ def _cdf(ax: Any, values: list[float], label: str, color: str, style: str = "-")
     if not values:
         return
     ordered = sorted(values)
-    ax.step(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], style, where="post", label=label, color=color)
+    ax.step(
+        ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], style, where="post", label=label, color=color
+    )
 
 
 def _latency_figure(plt: Any, report: dict[str, Any]) -> Any:
@@ -52,7 +54,9 @@ def _latency_figure(plt: Any, report: dict[str, Any]) -> Any:
     ours, hf = results["ours"], results.get("hf", {})
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     _bars(axes[0], "prefill tokens/s", ["prefill"], [ours["prefill_tokens_per_s"]], [hf.get("prefill_tokens_per_s")])
-    _bars(axes[1], "batch-1 decode tokens/s", ["decode"], [ours["decode_tokens_per_s"]], [hf.get("decode_tokens_per_s")])
+    _bars(
+        axes[1], "batch-1 decode tokens/s", ["decode"], [ours["decode_tokens_per_s"]], [hf.get("decode_tokens_per_s")]
+    )
     ceiling = report["bandwidth_ceiling_bytes_per_s"] / ours["weight_bytes"]
     axes[1].axhline(ceiling, linestyle="--", color="gray", label="bandwidth ceiling")
     axes[1].legend()
@@ -64,7 +68,13 @@ def _offline_figure(plt: Any, report: dict[str, Any]) -> Any:
     ours, hf = results["ours"], results.get("hf", {})
     fig, ax = plt.subplots(1, 1, figsize=(6, 4))
     keys = ["output_tokens_per_s", "total_tokens_per_s"]
-    _bars(ax, f"offline, {report['workload']['num_seqs']} requests", ["output tokens/s", "total tokens/s"], [ours[k] for k in keys], [hf.get(k) for k in keys])
+    _bars(
+        ax,
+        f"offline, {report['workload']['num_seqs']} requests",
+        ["output tokens/s", "total tokens/s"],
+        [ours[k] for k in keys],
+        [hf.get(k) for k in keys],
+    )
     return fig
 
 
@@ -75,7 +85,9 @@ def _serve_figure(plt: Any, report: dict[str, Any]) -> Any:
         runs = [(p["load"], p[side]) for p in points if "output_tokens_per_s" in p.get(side, {})]
         if not runs:
             continue
-        axes[0].plot([load for load, _ in runs], [r["output_tokens_per_s"] for _, r in runs], "o-", label=side, color=color)
+        axes[0].plot(
+            [load for load, _ in runs], [r["output_tokens_per_s"] for _, r in runs], "o-", label=side, color=color
+        )
         heaviest = runs[-1][1]["samples"]
         _cdf(axes[1], heaviest["ttft_s"], side, color)
         _cdf(axes[2], heaviest["e2e_s"], side, color)
@@ -96,7 +108,9 @@ def write_plot(report: dict[str, Any], path: Path) -> None:
     plt = _pyplot()
     figure = {"latency": _latency_figure, "offline": _offline_figure, "serve": _serve_figure}[report["benchmark"]]
     fig = figure(plt, report)
-    fig.suptitle(f"compiled_engine bench {report['benchmark']} ({report['environment']['device']}, {report['environment']['dtype']})")
+    fig.suptitle(
+        f"compiled_engine bench {report['benchmark']} ({report['environment']['device']}, {report['environment']['dtype']})"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -77,11 +77,15 @@ def run_hf(model: Any, workload: Workload, batch_size: int, device: torch.device
     order = list(range(len(workload.prompts)))
     for start in range(0, len(order), batch_size):
         rows = order[start : start + batch_size]
-        seconds += hf_generate_seconds(model, [workload.prompts[i] for i in rows], max(workload.output_lens[i] for i in rows), device)
+        seconds += hf_generate_seconds(
+            model, [workload.prompts[i] for i in rows], max(workload.output_lens[i] for i in rows), device
+        )
     return {"seconds": seconds, "output_tokens": workload.output_tokens}
 
 
-def run_hf_as_server(model: Any, workload: Workload, concurrency: int, device: torch.device) -> tuple[list[RequestRecord], float]:
+def run_hf_as_server(
+    model: Any, workload: Workload, concurrency: int, device: torch.device
+) -> tuple[list[RequestRecord], float]:
     """transformers behind a static-batching server: `concurrency` requests at a time in one
     padded `generate`, the next batch once it ends. Each request's times count from its batch's
     start, as a closed-loop client at that concurrency would see them."""
@@ -94,8 +98,14 @@ def run_hf_as_server(model: Any, workload: Workload, concurrency: int, device: t
         seconds += times[-1]
         for prompt, n in zip(prompts, lens, strict=True):
             own = times[:n]
-            records.append(RequestRecord(
-                prompt_tokens=len(prompt), ok=True, ttft_s=own[0], e2e_s=own[-1], output_tokens=n,
-                itl_s=[b - a for a, b in pairwise(own)],
-            ))
+            records.append(
+                RequestRecord(
+                    prompt_tokens=len(prompt),
+                    ok=True,
+                    ttft_s=own[0],
+                    e2e_s=own[-1],
+                    output_tokens=n,
+                    itl_s=[b - a for a, b in pairwise(own)],
+                )
+            )
     return records, seconds

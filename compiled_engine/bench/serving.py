@@ -56,8 +56,13 @@ async def stream_completion(
 ) -> RequestRecord:
     record = RequestRecord(prompt_tokens=len(prompt))
     body = {
-        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-        "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
     }
     start = time.perf_counter()
     last = start

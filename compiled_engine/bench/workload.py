@@ -20,7 +20,9 @@ class Workload:
         return sum(self.output_lens)
 
 
-def random_workload(vocab: int, num_seqs: int, input_len: tuple[int, int], output_len: tuple[int, int], seed: int) -> Workload:
+def random_workload(
+    vocab: int, num_seqs: int, input_len: tuple[int, int], output_len: tuple[int, int], seed: int
+) -> Workload:
     rng = random.Random(seed)
     prompts = [[rng.randrange(10, vocab) for _ in range(rng.randint(*input_len))] for _ in range(num_seqs)]
     return Workload(prompts, [rng.randint(*output_len) for _ in range(num_seqs)])

@@ -144,7 +144,12 @@ class BlockManager:
         self.stats.hit_tokens += hit_tokens
 
     def register_full_pages(
-        self, block_table: list[int], page_keys: list[int], token_ids: Sequence[int], num_computed: int, salt: str | None
+        self,
+        block_table: list[int],
+        page_keys: list[int],
+        token_ids: Sequence[int],
+        num_computed: int,
+        salt: str | None,
     ) -> None:
         """Give keys to the pages that became full with computed K/V; extends `page_keys`."""
         if not self.enable_prefix_caching:

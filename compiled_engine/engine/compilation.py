@@ -74,7 +74,9 @@ class CpuLinear(Linear):
 
 
 @torch.compiler.nested_compile_region
-def _decoder_layer(layer: TransformerBlock, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+def _decoder_layer(
+    layer: TransformerBlock, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor
+) -> torch.Tensor:
     return TransformerBlock.forward(layer, x, cos, sin, kv_cache)
 
 

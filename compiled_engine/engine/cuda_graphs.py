@@ -79,7 +79,10 @@ class DecodeBuffers:
         if not (len(positions) == len(block_tables) == n) or not 0 < n <= size <= self.max_size:
             raise ValueError(f"a batch of {n} rows does not fit a padded size {size} (max {self.max_size})")
         pad = size - n
-        slots = [table[pos // self.page_size] * self.page_size + pos % self.page_size for pos, table in zip(positions, block_tables, strict=True)]
+        slots = [
+            table[pos // self.page_size] * self.page_size + pos % self.page_size
+            for pos, table in zip(positions, block_tables, strict=True)
+        ]
         host = self._host_tables[:size]
         host.fill_(self.scratch_page)
         for row, table in enumerate(block_tables):
@@ -93,7 +96,9 @@ class DecodeBuffers:
         self.seq_lens[:size].copy_(torch.tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.int32))
         self.block_tables[:size].copy_(host.to(device))
 
-    def host_batch(self, positions: list[int], block_tables: list[list[int]], size: int) -> tuple[list[int], list[list[int]]]:
+    def host_batch(
+        self, positions: list[int], block_tables: list[list[int]], size: int
+    ) -> tuple[list[int], list[list[int]]]:
         """The sequence lengths and block tables of `size` rows as `fill` lays them out, on the
         host: the batch, then padding rows of one token on the scratch page."""
         pad = size - len(positions)
@@ -109,7 +114,9 @@ class CudaGraphRunner:
     The backend plans on the host (`plan_graph`) before each capture and each replay, and builds
     the graph's plan (`prepare_graph`) inside the capture."""
 
-    def __init__(self, forward: ForwardFn, buffers: DecodeBuffers, sizes: list[int], backend: AttentionBackend[Any]) -> None:
+    def __init__(
+        self, forward: ForwardFn, buffers: DecodeBuffers, sizes: list[int], backend: AttentionBackend[Any]
+    ) -> None:
         if not backend.supports_cuda_graphs:
             raise ValueError(f"the {backend.name} attention backend does not support CUDA graphs")
         self.forward = forward
@@ -130,7 +137,9 @@ class CudaGraphRunner:
         for size in sorted(self.sizes, reverse=True):  # largest first: the pool fits the rest
             ids, positions = b.input_ids[:size], b.positions[:size]
             metadata = self._planned(size)
-            self.forward(ids, positions, self.backend.prepare_graph(metadata))  # warm-up outside capture (lazy inits, autotuning)
+            self.forward(
+                ids, positions, self.backend.prepare_graph(metadata)
+            )  # warm-up outside capture (lazy inits, autotuning)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
@@ -142,7 +151,12 @@ class CudaGraphRunner:
             self.graphs[size] = graph
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - started
-        logger.info("CUDA graphs: %d decode sizes (1..%d) captured in %.1f s", len(self.sizes), max(self.sizes), self.capture_seconds)
+        logger.info(
+            "CUDA graphs: %d decode sizes (1..%d) captured in %.1f s",
+            len(self.sizes),
+            max(self.sizes),
+            self.capture_seconds,
+        )
 
     def _planned(self, size: int) -> GraphMetadata:
         """The metadata over the buffers' first `size` rows, planned on the host for a batch of
@@ -157,6 +171,8 @@ class CudaGraphRunner:
         if size is None or size not in self.graphs:
             return None
         self.buffers.fill(token_ids, positions, block_tables, size)
-        self.backend.plan_graph(size, self.buffers.metadata(size), *self.buffers.host_batch(positions, block_tables, size))
+        self.backend.plan_graph(
+            size, self.buffers.metadata(size), *self.buffers.host_batch(positions, block_tables, size)
+        )
         self.graphs[size].replay()
         return self.outputs[size][: len(token_ids)]

@@ -79,9 +79,7 @@ class Generator:
             self.validate_prompt(prompt, max_tokens)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         seqs = [Sequence(next(self._seq_ids), list(p), params, stop_token_ids) for p in prompts]
-        results = {
-            seq.seq_id: GenerationResult(seq.prompt_token_ids, [], FinishReason.LENGTH) for seq in seqs
-        }
+        results = {seq.seq_id: GenerationResult(seq.prompt_token_ids, [], FinishReason.LENGTH) for seq in seqs}
         timings = GenerationTimings()
         started = time.perf_counter()
         try:
@@ -125,9 +123,7 @@ class Generator:
         if record_logits:
             top = logits.topk(TOP_K_RECORDED, dim=-1)
             for i, (seq, _) in enumerate(batch):
-                results[seq.seq_id].top_logits.append(
-                    StepLogits(top.indices[i].tolist(), top.values[i].tolist())
-                )
+                results[seq.seq_id].top_logits.append(StepLogits(top.indices[i].tolist(), top.values[i].tolist()))
         for i, (seq, num_new) in enumerate(batch):
             seq.num_computed_tokens += num_new
             reason = seq.append_token(next_tokens[i])

@@ -95,7 +95,10 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         prompt_ids = prompt_token_ids(prompt, self.tokenizer, str(self.model_dir))
         check_request(
-            prompt_ids, params, self.runner.model_config.vocab_size, self.runner.max_model_len,
+            prompt_ids,
+            params,
+            self.runner.model_config.vocab_size,
+            self.runner.max_model_len,
             self.tokenizer is not None,
         )
         now = time.perf_counter()
@@ -104,15 +107,23 @@ class LLMEngine:
             base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             seqs.append(
                 Sequence(
-                    next(self._seq_ids), list(prompt_ids), params, self.eos_token_ids,
-                    request_id=request_id, index=index,
+                    next(self._seq_ids),
+                    list(prompt_ids),
+                    params,
+                    self.eos_token_ids,
+                    request_id=request_id,
+                    index=index,
                     seed=(base_seed + index * SEED_STRIDE) % (1 << 63),
-                    cache_salt=cache_salt, arrival_time=now,
+                    cache_salt=cache_salt,
+                    arrival_time=now,
                     fork_of=seqs[0] if index else None,
                 )
             )
         self._requests[request_id] = _Request(
-            request_id, text, prompt_ids, seqs,
+            request_id,
+            text,
+            prompt_ids,
+            seqs,
             [SequenceText(self.tokenizer, prompt_ids, params) for _ in seqs],
             [[] for _ in seqs] if params.logprobs is not None else None,
             RequestMetrics(arrival_time=now),

@@ -42,7 +42,9 @@ WARM_UP_TOKENS = 16
 
 
 class ModelRunner:
-    def __init__(self, model_dir: Path, config: EngineConfig, shard: TPShard = NO_SHARD, mesh: DeviceMesh | None = None) -> None:
+    def __init__(
+        self, model_dir: Path, config: EngineConfig, shard: TPShard = NO_SHARD, mesh: DeviceMesh | None = None
+    ) -> None:
         """`shard` and `mesh`: this rank's part of a tensor-parallel model (parallel/)."""
         self.shard = shard
         self.device = config.resolved_device()
@@ -51,14 +53,23 @@ class ModelRunner:
         self.page_size = config.page_size
         self.max_model_len = self._context_limit(config)
         self.kv_spec = KVCacheSpec(
-            self.model_config.num_layers, shard.kv_heads(self.model_config)[1], self.model_config.head_dim, self.page_size, self.dtype
+            self.model_config.num_layers,
+            shard.kv_heads(self.model_config)[1],
+            self.model_config.head_dim,
+            self.page_size,
+            self.dtype,
         )
         self.backend = self._choose_backend(config)
         self.model = self._load(model_dir, mesh)
         self.forward, self.compile_seconds = self._compile_and_warm_up(config)
         # With tensor parallelism every rank captures the same sizes in the same order and replays
         # the same padded size each step (`execute`), so the all-reduces match.
-        self.use_cuda_graphs = self.forward.compiled and config.cuda_graphs and self.device.type == "cuda" and self.backend.supports_cuda_graphs
+        self.use_cuda_graphs = (
+            self.forward.compiled
+            and config.cuda_graphs
+            and self.device.type == "cuda"
+            and self.backend.supports_cuda_graphs
+        )
         self.num_pages = self._size_kv_pool(config)
         self.kv_cache = self._allocate_kv_pool()
         self.graphs = self._capture_graphs(config) if self.use_cuda_graphs else None
@@ -75,7 +86,9 @@ class ModelRunner:
 
     def _choose_backend(self, config: EngineConfig) -> AttentionBackend[Any]:
         heads = self.shard.heads(self.model_config)[1]
-        shape = AttentionShape(heads, self.kv_spec.num_kv_heads, self.model_config.head_dim, self.page_size, self.dtype, self.device)
+        shape = AttentionShape(
+            heads, self.kv_spec.num_kv_heads, self.model_config.head_dim, self.page_size, self.dtype, self.device
+        )
         return get_backend(config.attention_backend, shape)
 
     def _load(self, model_dir: Path, mesh: DeviceMesh | None) -> Transformer:
@@ -103,7 +116,9 @@ class ModelRunner:
     def _size_kv_pool(self, config: EngineConfig) -> int:
         """The pages the scheduler may hand out; lowers max_model_len (with a warning) to what
         they hold, unless the user set it, in which case it must fit."""
-        num_pages = config.num_pages or self.kv_spec.pages_for_budget(kv_budget_bytes(config, self.device, lambda: self._measure_cuda(config)))
+        num_pages = config.num_pages or self.kv_spec.pages_for_budget(
+            kv_budget_bytes(config, self.device, lambda: self._measure_cuda(config))
+        )
         capacity = num_pages * self.page_size
         if capacity < self.max_model_len:
             if config.max_model_len is not None:
@@ -113,7 +128,12 @@ class ModelRunner:
                     f"or --num-pages, or lower --max-model-len"
                 )
             # One sequence as long as the context must fit, or requests the model accepts would fail.
-            logger.warning("max_model_len lowered from %d to %d: the KV cache holds %d tokens", self.max_model_len, capacity, capacity)
+            logger.warning(
+                "max_model_len lowered from %d to %d: the KV cache holds %d tokens",
+                self.max_model_len,
+                capacity,
+                capacity,
+            )
             self.max_model_len = capacity
         return num_pages
 
@@ -174,7 +194,9 @@ class ModelRunner:
 
     # -- running a step -------------------------------------------------------------------------
 
-    def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def _hidden(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
         with nvtx_range("attention plan"):
             plan = self.backend.prepare(metadata, kv_cache)
         with attention_forward(self.backend, plan):
@@ -190,7 +212,9 @@ class ModelRunner:
         return forward
 
     def tensors(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        metadata = AttentionMetadata.build(inputs.query_lens, inputs.seq_lens, inputs.block_tables, self.page_size, self.device)
+        metadata = AttentionMetadata.build(
+            inputs.query_lens, inputs.seq_lens, inputs.block_tables, self.page_size, self.device
+        )
         input_ids = torch.tensor(inputs.token_ids, dtype=torch.int64, device=self.device)
         position_ids = torch.tensor(inputs.positions, dtype=torch.int64, device=self.device)
         return input_ids, position_ids, metadata

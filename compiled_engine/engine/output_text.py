@@ -13,7 +13,8 @@ from compiled_engine.tokenizer import IncrementalDetokenizer, Tokenizer
 class SequenceText:
     def __init__(self, tokenizer: Tokenizer | None, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         self._detokenizer = (
-            None if tokenizer is None
+            None
+            if tokenizer is None
             else IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
         )
         self._stops = params.stop

@@ -19,9 +19,7 @@ def prompt_token_ids(prompt: object, tokenizer: Tokenizer | None, model: str) ->
     """The prompt as token ids: text through the tokenizer, a list of integers as given (copied)."""
     if isinstance(prompt, str):
         if tokenizer is None:
-            raise PromptError(
-                f"{model} has no tokenizer: pass token ids", PromptProblem.NO_TOKENIZER
-            )
+            raise PromptError(f"{model} has no tokenizer: pass token ids", PromptProblem.NO_TOKENIZER)
         return tokenizer.encode(prompt)
     if not isinstance(prompt, list | tuple):
         raise PromptError(
@@ -32,16 +30,13 @@ def prompt_token_ids(prompt: object, tokenizer: Tokenizer | None, model: str) ->
         # bool is an int subclass, but True is no token id: it is a caller's mistake.
         if not isinstance(token, int) or isinstance(token, bool):
             raise PromptError(
-                f"a token-id prompt must be a list of integers; item {position} is "
-                f"{type(token).__name__} {token!r}",
+                f"a token-id prompt must be a list of integers; item {position} is {type(token).__name__} {token!r}",
                 PromptProblem.NOT_TOKEN_IDS,
             )
     return list(prompt)
 
 
-def check_prompt(
-    prompt_ids: list[int], max_tokens: int, vocab_size: int, max_model_len: int
-) -> None:
+def check_prompt(prompt_ids: list[int], max_tokens: int, vocab_size: int, max_model_len: int) -> None:
     """A PromptError unless the prompt is non-empty, inside the vocabulary, and fits the context
     together with `max_tokens` (at least 1: SamplingParams refuses less).
 
@@ -52,8 +47,7 @@ def check_prompt(
     bad = next((i for i, token in enumerate(prompt_ids) if not 0 <= token < vocab_size), None)
     if bad is not None:
         raise PromptError(
-            f"token id {prompt_ids[bad]} is outside the vocabulary (0..{vocab_size - 1}) "
-            f"at prompt position {bad}",
+            f"token id {prompt_ids[bad]} is outside the vocabulary (0..{vocab_size - 1}) at prompt position {bad}",
             PromptProblem.OUT_OF_VOCABULARY,
         )
     length = len(prompt_ids)

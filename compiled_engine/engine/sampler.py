@@ -78,8 +78,7 @@ def _row_index(pairs: list[tuple[int, list[int]]], device: torch.device) -> tupl
     """Flatten (row, token ids) pairs into the two index tensors of an advanced-indexing write."""
     rows = [r for r, ids in pairs for _ in ids]
     cols = [t for _, ids in pairs for t in ids]
-    return (torch.tensor(rows, dtype=torch.int64, device=device),
-            torch.tensor(cols, dtype=torch.int64, device=device))
+    return (torch.tensor(rows, dtype=torch.int64, device=device), torch.tensor(cols, dtype=torch.int64, device=device))
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
@@ -140,8 +139,7 @@ class Sampler:
             raise ValueError(f"logits must be [rows, vocab], got shape {tuple(logits.shape)}")
         rows = logits.shape[0]
         params = batch.params
-        fields = (batch.seeds, batch.positions, batch.prompt_token_ids,
-                  batch.output_token_ids, batch.banned_token_ids)
+        fields = (batch.seeds, batch.positions, batch.prompt_token_ids, batch.output_token_ids, batch.banned_token_ids)
         if any(len(f) != rows for f in (params, *fields)):
             raise ValueError(f"SamplingBatch fields must all have {rows} rows (one per logits row)")
         device = logits.device
@@ -160,9 +158,12 @@ class Sampler:
         hashed_rows = [i for i in sampled_rows if not self.uses_flashinfer(params[i])]
         if hashed_rows:
             hashed = logits if len(hashed_rows) == rows else logits[hashed_rows]
-            draws = self._sample(hashed, [params[i] for i in hashed_rows],
-                                 [batch.seeds[i] for i in hashed_rows],
-                                 [batch.positions[i] for i in hashed_rows])
+            draws = self._sample(
+                hashed,
+                [params[i] for i in hashed_rows],
+                [batch.seeds[i] for i in hashed_rows],
+                [batch.positions[i] for i in hashed_rows],
+            )
             token_ids[hashed_rows] = draws
         if fast_rows:
             fast = logits if len(fast_rows) == rows else logits[fast_rows]
@@ -216,14 +217,17 @@ class Sampler:
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
             top_k = torch.tensor([p.top_k or vocab for p in params], dtype=torch.int32, device=device)
             top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-            draws = fi.top_k_top_p_sampling_from_logits(logits, top_k, top_p, filter_apply_order="top_k_first", generator=generator)
+            draws = fi.top_k_top_p_sampling_from_logits(
+                logits, top_k, top_p, filter_apply_order="top_k_first", generator=generator
+            )
         else:
             draws = fi.sampling_from_logits(logits, generator=generator)
         return draws.to(torch.int64)
 
     @staticmethod
-    def _sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-                positions: list[int]) -> torch.Tensor:
+    def _sample(
+        logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]
+    ) -> torch.Tensor:
         device, vocab = logits.device, logits.shape[-1]
         logits = logits / _column([p.temperature for p in params], device)
         neg_inf = torch.tensor(float("-inf"), device=device)

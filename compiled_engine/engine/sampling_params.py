@@ -40,17 +40,45 @@ class SamplingParams:
         # (the field, whether it is valid, why not): the field is the `param` the server reports.
         checks: list[tuple[str, bool, str]] = [
             ("n", self.n >= 1, f"n must be at least 1, got {self.n}"),
-            ("temperature", 0 <= self.temperature < math.inf, f"temperature must be finite and >= 0, got {self.temperature}"),
+            (
+                "temperature",
+                0 <= self.temperature < math.inf,
+                f"temperature must be finite and >= 0, got {self.temperature}",
+            ),
             ("top_p", 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             ("top_k", self.top_k >= 0, f"top_k must be -1, 0 (no limit) or positive, got {self.top_k}"),
             ("min_p", 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            ("presence_penalty", -2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            ("repetition_penalty", 0 < self.repetition_penalty < math.inf, f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}"),
-            ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), f"stop_token_ids must be non-negative, got {self.stop_token_ids}"),
+            (
+                "presence_penalty",
+                -2 <= self.presence_penalty <= 2,
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+            ),
+            (
+                "frequency_penalty",
+                -2 <= self.frequency_penalty <= 2,
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+            ),
+            (
+                "repetition_penalty",
+                0 < self.repetition_penalty < math.inf,
+                f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}",
+            ),
+            (
+                "stop_token_ids",
+                all(t >= 0 for t in self.stop_token_ids),
+                f"stop_token_ids must be non-negative, got {self.stop_token_ids}",
+            ),
             ("max_tokens", self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
-            ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"),
-            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (
+                "min_tokens",
+                0 <= self.min_tokens <= self.max_tokens,
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
+            ),
+            (
+                "logprobs",
+                self.logprobs is None or 0 <= self.logprobs <= 20,
+                f"logprobs must be in [0, 20], got {self.logprobs}",
+            ),
             ("stop", all(s for s in self.stop), "stop strings must not be empty"),
             ("seed", self.seed is None or 0 <= self.seed < 2**63, f"seed must be in [0, 2**63), got {self.seed}"),
         ]

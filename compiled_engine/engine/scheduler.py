@@ -80,8 +80,7 @@ class Scheduler:
         # Admitting while preempting would only evict again: wait for pages to come back.
         position = 0  # the first waiting sequence not passed over this step
         while (
-            position < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs
-            and not out.preempted
+            position < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted
         ):
             seq = self.waiting[position]
             if self._waits_for_fork_parent(seq):

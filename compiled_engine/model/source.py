@@ -48,9 +48,7 @@ def _download_from_hub(repo_id: str) -> Path:
             f"or pass a local directory"
         ) from exc
     except HFValidationError as exc:  # e.g. 'a/b--c', 'a/b.': our pattern is looser than the Hub's
-        raise ModelSourceError(
-            f"--model {repo_id!r} is neither a local directory nor a valid Hub id: {exc}"
-        ) from exc
+        raise ModelSourceError(f"--model {repo_id!r} is neither a local directory nor a valid Hub id: {exc}") from exc
     except (RepositoryNotFoundError, GatedRepoError) as exc:
         raise ModelSourceError(f"the Hub has no accessible model {repo_id!r}: {exc}") from exc
     except OSError as exc:  # connection failures surface as OSError subclasses

@@ -20,11 +20,15 @@ from compiled_engine.engine.step_inputs import StepInputs
 DEFAULT_TIMEOUT_S = 60.0
 
 
-def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> DeviceMesh:
+def init_tensor_parallel(
+    rank: int, size: int, init_method: str, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> DeviceMesh:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s)
+    )
     return init_device_mesh(device.type, (size,))
 
 

@@ -29,7 +29,9 @@ logger = logging.getLogger(__name__)
 
 
 def under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ)
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    )
 
 
 def _loopback_init_method() -> str:
@@ -52,13 +54,22 @@ class TensorParallelGroup:
         if under_torchrun():
             rank = int(os.environ["RANK"])
             if int(os.environ["WORLD_SIZE"]) != size:
-                raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} processes, --tensor-parallel-size is {size}")
-            return cls(TPShard(rank, size), init_tensor_parallel(rank, size, "env://", device, config.distributed_timeout_s))
+                raise ValueError(
+                    f"torchrun started {os.environ['WORLD_SIZE']} processes, --tensor-parallel-size is {size}"
+                )
+            return cls(
+                TPShard(rank, size), init_tensor_parallel(rank, size, "env://", device, config.distributed_timeout_s)
+            )
         init_method = _loopback_init_method()
         context = multiprocessing.get_context("spawn")
         workers: list[BaseProcess] = []
         for rank in range(1, size):
-            worker = context.Process(target=run_worker, args=(rank, size, init_method, str(model_dir), config), name=f"tp-rank-{rank}", daemon=True)
+            worker = context.Process(
+                target=run_worker,
+                args=(rank, size, init_method, str(model_dir), config),
+                name=f"tp-rank-{rank}",
+                daemon=True,
+            )
             worker.start()
             workers.append(worker)
         logger.info("tensor parallel: %d ranks on %s (%s)", size, device, "nccl" if device.type == "cuda" else "gloo")

@@ -27,7 +27,9 @@ from compiled_engine.model.llama import Linear, Transformer
 def _wrap_local(module: nn.Module, mesh: DeviceMesh, weight: Shard | Replicate, bias: Shard | Replicate) -> None:
     for name, param in list(module.named_parameters(recurse=False)):
         placement = weight if name == "weight" else bias
-        module.register_parameter(name, nn.Parameter(DTensor.from_local(param.data, mesh, [placement], run_check=False), requires_grad=False))
+        module.register_parameter(
+            name, nn.Parameter(DTensor.from_local(param.data, mesh, [placement], run_check=False), requires_grad=False)
+        )
 
 
 class ColwiseLinear(ParallelStyle):

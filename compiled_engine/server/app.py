@@ -86,12 +86,23 @@ class OpenAIServer:
         # Compare with every key, each in constant time, so timing tells nothing about which matched.
         matches = [hmac.compare_digest(given, key.encode()) for key in self.settings.api_keys]
         if not any(matches):
-            raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')", "authentication_error", code="invalid_api_key")
+            raise ApiError(
+                401,
+                "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                "authentication_error",
+                code="invalid_api_key",
+            )
         return hashlib.sha256(given).hexdigest()
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.settings.served_model_name:
-            raise ApiError(404, f"the model '{model}' does not exist; this server serves '{self.settings.served_model_name}'", "not_found_error", "model", "model_not_found")
+            raise ApiError(
+                404,
+                f"the model '{model}' does not exist; this server serves '{self.settings.served_model_name}'",
+                "not_found_error",
+                "model",
+                "model_not_found",
+            )
 
     def default_max_tokens(self, prompt_ids: list[int], max_tokens: int | None) -> int:
         """`max_tokens` as given, or by default what the context leaves after the prompt. The
@@ -135,7 +146,12 @@ class OpenAIServer:
             tokens.append(text)
             offsets.append(offset)
             offset += len(text)
-            top.append({self.tokenizer.decode([t], False): v for t, v in zip(entry.top_token_ids, entry.top_logprobs, strict=True)})
+            top.append(
+                {
+                    self.tokenizer.decode([t], False): v
+                    for t, v in zip(entry.top_token_ids, entry.top_logprobs, strict=True)
+                }
+            )
         return CompletionLogprobs(tokens, [e.logprob for e in completion.logprobs], top, offsets)
 
     def chat_logprobs(self, completion: CompletionOutput, start: int = 0) -> ChatLogprobs | None:
@@ -156,15 +172,27 @@ class OpenAIServer:
 MAX_N = 16  # completions per request
 
 
-def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(
+    body: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None
+) -> SamplingParams:
     if body.n > MAX_N:
         raise ApiError(400, f"n must be at most {MAX_N}, got {body.n}", param="n")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return SamplingParams(
-        n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-        seed=body.seed, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty, max_tokens=max_tokens, min_tokens=body.min_tokens,
-        stop=tuple(stop), ignore_eos=body.ignore_eos, logprobs=logprobs,
+        n=body.n,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        seed=body.seed,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        max_tokens=max_tokens,
+        min_tokens=body.min_tokens,
+        stop=tuple(stop),
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
     )
 
 
@@ -207,7 +235,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
                 metrics.observe(output)
             yield output
 
-    def generate(prompt: list[int], params: SamplingParams, request_id: str, salt: str | None) -> AsyncIterator[RequestOutput]:
+    def generate(
+        prompt: list[int], params: SamplingParams, request_id: str, salt: str | None
+    ) -> AsyncIterator[RequestOutput]:
         return observed(engine.generate(prompt, params, request_id, salt))
 
     @get("/metrics", sync_to_thread=False, media_type="text/plain; version=0.0.4")
@@ -250,20 +280,32 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
         if data.stream:
             stream = generate(prompts[0], params[0], request_id, salt)
             first = await _first_output(stream)
-            return Stream(_completion_events(server, data, request_id, created, first, stream), media_type="text/event-stream")
+            return Stream(
+                _completion_events(server, data, request_id, created, first, stream), media_type="text/event-stream"
+            )
         # A batch of prompts runs concurrently, like any other set of requests.
-        finals = await _final_outputs([
-            generate(prompt, p, f"{request_id}-{i}", salt)
-            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
-        ])
+        finals = await _final_outputs(
+            [
+                generate(prompt, p, f"{request_id}-{i}", salt)
+                for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
+            ]
+        )
         choices: list[CompletionChoice] = []
         for i, (prompt, final) in enumerate(zip(prompts, finals, strict=True)):
             prefix = server.tokenizer.decode(prompt) if data.echo else ""
             for completion in final.outputs:
-                choices.append(CompletionChoice(i * data.n + completion.index, prefix + completion.text, server.completion_logprobs(completion, len(prefix)), completion.finish_reason))
+                choices.append(
+                    CompletionChoice(
+                        i * data.n + completion.index,
+                        prefix + completion.text,
+                        server.completion_logprobs(completion, len(prefix)),
+                        completion.finish_reason,
+                    )
+                )
         usages = [server.usage(final) for final in finals]
         usage = Usage(
-            sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages),
+            sum(u.prompt_tokens for u in usages),
+            sum(u.completion_tokens for u in usages),
             sum(u.total_tokens for u in usages),
             PromptTokensDetails(sum(u.prompt_tokens_details.cached_tokens for u in usages)),
         )
@@ -276,7 +318,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
         server.check_model(data.model)
         for name in ("tools", "tool_choice", "response_format", "functions"):
             if getattr(data, name) is not None:
-                raise ApiError(400, f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
+                raise ApiError(
+                    400, f"'{name}' is not supported by this server", param=name, code="unsupported_parameter"
+                )
         messages = _chat_messages(data)
         prompt = server.tokenizer.encode_chat(messages)
         limit = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
@@ -290,7 +334,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
         if data.stream:
             stream = generate(prompt, params, request_id, salt)
             first = await _first_output(stream)
-            return Stream(_chat_events(server, data, request_id, created, first, stream), media_type="text/event-stream")
+            return Stream(
+                _chat_events(server, data, request_id, created, first, stream), media_type="text/event-stream"
+            )
         final = await _final_output(generate(prompt, params, request_id, salt))
         choices = [
             ChatChoice(c.index, AssistantMessage(c.text), server.chat_logprobs(c), c.finish_reason)
@@ -316,12 +362,21 @@ def _chat_messages(data: ChatCompletionRequest) -> list[dict[str, Any]]:
     messages = []
     for i, message in enumerate(data.messages):
         if message.role not in CHAT_ROLES:
-            raise ApiError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got '{message.role}'", param="messages")
+            raise ApiError(
+                400,
+                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got '{message.role}'",
+                param="messages",
+            )
         content = message.content
         if isinstance(content, list):
             kinds = {part.type for part in content}
             if kinds - {"text"}:
-                raise ApiError(400, f"messages[{i}] has content parts of type {sorted(kinds - {'text'})}: only text is supported (no images or audio)", param="messages", code="unsupported_parameter")
+                raise ApiError(
+                    400,
+                    f"messages[{i}] has content parts of type {sorted(kinds - {'text'})}: only text is supported (no images or audio)",
+                    param="messages",
+                    code="unsupported_parameter",
+                )
             content = "".join(part.text for part in content if isinstance(part.text, str))
         messages.append({"role": message.role, "content": content or ""})
     return messages
@@ -365,7 +420,14 @@ async def _chain(first: RequestOutput | None, rest: AsyncIterator[RequestOutput]
         yield output
 
 
-async def _completion_events(server: OpenAIServer, data: CompletionRequest, request_id: str, created: int, first: RequestOutput | None, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[bytes]:
+async def _completion_events(
+    server: OpenAIServer,
+    data: CompletionRequest,
+    request_id: str,
+    created: int,
+    first: RequestOutput | None,
+    stream: AsyncIterator[RequestOutput],
+) -> AsyncIterator[bytes]:
     model = server.settings.served_model_name
     shown = [0] * data.n
     shown_logprobs = [0] * data.n
@@ -374,16 +436,20 @@ async def _completion_events(server: OpenAIServer, data: CompletionRequest, requ
     async for output in _chain(first, stream):
         last = output
         for c in output.outputs:
-            delta = c.text[shown[c.index]:]
+            delta = c.text[shown[c.index] :]
             if not echoed:
                 delta = server.tokenizer.decode(output.prompt_token_ids) + delta
             logprobs = None
             if c.logprobs is not None:
-                fresh = CompletionOutput(c.index, "", [], logprobs=c.logprobs[shown_logprobs[c.index]:])
+                fresh = CompletionOutput(c.index, "", [], logprobs=c.logprobs[shown_logprobs[c.index] :])
                 logprobs = server.completion_logprobs(fresh, shown[c.index])
                 shown_logprobs[c.index] = len(c.logprobs)
             if delta or c.finish_reason or logprobs:
-                yield sse(CompletionResponse(request_id, created, model, [CompletionChoice(c.index, delta, logprobs, c.finish_reason)]))
+                yield sse(
+                    CompletionResponse(
+                        request_id, created, model, [CompletionChoice(c.index, delta, logprobs, c.finish_reason)]
+                    )
+                )
             shown[c.index] = len(c.text)
         echoed = True
     if last is not None and data.stream_options is not None and data.stream_options.include_usage:
@@ -391,22 +457,40 @@ async def _completion_events(server: OpenAIServer, data: CompletionRequest, requ
     yield sse("[DONE]")
 
 
-async def _chat_events(server: OpenAIServer, data: ChatCompletionRequest, request_id: str, created: int, first: RequestOutput | None, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[bytes]:
+async def _chat_events(
+    server: OpenAIServer,
+    data: ChatCompletionRequest,
+    request_id: str,
+    created: int,
+    first: RequestOutput | None,
+    stream: AsyncIterator[RequestOutput],
+) -> AsyncIterator[bytes]:
     model = server.settings.served_model_name
     for index in range(data.n):
-        yield sse(ChatCompletionChunk(request_id, created, model, [ChatChunkChoice(index, Delta(role="assistant", content=""), None, None)]))
+        yield sse(
+            ChatCompletionChunk(
+                request_id, created, model, [ChatChunkChoice(index, Delta(role="assistant", content=""), None, None)]
+            )
+        )
     shown = [0] * data.n
     shown_logprobs = [0] * data.n
     last: RequestOutput | None = None
     async for output in _chain(first, stream):
         last = output
         for c in output.outputs:
-            delta = c.text[shown[c.index]:]
+            delta = c.text[shown[c.index] :]
             logprobs = server.chat_logprobs(c, shown_logprobs[c.index])
             if c.logprobs is not None:
                 shown_logprobs[c.index] = len(c.logprobs)
             if delta or c.finish_reason or (logprobs and logprobs.content):
-                yield sse(ChatCompletionChunk(request_id, created, model, [ChatChunkChoice(c.index, Delta(content=delta), logprobs, c.finish_reason)]))
+                yield sse(
+                    ChatCompletionChunk(
+                        request_id,
+                        created,
+                        model,
+                        [ChatChunkChoice(c.index, Delta(content=delta), logprobs, c.finish_reason)],
+                    )
+                )
             shown[c.index] = len(c.text)
     if last is not None and data.stream_options is not None and data.stream_options.include_usage:
         yield sse(ChatCompletionChunk(request_id, created, model, [], server.usage(last)))

@@ -23,7 +23,14 @@ RETRY_AFTER_S = 1
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -32,13 +39,21 @@ class ApiError(Exception):
         self.code = code
 
 
-def error_response(status: int, message: str, type_: str, param: str | None = None, code: str | None = None) -> Response[ErrorResponse]:
+def error_response(
+    status: int, message: str, type_: str, param: str | None = None, code: str | None = None
+) -> Response[ErrorResponse]:
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
     return Response(ErrorResponse(ErrorBody(message, type_, param, code)), status_code=status, headers=headers)
 
 
-_HTTP_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+_HTTP_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
 
 
 def handle_exception(request: Request, exc: Exception) -> Response[ErrorResponse]:
@@ -53,7 +68,9 @@ def handle_exception(request: Request, exc: Exception) -> Response[ErrorResponse
         message = exc.detail or "error"
         if status == 413:
             message = f"request body too large: {message}"
-        return error_response(status, message, _HTTP_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"))
+        return error_response(
+            status, message, _HTTP_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        )
     if isinstance(exc, EngineOverloadedError):
         return error_response(429, f"the server is overloaded: {exc}; retry later", "rate_limit_error")
     if isinstance(exc, EngineShuttingDownError | EngineDeadError):

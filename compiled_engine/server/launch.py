@@ -41,16 +41,26 @@ def run_server(
     runner = engine.runner
     logger.info(
         "model %s (%s) loaded in %.1f s on %s, dtype %s; KV cache %d pages of %d tokens; max_model_len %d",
-        name, engine.model_dir, load_s, runner.device, str(runner.dtype).removeprefix("torch."),
-        runner.num_pages, runner.page_size, engine.max_model_len,
+        name,
+        engine.model_dir,
+        load_s,
+        runner.device,
+        str(runner.dtype).removeprefix("torch."),
+        runner.num_pages,
+        runner.page_size,
+        engine.max_model_len,
     )
     app = create_app(async_engine, ServerSettings(name, api_keys, max_body_bytes))
     app.on_shutdown.append(lambda: async_engine.shutdown(grace_s=shutdown_grace_s))
     logger.info("serving on http://%s:%d/v1 (OpenAPI schema at /docs/openapi.json)", host, port)
-    config_ = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=int(shutdown_grace_s))
+    config_ = uvicorn.Config(
+        app, host=host, port=port, log_level="info", timeout_graceful_shutdown=int(shutdown_grace_s)
+    )
     server = _DrainingServer(config_)
     if engine.tensor_parallel is not None:
-        threading.Thread(target=_exit_when_the_loop_dies, args=(async_engine, server), name="tp-watchdog", daemon=True).start()
+        threading.Thread(
+            target=_exit_when_the_loop_dies, args=(async_engine, server), name="tp-watchdog", daemon=True
+        ).start()
     try:
         server.run()
     finally:
@@ -58,7 +68,9 @@ def run_server(
     return 1 if async_engine.error is not None else 0
 
 
-def _exit_when_the_loop_dies(async_engine: AsyncEngine, server: uvicorn.Server, poll_s: float = 1.0, not_ready_s: float = 2.0) -> None:
+def _exit_when_the_loop_dies(
+    async_engine: AsyncEngine, server: uvicorn.Server, poll_s: float = 1.0, not_ready_s: float = 2.0
+) -> None:
     """With tensor parallelism a lost rank cannot be brought back from this process: once a
     worker is gone (checked every `poll_s`, even when idle) or the loop has died, report not
     ready for a moment (load balancers see it), then exit non-zero."""

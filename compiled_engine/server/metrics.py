@@ -24,23 +24,65 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         stats = self.engine.stats()
-        yield GaugeMetricFamily("compiled_engine_running_requests", "Sequences running in the engine", stats.running_requests)
-        yield GaugeMetricFamily("compiled_engine_waiting_requests", "Requests waiting to be scheduled", stats.waiting_requests)
-        yield GaugeMetricFamily("compiled_engine_kv_pages_used", "KV cache pages referenced by sequences", stats.kv_pages_total - stats.kv_pages_free)
-        yield GaugeMetricFamily("compiled_engine_kv_pages_free", "KV cache pages free or evictable", stats.kv_pages_free)
-        yield CounterMetricFamily("compiled_engine_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache", stats.prefix_queried_tokens)
-        yield CounterMetricFamily("compiled_engine_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache", stats.prefix_hit_tokens)
+        yield GaugeMetricFamily(
+            "compiled_engine_running_requests", "Sequences running in the engine", stats.running_requests
+        )
+        yield GaugeMetricFamily(
+            "compiled_engine_waiting_requests", "Requests waiting to be scheduled", stats.waiting_requests
+        )
+        yield GaugeMetricFamily(
+            "compiled_engine_kv_pages_used",
+            "KV cache pages referenced by sequences",
+            stats.kv_pages_total - stats.kv_pages_free,
+        )
+        yield GaugeMetricFamily(
+            "compiled_engine_kv_pages_free", "KV cache pages free or evictable", stats.kv_pages_free
+        )
+        yield CounterMetricFamily(
+            "compiled_engine_prefix_cache_queried_tokens",
+            "Prompt tokens looked up in the prefix cache",
+            stats.prefix_queried_tokens,
+        )
+        yield CounterMetricFamily(
+            "compiled_engine_prefix_cache_hit_tokens",
+            "Prompt tokens found in the prefix cache",
+            stats.prefix_hit_tokens,
+        )
 
 
 class ServerMetrics:
     def __init__(self, engine: AsyncEngine) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("compiled_engine_http_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=self.registry)
-        self.prompt_tokens = Counter("compiled_engine_prompt_tokens", "Prompt tokens of finished requests", registry=self.registry)
-        self.generated_tokens = Counter("compiled_engine_generated_tokens", "Tokens generated for finished requests", registry=self.registry)
-        self.ttft = Histogram("compiled_engine_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.itl = Histogram("compiled_engine_inter_token_latency_seconds", "Mean time between output tokens, per request", buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.e2e = Histogram("compiled_engine_e2e_request_latency_seconds", "Arrival to last token", buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.requests = Counter(
+            "compiled_engine_http_requests",
+            "HTTP requests by endpoint and status",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "compiled_engine_prompt_tokens", "Prompt tokens of finished requests", registry=self.registry
+        )
+        self.generated_tokens = Counter(
+            "compiled_engine_generated_tokens", "Tokens generated for finished requests", registry=self.registry
+        )
+        self.ttft = Histogram(
+            "compiled_engine_time_to_first_token_seconds",
+            "Time to first token",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "compiled_engine_inter_token_latency_seconds",
+            "Mean time between output tokens, per request",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "compiled_engine_e2e_request_latency_seconds",
+            "Arrival to last token",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.registry.register(_EngineCollector(engine))
 
     def observe(self, output: RequestOutput) -> None:

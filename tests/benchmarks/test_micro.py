@@ -75,10 +75,18 @@ def test_page_allocation_and_release(benchmark: BenchmarkFixture) -> None:
 def test_sampler_mixed_batch_of_64(benchmark: BenchmarkFixture) -> None:
     vocab, rows = 49152, 64
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0))
-    kinds = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_p=0.9, top_k=50), SamplingParams(temperature=1.0, min_p=0.05, presence_penalty=0.5)]
+    kinds = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=50),
+        SamplingParams(temperature=1.0, min_p=0.05, presence_penalty=0.5),
+    ]
     batch = SamplingBatch(
-        params=[kinds[i % 3] for i in range(rows)], seeds=list(range(rows)), positions=[5] * rows,
-        prompt_token_ids=[[1, 2, 3]] * rows, output_token_ids=[[4, 5, 6, 7, 8]] * rows, banned_token_ids=[[]] * rows,
+        params=[kinds[i % 3] for i in range(rows)],
+        seeds=list(range(rows)),
+        positions=[5] * rows,
+        prompt_token_ids=[[1, 2, 3]] * rows,
+        output_token_ids=[[4, 5, 6, 7, 8]] * rows,
+        banned_token_ids=[[]] * rows,
     )
     out = benchmark(Sampler(), logits, batch)
     assert len(out.token_ids) == rows and all(0 <= t < vocab for t in out.token_ids)
