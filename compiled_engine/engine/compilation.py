@@ -93,8 +93,10 @@ class CompiledBlock(TransformerBlock):
         if torch.compiler.is_compiling():
             return _decoder_layer(self, x, cos, sin, kv_cache)
         if x.shape[0] > 1:
+            # maybe_mark_dynamic, not mark_dynamic: the latter validates and costs ~100 us a call
+            # (docs/benchmarks.md), paid three times a layer every step.
             for tensor in (x, cos, sin):
-                torch._dynamo.mark_dynamic(tensor, 0)
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
         torch._dynamo.maybe_mark_dynamic(kv_cache, 0)  # any pool size, one graph
         out: torch.Tensor = _compiled_layer(self, x, cos, sin, kv_cache)
         return out
