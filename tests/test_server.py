@@ -51,6 +51,20 @@ def metric(server: ServerProcess, name: str) -> float:
     raise AssertionError(f"metric {name} not found")
 
 
+def assert_idle_within(server: ServerProcess, seconds: float) -> None:
+    """No request running and no KV page in use, within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if (
+            metric(server, "compiled_engine_kv_pages_used") == 0
+            and metric(server, "compiled_engine_running_requests") == 0
+        ):
+            break
+        time.sleep(0.1)
+    assert metric(server, "compiled_engine_kv_pages_used") == 0
+    assert metric(server, "compiled_engine_running_requests") == 0
+
+
 def test_health_ready_models(server: ServerProcess, client: openai.OpenAI) -> None:
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     assert httpx.get(f"{server.url}/ready").json() == {"status": "ready"}
@@ -252,15 +266,7 @@ def test_a_refused_prompt_in_a_batch_leaves_nothing_running(server: ServerProces
     assert "outside the vocabulary" in response.json()["error"]["message"]
     # The valid prompt may be admitted before its sibling is refused: it must be aborted then,
     # not left to run its 1000 tokens (far longer than this wait) for nobody.
-    for _ in range(50):
-        if (
-            metric(server, "compiled_engine_kv_pages_used") == 0
-            and metric(server, "compiled_engine_running_requests") == 0
-        ):
-            break
-        time.sleep(0.1)
-    assert metric(server, "compiled_engine_kv_pages_used") == 0
-    assert metric(server, "compiled_engine_running_requests") == 0
+    assert_idle_within(server, seconds=5)
 
 
 def test_closing_a_stream_frees_its_pages(server: ServerProcess, client: openai.OpenAI) -> None:
@@ -277,15 +283,7 @@ def test_closing_a_stream_frees_its_pages(server: ServerProcess, client: openai.
             break
     assert metric(server, "compiled_engine_kv_pages_used") > 0
     stream.close()
-    for _ in range(100):
-        if (
-            metric(server, "compiled_engine_kv_pages_used") == 0
-            and metric(server, "compiled_engine_running_requests") == 0
-        ):
-            break
-        time.sleep(0.1)
-    assert metric(server, "compiled_engine_kv_pages_used") == 0
-    assert metric(server, "compiled_engine_running_requests") == 0
+    assert_idle_within(server, seconds=10)
 
 
 def test_openapi_schema_describes_every_route(server: ServerProcess) -> None:

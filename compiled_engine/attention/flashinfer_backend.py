@@ -138,10 +138,7 @@ class FlashInferAttentionBackend(AttentionBackend[FlashInferPlan]):
         if self.device.type == "cuda":
             # plan() stages through pinned host memory: let the last replay's copies land first.
             torch.cuda.current_stream(self.device).synchronize()
-        wrapper.plan(
-            indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
-            pos_encoding_mode="NONE", sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype,
-        )  # fmt: skip
+        self._plan_decode(wrapper, indptr, indices, last)
 
     def prepare_graph(self, metadata: GraphMetadata) -> FlashInferPlan:
         """Inside the capture: the size's wrapper, planned by `plan_graph` beforehand."""
@@ -152,22 +149,16 @@ class FlashInferAttentionBackend(AttentionBackend[FlashInferPlan]):
             )
         return FlashInferPlan(wrapper, metadata.slot_mapping, kv_rows(metadata.slot_mapping, self.page_size))
 
+    def _plan_decode(self, wrapper: Any, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor) -> None:
+        wrapper.plan(
+            indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
+            pos_encoding_mode="NONE", sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype,
+        )  # fmt: skip
+
     def prepare(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> FlashInferPlan:
         indptr, indices, last = paged_kv_layout(metadata, self.page_size)
         if metadata.decode_only:
-            self.decode.plan(
-                indptr,
-                indices,
-                last,
-                self.num_heads,
-                self.num_kv_heads,
-                self.head_dim,
-                self.page_size,
-                pos_encoding_mode="NONE",
-                sm_scale=self.scale,
-                q_data_type=self.dtype,
-                kv_data_type=self.dtype,
-            )
+            self._plan_decode(self.decode, indptr, indices, last)
         else:
             self.prefill.plan(
                 metadata.query_start_loc,
