@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from typing import Any
 
 import pytest
 import torch
 
+from compiled_engine.attention.backend import AttentionBackend, AttentionShape
 from compiled_engine.attention.metadata import AttentionMetadata
 from compiled_engine.attention.torch_backend import TorchAttentionBackend
 
@@ -21,7 +23,7 @@ PAGE = 16
 
 
 def _run(
-    backend: object, batch: list[tuple[int, int]], kv_heads: int, heads: int, head_dim: int, seed: int
+    backend: AttentionBackend[Any], batch: list[tuple[int, int]], kv_heads: int, heads: int, head_dim: int, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """batch: (cached tokens, new tokens) per sequence. Returns (output, cache after)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -39,7 +41,7 @@ def _run(
     k = torch.randn(tokens, kv_heads, head_dim, generator=gen, device=device, dtype=dtype)
     v = torch.randn(tokens, kv_heads, head_dim, generator=gen, device=device, dtype=dtype)
     md = AttentionMetadata.build([n for _, n in batch], [c + n for c, n in batch], tables, PAGE, device)
-    out = backend.attend(q, k, v, cache, md, head_dim**-0.5)  # type: ignore[attr-defined]
+    out = backend.attend(q, k, v, cache, md, head_dim**-0.5)
     return out, cache
 
 
@@ -57,8 +59,10 @@ BATCHES = {
 def test_flashinfer_matches_torch_backend(kind: str, heads: int, kv_heads: int, head_dim: int) -> None:
     from compiled_engine.attention.flashinfer_backend import FlashInferAttentionBackend
 
-    flashinfer = FlashInferAttentionBackend(heads, kv_heads, head_dim, PAGE, torch.bfloat16, torch.device("cuda"))
+    flashinfer = FlashInferAttentionBackend(
+        AttentionShape(heads, kv_heads, head_dim, PAGE, torch.bfloat16, torch.device("cuda"))
+    )
     got, cache_fi = _run(flashinfer, BATCHES[kind], kv_heads, heads, head_dim, seed=1)
-    want, cache_ref = _run(TorchAttentionBackend(), BATCHES[kind], kv_heads, heads, head_dim, seed=1)
+    want, cache_ref = _run(TorchAttentionBackend(torch.bfloat16), BATCHES[kind], kv_heads, heads, head_dim, seed=1)
     assert torch.equal(cache_fi, cache_ref)  # the same K/V scatter
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
