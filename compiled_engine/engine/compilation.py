@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch._inductor.config
@@ -80,8 +82,13 @@ def _decoder_layer(
     return TransformerBlock.forward(layer, x, cos, sin, kv_cache)
 
 
+# Inductor checks every input's size, stride and alignment inside the generated wrapper, here at
+# each call of the shared layer code: Python work that Dynamo's guards at the entry already cover
+# (docs/benchmarks.md has its cost).
+COMPILE_OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {"size_asserts": False, "alignment_asserts": False}
+
 # One compiled code object for every layer: their weights are graph inputs, not constants.
-_compiled_layer = torch.compile(TransformerBlock.forward, fullgraph=True)
+_compiled_layer = torch.compile(TransformerBlock.forward, fullgraph=True, options=COMPILE_OPTIONS)
 
 
 class CompiledBlock(TransformerBlock):
@@ -142,7 +149,9 @@ class CompiledForward(ModelForward):
         # Tensor parallelism: torch's nested compile regions have no rule for DTensor's
         # functional tensors yet, so there every step runs the layers compiled one by one.
         tensor_parallel = any(isinstance(p, DTensor) for p in model.parameters())
-        self._one_token_forward = None if tensor_parallel else torch.compile(model.forward, fullgraph=True)
+        self._one_token_forward = (
+            None if tensor_parallel else torch.compile(model.forward, fullgraph=True, options=COMPILE_OPTIONS)
+        )
         self.one_row_head = torch.compile(model.lm_head.forward, fullgraph=True, dynamic=False) if on_cpu else None
 
     def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
