@@ -128,6 +128,7 @@ class CudaGraphRunner:
         # The plan each graph was captured with, kept alive with it: its tensors (index rows, key
         # masks) were allocated in the graph's pool and are rewritten by every replay.
         self.plans: dict[int, Any] = {}
+        self.metadata: dict[int, GraphMetadata] = {}  # each size's views of the buffers
         self.capture_seconds = 0.0
 
     def capture(self) -> None:
@@ -147,6 +148,7 @@ class CudaGraphRunner:
                 plan = self.backend.prepare_graph(metadata)
                 self.outputs[size] = self.forward(ids, positions, plan)
             self.plans[size] = plan
+            self.metadata[size] = metadata
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
@@ -171,8 +173,6 @@ class CudaGraphRunner:
         if size is None or size not in self.graphs:
             return None
         self.buffers.fill(token_ids, positions, block_tables, size)
-        self.backend.plan_graph(
-            size, self.buffers.metadata(size), *self.buffers.host_batch(positions, block_tables, size)
-        )
+        self.backend.plan_graph(size, self.metadata[size], *self.buffers.host_batch(positions, block_tables, size))
         self.graphs[size].replay()
         return self.outputs[size][: len(token_ids)]

@@ -211,7 +211,7 @@ class ModelRunner:
 
         return forward
 
-    def tensors(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _tensors(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         metadata = AttentionMetadata.build(
             inputs.query_lens, inputs.seq_lens, inputs.block_tables, self.page_size, self.device
         )
@@ -223,11 +223,8 @@ class ModelRunner:
     def hidden_states(self, inputs: StepInputs) -> torch.Tensor:
         """The final hidden states of every new token of the step, [tokens, hidden] (what the
         oracle comparisons read; `run` keeps only each sequence's last)."""
-        return self._hidden(*self._step_tensors(inputs))
-
-    def _step_tensors(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
-        input_ids, positions, metadata = self.tensors(inputs)
-        return input_ids, positions, self.kv_cache, metadata
+        input_ids, positions, metadata = self._tensors(inputs)
+        return self._hidden(input_ids, positions, self.kv_cache, metadata)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -252,12 +249,12 @@ class ModelRunner:
                 replayed = self.graphs.replay(inputs.token_ids, inputs.positions, inputs.block_tables)
                 if replayed is not None:
                     return replayed.clone()  # the graph's output buffer is rewritten by the next replay
-            hidden = self._hidden(*self._step_tensors(inputs))
+            input_ids, positions, metadata = self._tensors(inputs)
+            hidden = self._hidden(input_ids, positions, self.kv_cache, metadata)
             if not logits:
                 return None
-            if not inputs.decode_only:  # each sequence's last new token
-                last = torch.tensor(inputs.query_lens, device=self.device).cumsum(0) - 1
-                hidden = hidden[last]
+            if not metadata.decode_only:  # each sequence's last new token
+                hidden = hidden[metadata.query_start_loc[1:].long() - 1]
             return self.forward.logits(hidden).float()
 
     def stop_workers(self) -> None:
