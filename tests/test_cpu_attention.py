@@ -17,6 +17,7 @@ from compiled_engine.attention.cpu_backend import CpuAttentionBackend
 from compiled_engine.attention.metadata import AttentionMetadata
 from compiled_engine.attention.native_decode import KernelBuildError, chunk_size, load_native_decode
 from compiled_engine.attention.torch_backend import TorchAttentionBackend
+from compiled_engine.native_build import NativeLibrary
 
 CPU = torch.device("cpu")
 
@@ -188,14 +189,14 @@ def fresh_kernel_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
 
 def test_the_library_is_built_once_and_reused(fresh_kernel_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = native_decode.library_path()
+    path = native_decode.LIBRARY.path()
     assert path.parent == fresh_kernel_cache / "kernels" and path.exists()
 
-    def no_rebuild(compiler: str, output: Path) -> None:
+    def no_rebuild(self: NativeLibrary, compiler: str, output: Path) -> None:
         raise AssertionError("rebuilt a cached kernel")
 
-    monkeypatch.setattr(native_decode, "_build", no_rebuild)
-    assert native_decode.library_path() == path
+    monkeypatch.setattr(NativeLibrary, "build", no_rebuild)
+    assert native_decode.LIBRARY.path() == path
     assert load_native_decode().plan is not None
 
 

@@ -1,23 +1,10 @@
-"""The CPU backend's native decode-attention kernel: built from `kernels/paged_decode.c` with the
-machine's C compiler (the one Inductor already needs on CPU), cached under the engine cache, and
-called through ctypes.
-
-The shared library is keyed by the source, the compiler's identity and the CPU's feature flags
-(it is built with `-march=native`), so a cache copied to another machine rebuilds rather than
-runs instructions that CPU lacks. It links OpenMP as `libgomp.so.1`, the name of the runtime
-PyTorch has already loaded, so both share one thread pool. Building takes well under a second.
-"""
+"""The CPU backend's native decode-attention kernel: `kernels/paged_decode.c`, built, cached and
+loaded by compiled_engine/native_build.py and called through ctypes."""
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -25,11 +12,13 @@ from pathlib import Path
 
 import torch
 
-from compiled_engine.cache_paths import kernels_dir
+from compiled_engine.native_build import KernelBuildError, NativeLibrary
+
+__all__ = ["LIBRARY", "DecodePlan", "KernelBuildError", "NativeDecode", "load_native_decode"]
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels") / "paged_decode.c"
+LIBRARY = NativeLibrary(Path(__file__).with_name("kernels") / "paged_decode.c", "CPU attention kernel")
 # Limits compiled into the kernel; shapes outside them take the torch backend's decode path.
 MAX_CHUNK = 512
 MAX_HEADS = 128
@@ -38,12 +27,6 @@ LANES = 8
 # Each sequence's keys are split into chunks so that there are at least this many work items
 # per thread (one sequence alone must still use every core).
 ITEMS_PER_THREAD = 4
-FLAGS = ("-O3", "-march=native", "-fPIC", "-shared")
-OPENMP = ("-fopenmp",)
-
-
-class KernelBuildError(RuntimeError):
-    """The C compiler is missing or failed; the message says which and why."""
 
 
 def unsupported_reason(
@@ -59,55 +42,6 @@ def unsupported_reason(
     if page_size > MAX_CHUNK:
         return f"page_size {page_size} is above the kernel's {MAX_CHUNK}"
     return None
-
-
-def _compiler() -> str:
-    name = os.environ.get("CC", "cc")
-    path = shutil.which(name)
-    if path is None:
-        raise KernelBuildError(f"no C compiler: {name!r} is not on PATH (set CC to one)")
-    return path
-
-
-def _cpu_identity() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.machine() + platform.processor()
-    wanted = ("model name", "flags", "Features", "CPU part")
-    return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
-
-
-def _build(compiler: str, output: Path) -> None:
-    """Compile SOURCE into `output` (atomically: concurrent builders each rename a whole file)."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    errors = []
-    for extra in (OPENMP, ()):  # without OpenMP (for example Apple clang) the kernel runs on one thread
-        with tempfile.NamedTemporaryFile(dir=output.parent, suffix=".so", delete=False) as tmp:
-            partial = Path(tmp.name)
-        command = [compiler, *FLAGS, *extra, "-o", str(partial), str(SOURCE)]
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
-        if done.returncode == 0:
-            partial.replace(output)
-            if not extra:
-                logger.warning("attention kernel built without OpenMP: it runs on one thread")
-            return
-        partial.unlink(missing_ok=True)
-        errors.append(f"$ {' '.join(command)}\n{done.stderr.strip()[-2000:]}")
-    raise KernelBuildError("building the CPU attention kernel failed:\n" + "\n".join(errors))
-
-
-def library_path() -> Path:
-    """Where the kernel for this source, compiler and CPU lives (built there if missing)."""
-    compiler = _compiler()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS + OPENMP), _cpu_identity()]).encode()
-    ).hexdigest()[:16]
-    path = kernels_dir() / f"paged_decode-{key}.so"
-    if not path.exists():
-        _build(compiler, path)
-    return path
 
 
 @dataclass(frozen=True)
@@ -236,10 +170,7 @@ def chunk_size(work: int, max_seq_len: int, page_size: int, threads: int) -> int
 @cache
 def load_native_decode() -> NativeDecode:
     """Build (once per machine) and load the kernel; raises KernelBuildError when it cannot."""
-    try:
-        library = ctypes.CDLL(str(library_path()))
-    except OSError as error:  # an unwritable cache, a library the loader refuses
-        raise KernelBuildError(f"building or loading the CPU attention kernel failed: {error}") from error
+    library = LIBRARY.load()
     function = library.paged_decode_attention_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     function.argtypes = [

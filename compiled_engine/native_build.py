@@ -1,0 +1,95 @@
+"""Building the engine's C kernels with the machine's compiler (the one Inductor already needs on
+CPU), cached under the engine cache and loaded through ctypes.
+
+A library is keyed by its source, the compiler's identity and the CPU's feature flags (kernels
+are built with `-march=native`), so a cache copied to another machine rebuilds rather than runs
+instructions that CPU lacks. Libraries link OpenMP as `libgomp.so.1`, the name of the runtime
+PyTorch has already loaded, so they share one thread pool. Each builds in well under a second.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from compiled_engine.cache_paths import kernels_dir
+
+logger = logging.getLogger(__name__)
+
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared")
+OPENMP = ("-fopenmp",)
+
+
+class KernelBuildError(RuntimeError):
+    """The C compiler is missing or failed, or the library cannot be loaded; the message says
+    which and why."""
+
+
+def compiler() -> str:
+    name = os.environ.get("CC", "cc")
+    path = shutil.which(name)
+    if path is None:
+        raise KernelBuildError(f"no C compiler: {name!r} is not on PATH (set CC to one)")
+    return path
+
+
+def cpu_identity() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine() + platform.processor()
+    wanted = ("model name", "flags", "Features", "CPU part")
+    return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
+
+
+@dataclass(frozen=True)
+class NativeLibrary:
+    """One C source built into a shared library; `what` names it in messages."""
+
+    source: Path
+    what: str
+
+    def path(self) -> Path:
+        """Where the library for this source, compiler and CPU lives (built there if missing)."""
+        cc = compiler()
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+        key = hashlib.sha256(
+            "\0".join([self.source.read_text(), cc, version, " ".join(FLAGS + OPENMP), cpu_identity()]).encode()
+        ).hexdigest()[:16]
+        path = kernels_dir() / f"{self.source.stem}-{key}.so"
+        if not path.exists():
+            self.build(cc, path)
+        return path
+
+    def build(self, cc: str, output: Path) -> None:
+        """Compile the source into `output` (atomically: concurrent builders each rename a whole file)."""
+        output.parent.mkdir(parents=True, exist_ok=True)
+        errors = []
+        for extra in (OPENMP, ()):  # without OpenMP (for example Apple clang) the kernel runs on one thread
+            with tempfile.NamedTemporaryFile(dir=output.parent, suffix=".so", delete=False) as tmp:
+                partial = Path(tmp.name)
+            command = [cc, *FLAGS, *extra, "-o", str(partial), str(self.source)]
+            done = subprocess.run(command, capture_output=True, text=True, check=False)
+            if done.returncode == 0:
+                partial.replace(output)
+                if not extra:
+                    logger.warning("%s built without OpenMP: it runs on one thread", self.what)
+                return
+            partial.unlink(missing_ok=True)
+            errors.append(f"$ {' '.join(command)}\n{done.stderr.strip()[-2000:]}")
+        raise KernelBuildError(f"building the {self.what} failed:\n" + "\n".join(errors))
+
+    def load(self) -> ctypes.CDLL:
+        """Build (once per machine) and load; raises KernelBuildError when it cannot."""
+        try:
+            return ctypes.CDLL(str(self.path()))
+        except OSError as error:  # an unwritable cache, a library the loader refuses
+            raise KernelBuildError(f"building or loading the {self.what} failed: {error}") from error

@@ -1,0 +1,96 @@
+"""Putting quantized weights into a loaded model, from outside the model file: quantizing its
+dense Linear weights at load (`quantize_model`), or installing weights that arrive quantized
+(`install_linear`, `install_embedding`, used by the GGUF loader)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from compiled_engine.model.llama import Linear, Transformer
+from compiled_engine.quantization.modules import QuantizedEmbedding, QuantizedLinear
+from compiled_engine.quantization.quantize import quantize, quantize_int8
+from compiled_engine.quantization.weights import INT4_GROUP_SIZES, QuantizationError, QuantizedWeight
+
+SCHEMES = ("none", "int8", "int4")
+HEAD_GROUP_SIZE = 32  # the head and the embedding, when quantized: int8 in groups of 32 (GGUF's Q8_0)
+
+
+@dataclass(frozen=True)
+class QuantizationScheme:
+    """What to quantize at load. `format` "int8" (per output channel, or groups of `group_size`)
+    or "int4" (groups of `group_size`, default 32). `head`: also the head and the embedding, as
+    int8 in groups of 32 (with tied embeddings they are one table)."""
+
+    format: str
+    group_size: int | None = None
+    head: bool = True
+
+    def __post_init__(self) -> None:
+        if self.format not in ("int8", "int4"):
+            raise QuantizationError(f"quantization must be one of {SCHEMES}, got {self.format!r}")
+        if self.format == "int4" and self.group_size is not None and self.group_size not in INT4_GROUP_SIZES:
+            raise QuantizationError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {self.group_size}")
+        if self.group_size is not None and self.group_size < 1:
+            raise QuantizationError(f"group size must be positive, got {self.group_size}")
+
+
+def quantize_model(model: Transformer, scheme: QuantizationScheme) -> Transformer:
+    """Replace the layer products' Linear modules (q/k/v, o, gate/up, down) with QuantizedLinear,
+    and with `scheme.head` the head and embedding too. Every weight is checked before any is
+    replaced, so a refused shape leaves the model as it was."""
+    planned: list[tuple[str, QuantizedWeight, torch.Tensor | None]] = []
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and name != "lm_head":
+            try:
+                planned.append((name, quantize(module.weight, scheme.format, scheme.group_size), module.bias))
+            except QuantizationError as error:
+                raise QuantizationError(f"{name}: {error}") from error
+    head = quantize_int8(model.lm_head.weight, HEAD_GROUP_SIZE) if scheme.head else None
+    for name, weight, bias in planned:
+        install_linear(model, name, weight, bias)
+    if head is not None:
+        install_linear(model, "lm_head", head, model.lm_head.bias)
+        if model.config.tie_word_embeddings:
+            install_embedding(model, head)
+        else:
+            install_embedding(model, quantize_int8(model.embed_tokens.weight, HEAD_GROUP_SIZE))
+    return model
+
+
+def install_linear(model: nn.Module, name: str, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+    """Put a QuantizedLinear at module path `name` (for example "layers.0.mlp.down_proj")."""
+    parent, _, child = name.rpartition(".")
+    owner = model.get_submodule(parent) if parent else model
+    old = getattr(owner, child)
+    if tuple(old.weight.shape) != weight.shape:
+        raise QuantizationError(f"{name}: a {list(weight.shape)} weight cannot replace {list(old.weight.shape)}")
+    setattr(owner, child, QuantizedLinear(weight, bias))
+
+
+def install_embedding(model: Transformer, weight: QuantizedWeight) -> None:
+    if (weight.out_features, weight.in_features) != tuple(model.embed_tokens.weight.shape):
+        raise QuantizationError(
+            f"embed_tokens: a {list(weight.shape)} table cannot replace {list(model.embed_tokens.weight.shape)}"
+        )
+    model.embed_tokens = QuantizedEmbedding(weight)  # type: ignore[assignment]
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, (QuantizedLinear, QuantizedEmbedding)) for m in model.modules())
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers, each tensor counted once (a tied head and
+    embedding are one table)."""
+    seen: set[int] = set()
+    total = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        key = t.untyped_storage().data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.untyped_storage().nbytes()
+    return total

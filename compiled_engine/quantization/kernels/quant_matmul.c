@@ -1,0 +1,265 @@
+/* Products of fp32 activations with int8 and int4 weights, and their dequantization: the CPU
+ * kernels of compiled_engine/quantization (formats in quantization/weights.py).
+ *
+ *   y[r, o] = sum_i x[r, i] * w[o, i] + bias[o]       x [rows, in], w [out, in], y [rows, out]
+ *
+ * int8:  w[o, i] = scale[o, g] * q[o, i]               q int8 [out, in]
+ * int4:  w[o, i] = scale[o, g] * q[o, i] + offset[o, g] q 0..15, two to a byte, blocks of 32:
+ *        byte j of a block holds weight j (low nibble) and weight j + 16 (high nibble)
+ * with g = i / group. Scales and offsets are fp32 [out, in / group].
+ *
+ * Each weight is read once, whatever the number of rows: a group's dot products with the
+ * integer weights are summed in fp32 and scaled once, sum_g scale_g (x_g . q_g), and the int4
+ * offsets add offset_g * sum(x_g) from sums of x taken once per call. Accumulation is fp32
+ * throughout. Output rows are split across threads (OpenMP); rows of x are taken four at a time
+ * so that a block of weights, converted to floats once, serves four rows.
+ *
+ * Vectors are GCC/Clang vector extensions of 8 floats, as in the attention kernel.
+ * Every function returns 0, or a nonzero status for shapes it does not take.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 8
+#define TILE 4    /* rows of x per pass over a weight row */
+#define STRIP 16  /* output rows per unit of work */
+
+typedef float vec __attribute__((vector_size(32)));
+typedef float vec_u __attribute__((vector_size(32), aligned(4)));
+
+static inline vec load(const float *p) { return *(const vec_u *)p; }
+static inline void store(float *p, vec x) { *(vec_u *)p = x; }
+static inline vec splat(float x) { return (vec){x, x, x, x, x, x, x, x}; }
+static inline float hsum(vec x) {
+    return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
+}
+/* A block of 32 int4 weights (16 bytes) as four vectors of floats: weights 0-7, 8-15, 16-23, 24-31. */
+#if defined(__AVX2__)
+#include <immintrin.h>
+static inline void nibbles32(const uint8_t *block, vec w[4]) {
+    /* Widen 8 bytes to 32-bit lanes straight from memory, then split each lane's two nibbles. */
+    __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)block));
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block + 8)));
+    __m256i mask = _mm256_set1_epi32(15);
+    w[0] = (vec)_mm256_cvtepi32_ps(_mm256_and_si256(a, mask));
+    w[1] = (vec)_mm256_cvtepi32_ps(_mm256_and_si256(b, mask));
+    w[2] = (vec)_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+    w[3] = (vec)_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+}
+static inline vec int8s(const int8_t *p) {
+    return (vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#else /* portable, and slower: compilers convert vectors of bytes to floats one byte at a time */
+static inline void nibbles32(const uint8_t *block, vec w[4]) {
+    for (int j = 0; j < 8; j++) {
+        w[0][j] = block[j] & 15;
+        w[1][j] = block[j + 8] & 15;
+        w[2][j] = block[j] >> 4;
+        w[3][j] = block[j + 8] >> 4;
+    }
+}
+static inline vec int8s(const int8_t *p) {
+    vec w;
+    for (int j = 0; j < 8; j++) w[j] = p[j];
+    return w;
+}
+#endif
+
+/* sums[r, g] = sum of x[r] over group g. */
+static void group_sums(const float *x, int64_t rows, int64_t in, int64_t group, float *sums) {
+    int64_t groups = in / group;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            const float *p = x + r * in + g * group;
+            vec acc = splat(0.0f);
+            for (int64_t i = 0; i < group; i += LANES) acc += load(p + i);
+            sums[r * groups + g] = hsum(acc);
+        }
+}
+
+/* One weight row against `n` (1..TILE) rows of x starting at xs. Always inlined with a constant
+ * n (see the switches below), so that the accumulators live in registers. */
+#define INLINE static inline __attribute__((always_inline))
+
+/* sum_g a[g] * b[g] */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    vec acc = splat(0.0f);
+    int64_t g = 0;
+    for (; g + LANES <= n; g += LANES) acc += load(a + g) * load(b + g);
+    float rest = 0.0f;
+    for (; g < n; g++) rest += a[g] * b[g];
+    return hsum(acc) + rest;
+}
+
+/* One group of int4 weights against n rows: acc[r] += scale * (x_g . q_g). */
+INLINE void int4_group(const float *xs, int64_t n, int64_t in, const uint8_t *q, float scale, int64_t first,
+                       int64_t group, vec *total) {
+    vec acc[TILE];
+    for (int64_t r = 0; r < n; r++) acc[r] = splat(0.0f);
+    for (int64_t i = first; i < first + group; i += 32) {
+        vec w[4];
+        nibbles32(q + i / 2, w);
+        for (int64_t r = 0; r < n; r++) {
+            const float *x = xs + r * in + i;
+            acc[r] += w[0] * load(x) + w[1] * load(x + 8) + w[2] * load(x + 16) + w[3] * load(x + 24);
+        }
+    }
+    vec s = splat(scale);
+    for (int64_t r = 0; r < n; r++) total[r] += s * acc[r];
+}
+
+INLINE void int4_row(const float *xs, int64_t n, int64_t in, const uint8_t *q, const float *scale,
+                     const float *offset, int64_t group, const float *sums, int64_t groups, float *out) {
+    /* Even and odd groups add into separate totals, so that consecutive groups do not wait on
+     * each other's multiply-add. */
+    vec even[TILE], odd[TILE];
+    for (int64_t r = 0; r < n; r++) even[r] = odd[r] = splat(0.0f);
+    int64_t g = 0;
+    for (; g + 2 <= groups; g += 2) {
+        int4_group(xs, n, in, q, scale[g], g * group, group, even);
+        int4_group(xs, n, in, q, scale[g + 1], (g + 1) * group, group, odd);
+    }
+    if (g < groups) int4_group(xs, n, in, q, scale[g], g * group, group, even);
+    for (int64_t r = 0; r < n; r++) out[r] = hsum(even[r] + odd[r]) + dot(offset, sums + r * groups, groups);
+}
+
+INLINE void int8_row(const float *xs, int64_t n, int64_t in, const int8_t *q, const float *scale,
+                            int64_t group, int64_t groups, float *out) {
+    vec total[TILE];
+    for (int64_t r = 0; r < n; r++) total[r] = splat(0.0f);
+    for (int64_t g = 0; g < groups; g++) {
+        vec acc[TILE];
+        for (int64_t r = 0; r < n; r++) acc[r] = splat(0.0f);
+        int64_t i = g * group, end = (g + 1) * group;
+        for (; i + 32 <= end; i += 32) {
+            vec w0 = int8s(q + i), w1 = int8s(q + i + 8), w2 = int8s(q + i + 16), w3 = int8s(q + i + 24);
+            for (int64_t r = 0; r < n; r++) {
+                const float *x = xs + r * in + i;
+                acc[r] += w0 * load(x) + w1 * load(x + 8) + w2 * load(x + 16) + w3 * load(x + 24);
+            }
+        }
+        for (; i < end; i += LANES) {
+            vec w = int8s(q + i);
+            for (int64_t r = 0; r < n; r++) acc[r] += w * load(xs + r * in + i);
+        }
+        vec s = splat(scale[g]);
+        for (int64_t r = 0; r < n; r++) total[r] += s * acc[r];
+    }
+    for (int64_t r = 0; r < n; r++) out[r] = hsum(total[r]);
+}
+
+int int4_matmul_f32(const float *x, int64_t rows, int64_t in, const uint8_t *data, const float *scales,
+                    const float *offsets, int64_t out, int64_t group, const float *bias, float *y, int threads) {
+    if (rows < 1 || out < 1 || group < 32 || group % 32 != 0 || in % group != 0) return 1;
+    int64_t groups = in / group;
+    float *sums = malloc(sizeof(float) * rows * groups);
+    if (!sums) return 2;
+    group_sums(x, rows, in, group, sums);
+    int64_t strips = (out + STRIP - 1) / STRIP;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t s = 0; s < strips; s++) {
+        float part[TILE];
+        int64_t end = s * STRIP + STRIP < out ? s * STRIP + STRIP : out;
+        for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
+            int64_t n = rows - r0 < TILE ? rows - r0 : TILE;
+            for (int64_t o = s * STRIP; o < end; o++) {
+                const float *xs = x + r0 * in, *sc = scales + o * groups, *of = offsets + o * groups,
+                            *su = sums + r0 * groups;
+                const uint8_t *q = data + o * (in / 2);
+                /* GGUF's groups of 32 get code of their own, with the block loop unrolled away. */
+                if (group == 32) {
+                    switch (n) {
+                    case 1: int4_row(xs, 1, in, q, sc, of, 32, su, groups, part); break;
+                    case 2: int4_row(xs, 2, in, q, sc, of, 32, su, groups, part); break;
+                    case 3: int4_row(xs, 3, in, q, sc, of, 32, su, groups, part); break;
+                    default: int4_row(xs, 4, in, q, sc, of, 32, su, groups, part); break;
+                    }
+                } else {
+                    switch (n) {
+                    case 1: int4_row(xs, 1, in, q, sc, of, group, su, groups, part); break;
+                    case 2: int4_row(xs, 2, in, q, sc, of, group, su, groups, part); break;
+                    case 3: int4_row(xs, 3, in, q, sc, of, group, su, groups, part); break;
+                    default: int4_row(xs, 4, in, q, sc, of, group, su, groups, part); break;
+                    }
+                }
+                for (int64_t r = 0; r < n; r++) y[(r0 + r) * out + o] = part[r] + (bias ? bias[o] : 0.0f);
+            }
+        }
+    }
+    free(sums);
+    return 0;
+}
+
+int int8_matmul_f32(const float *x, int64_t rows, int64_t in, const int8_t *data, const float *scales, int64_t out,
+                    int64_t group, const float *bias, float *y, int threads) {
+    if (rows < 1 || out < 1 || group < LANES || group % LANES != 0 || in % group != 0) return 1;
+    int64_t groups = in / group;
+    int64_t strips = (out + STRIP - 1) / STRIP;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t s = 0; s < strips; s++) {
+        float part[TILE];
+        int64_t end = s * STRIP + STRIP < out ? s * STRIP + STRIP : out;
+        for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
+            int64_t n = rows - r0 < TILE ? rows - r0 : TILE;
+            for (int64_t o = s * STRIP; o < end; o++) {
+                const float *xs = x + r0 * in, *sc = scales + o * groups;
+                const int8_t *q = data + o * in;
+                if (group == 32) {
+                    switch (n) {
+                    case 1: int8_row(xs, 1, in, q, sc, 32, groups, part); break;
+                    case 2: int8_row(xs, 2, in, q, sc, 32, groups, part); break;
+                    case 3: int8_row(xs, 3, in, q, sc, 32, groups, part); break;
+                    default: int8_row(xs, 4, in, q, sc, 32, groups, part); break;
+                    }
+                } else {
+                    switch (n) {
+                    case 1: int8_row(xs, 1, in, q, sc, group, groups, part); break;
+                    case 2: int8_row(xs, 2, in, q, sc, group, groups, part); break;
+                    case 3: int8_row(xs, 3, in, q, sc, group, groups, part); break;
+                    default: int8_row(xs, 4, in, q, sc, group, groups, part); break;
+                    }
+                }
+                for (int64_t r = 0; r < n; r++) y[(r0 + r) * out + o] = part[r] + (bias ? bias[o] : 0.0f);
+            }
+        }
+    }
+    return 0;
+}
+
+/* w [out, in] fp32 from int4 weights: scale * q, rounded, plus offset, rounded, as the reference
+ * computes it (no fused multiply-add). */
+__attribute__((optimize("fp-contract=off"))) int int4_dequantize_f32(const uint8_t *data, const float *scales, const float *offsets, int64_t out, int64_t in,
+                        int64_t group, float *w, int threads) {
+    if (out < 1 || group < 32 || group % 32 != 0 || in % group != 0) return 1;
+    int64_t groups = in / group;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t o = 0; o < out; o++) {
+        for (int64_t g = 0; g < groups; g++) {
+            vec s = splat(scales[o * groups + g]), m = splat(offsets[o * groups + g]);
+            for (int64_t i = g * group; i < (g + 1) * group; i += 32) {
+                vec q[4];
+                nibbles32(data + o * (in / 2) + i / 2, q);
+                float *dst = w + o * in + i;
+                for (int j = 0; j < 4; j++) store(dst + 8 * j, s * q[j] + m);
+            }
+        }
+    }
+    return 0;
+}
+
+/* w [out, in] fp32 from int8 weights. */
+int int8_dequantize_f32(const int8_t *data, const float *scales, int64_t out, int64_t in, int64_t group, float *w,
+                        int threads) {
+    if (out < 1 || group < LANES || group % LANES != 0 || in % group != 0) return 1;
+    int64_t groups = in / group;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t o = 0; o < out; o++) {
+        for (int64_t g = 0; g < groups; g++) {
+            vec s = splat(scales[o * groups + g]);
+            for (int64_t i = g * group; i < (g + 1) * group; i += LANES)
+                store(w + o * in + i, s * int8s(data + o * in + i));
+        }
+    }
+    return 0;
+}

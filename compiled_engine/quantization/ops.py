@@ -1,0 +1,105 @@
+"""`compiled_engine::quantized_linear`: the product with a quantized weight, as one operator that
+torch.compile keeps opaque (its weights stay graph inputs, and Inductor does not try to fuse the
+dequantization, which it vectorises poorly here: shared/facts in docs/benchmarks.md).
+
+Which way it runs:
+- on the CPU with fp32 activations and the native kernels built: up to KERNEL_MAX_ROWS rows
+  straight from the quantized weight (decode, small batches); more rows dequantize the weight
+  with the kernel and run the fp32 GEMM (prefill), where the product's arithmetic dwarfs the
+  conversion;
+- anywhere else (another device, another dtype, no compiler): the reference, dequantize in
+  torch and F.linear. That is also the slow twin the tests hold the kernels to.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+
+from compiled_engine.native_build import KernelBuildError
+from compiled_engine.quantization.cpu_kernels import QuantKernels, load_quant_kernels
+from compiled_engine.quantization.weights import dequantize_tensors
+
+logger = logging.getLogger(__name__)
+
+# Rows up to which the kernel's direct product beats dequantize-then-GEMM (docs/benchmarks.md).
+KERNEL_MAX_ROWS = 16
+
+
+@cache
+def cpu_kernels() -> QuantKernels | None:
+    """The native kernels, or None (with one warning saying why) when they cannot be built."""
+    try:
+        return load_quant_kernels()
+    except KernelBuildError as error:
+        logger.warning("quantized weights run the torch reference path (slow), because %s", error)
+        return None
+
+
+def reference_linear(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    group_size: int,
+) -> torch.Tensor:
+    """The meaning of the product: dequantize in torch, then F.linear."""
+    weight = dequantize_tensors(data, scales, offsets, group_size).to(x.dtype)
+    return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+
+
+torch.library.define(
+    "compiled_engine::quantized_linear",
+    "(Tensor x, Tensor data, Tensor scales, Tensor? offsets, Tensor? bias, int group_size) -> Tensor",
+)
+
+
+@torch.library.impl("compiled_engine::quantized_linear", "CompositeExplicitAutograd")
+def _quantized_linear(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    group_size: int,
+) -> torch.Tensor:
+    lead, width = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, width)
+    kernels = cpu_kernels() if x.device.type == "cpu" and x.dtype == torch.float32 and rows.shape[0] > 0 else None
+    if kernels is None:
+        y = reference_linear(rows, data, scales, offsets, bias, group_size)
+    elif rows.shape[0] <= KERNEL_MAX_ROWS:
+        y = kernels.matmul_tensors(rows, data, scales, offsets, bias, group_size)
+    else:
+        weight = kernels.dequantize_tensors(data, scales, offsets, group_size)
+        y = F.linear(rows, weight, bias)
+    return y.reshape(*lead, data.shape[0])
+
+
+@torch.library.register_fake("compiled_engine::quantized_linear")
+def _quantized_linear_fake(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    group_size: int,
+) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], data.shape[0])
+
+
+def quantized_linear(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    group_size: int,
+) -> torch.Tensor:
+    """x @ W.T + bias for the quantized weight W held in `data`, `scales` and `offsets` (int8
+    data: the int8 format; uint8: int4)."""
+    return torch.ops.compiled_engine.quantized_linear(x, data, scales, offsets, bias, group_size)
