@@ -15,6 +15,9 @@ DEVICES = ("cpu", "cuda")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+QUANTIZATIONS = ("none", "int8", "int4")
+
+
 class EngineConfig(msgspec.Struct, frozen=True):
     model: str | None = None  # local dir or Hub id; None = the embedded default model
     device: str | None = None  # "cpu" or "cuda"; None = cuda when available
@@ -40,8 +43,18 @@ class EngineConfig(msgspec.Struct, frozen=True):
     cuda_graphs: bool = True  # decode through captured CUDA graphs (CUDA only, not with eager)
     tensor_parallel_size: int = 1  # ranks the model is split across (parallel/)
     distributed_timeout_s: float = 60.0  # a collective that waits longer fails (a rank died or hung)
+    # One of QUANTIZATIONS: the layer products' weights quantized at load. None = the checkpoint's
+    # own: a GGUF's quantized tensors stay as they are (the default model runs its Q4_1/Q8_0
+    # weights), safetensors stay dense. "none" = dense weights, a GGUF dequantized.
+    quantization: str | None = None
+    quantization_group_size: int | None = None  # None = per output channel for int8, 32 for int4
+    quantize_head: bool = True  # with int8/int4: the head and embedding too, as int8 in groups of 32
 
     def __post_init__(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization_group_size is not None and self.quantization not in ("int8", "int4"):
+            raise ValueError("quantization_group_size needs quantization int8 or int4")
         if self.sampler is not None and self.sampler not in SAMPLERS:
             raise ValueError(f"sampler must be {' or '.join(SAMPLERS)}, got {self.sampler!r}")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):

@@ -18,7 +18,7 @@ from typing import Any, Union, get_args, get_origin
 import msgspec
 
 from compiled_engine.attention.backend import BACKENDS
-from compiled_engine.config import DEVICES, DTYPES, ENFORCE_EAGER_ENV, EngineConfig
+from compiled_engine.config import DEVICES, DTYPES, ENFORCE_EAGER_ENV, QUANTIZATIONS, EngineConfig
 from compiled_engine.engine.sampler import SAMPLERS
 
 # The namespace attribute that records which fields a parser declared, so that
@@ -115,6 +115,24 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
         "--distributed-timeout-s",
         "seconds a tensor-parallel collective may wait before it fails",
         metavar="SECONDS",
+    ),
+    EngineOption(
+        "quantization",
+        "--quantization",
+        "quantize the layer products' weights at load: int8 (per output channel, or groups of "
+        "--quantization-group-size) or int4 (groups of 32, 64 or 128); none keeps them dense and "
+        "dequantizes a GGUF (default: the checkpoint's own, so the default model runs its 4-bit GGUF weights)",
+        QUANTIZATIONS,
+    ),
+    EngineOption(
+        "quantization_group_size",
+        "--quantization-group-size",
+        "weights per scale for --quantization (default: per channel for int8, 32 for int4)",
+    ),
+    EngineOption(
+        "quantize_head",
+        "--no-quantize-head",
+        "with --quantization int8/int4, keep the head and embedding dense (default: int8 in groups of 32)",
     ),
 )
 

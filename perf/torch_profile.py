@@ -24,37 +24,26 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from compiled_engine.config import EngineConfig
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.sampling_params import SamplingParams
+from compiled_engine.engine_options import add_engine_options, engine_config_from_args
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default=None)
     parser.add_argument("--prompt", default="The three primary colors are")
     parser.add_argument(
         "--prompt-len", type=int, default=None, help="random token prompts of this length instead of --prompt"
     )
     parser.add_argument("--batch", type=int, default=1, help="requests running together")
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--attention-backend", choices=["torch", "cpu", "flashinfer"], default=None)
     parser.add_argument("--trace", type=Path, default=Path("torch_trace.json"))
     parser.add_argument("--top", type=int, default=25)
+    add_engine_options(parser, exclude=("max_num_seqs",))
     args = parser.parse_args()
-
-    engine = LLMEngine(
-        EngineConfig(
-            model=args.model,
-            device=args.device,
-            kv_cache_memory_gib=1.0,
-            max_num_seqs=max(args.batch, 1),
-            enforce_eager=True if args.enforce_eager else None,
-            attention_backend=args.attention_backend,
-        )
-    )
+    if args.kv_cache_memory_gib is None:
+        args.kv_cache_memory_gib = 1.0
+    engine = LLMEngine(engine_config_from_args(args, max_num_seqs=max(args.batch, 1)))
 
     rng = random.Random(0)
     vocab = engine.runner.model_config.vocab_size

@@ -27,10 +27,10 @@ from compiled_engine.engine.compilation import ModelForward, model_forward, use_
 from compiled_engine.engine.cuda_graphs import CudaGraphRunner, DecodeBuffers, capture_sizes
 from compiled_engine.engine.memory_budget import kv_budget_bytes
 from compiled_engine.engine.step_inputs import ScheduledBatch, StepInputs
+from compiled_engine.engine.weight_loading import load_weights
 from compiled_engine.errors import ModelConfigError
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.llama import Transformer
-from compiled_engine.model.loader import load_model
 from compiled_engine.parallel.distributed import broadcast_step
 from compiled_engine.parallel.plan import parallelize
 from compiled_engine.parallel.shard import NO_SHARD, TPShard
@@ -60,7 +60,7 @@ class ModelRunner:
             self.dtype,
         )
         self.backend = self._choose_backend(config)
-        self.model = self._load(model_dir, mesh)
+        self.model = self._load(model_dir, config, mesh)
         self.forward, self.compile_seconds = self._compile_and_warm_up(config)
         # With tensor parallelism every rank captures the same sizes in the same order and replays
         # the same padded size each step (`execute`), so the all-reduces match.
@@ -91,8 +91,11 @@ class ModelRunner:
         )
         return get_backend(config.attention_backend, shape)
 
-    def _load(self, model_dir: Path, mesh: DeviceMesh | None) -> Transformer:
-        model = load_model(model_dir, self.model_config, self.dtype, self.device, self.shard)
+    def _load(self, model_dir: Path, config: EngineConfig, mesh: DeviceMesh | None) -> Transformer:
+        loaded = load_weights(model_dir, self.model_config, config, self.dtype, self.device, self.shard)
+        logger.info("weights: %s", loaded.description)
+        self.weights_description = loaded.description
+        model = loaded.model
         if self.shard.size > 1:
             if mesh is None:
                 raise ValueError("a tensor-parallel shard needs its device mesh")

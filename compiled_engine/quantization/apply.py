@@ -14,7 +14,6 @@ from compiled_engine.quantization.modules import QuantizedEmbedding, QuantizedLi
 from compiled_engine.quantization.quantize import quantize, quantize_int8
 from compiled_engine.quantization.weights import INT4_GROUP_SIZES, QuantizationError, QuantizedWeight
 
-SCHEMES = ("none", "int8", "int4")
 HEAD_GROUP_SIZE = 32  # the head and the embedding, when quantized: int8 in groups of 32 (GGUF's Q8_0)
 
 
@@ -30,7 +29,7 @@ class QuantizationScheme:
 
     def __post_init__(self) -> None:
         if self.format not in ("int8", "int4"):
-            raise QuantizationError(f"quantization must be one of {SCHEMES}, got {self.format!r}")
+            raise QuantizationError(f"a quantization scheme is int8 or int4, not {self.format!r}")
         if self.format == "int4" and self.group_size is not None and self.group_size not in INT4_GROUP_SIZES:
             raise QuantizationError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {self.group_size}")
         if self.group_size is not None and self.group_size < 1:

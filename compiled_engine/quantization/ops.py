@@ -58,8 +58,7 @@ torch.library.define(
 )
 
 
-@torch.library.impl("compiled_engine::quantized_linear", "CompositeExplicitAutograd")
-def _quantized_linear(
+def run_quantized_linear(
     x: torch.Tensor,
     data: torch.Tensor,
     scales: torch.Tensor,
@@ -67,17 +66,17 @@ def _quantized_linear(
     bias: torch.Tensor | None,
     group_size: int,
 ) -> torch.Tensor:
-    lead, width = x.shape[:-1], x.shape[-1]
-    rows = x.reshape(-1, width)
-    kernels = cpu_kernels() if x.device.type == "cpu" and x.dtype == torch.float32 and rows.shape[0] > 0 else None
-    if kernels is None:
-        y = reference_linear(rows, data, scales, offsets, bias, group_size)
-    elif rows.shape[0] <= KERNEL_MAX_ROWS:
-        y = kernels.matmul_tensors(rows, data, scales, offsets, bias, group_size)
-    else:
-        weight = kernels.dequantize_tensors(data, scales, offsets, group_size)
-        y = F.linear(rows, weight, bias)
-    return y.reshape(*lead, data.shape[0])
+    if x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[0] > 0:
+        kernels = cpu_kernels()
+        if kernels is not None:
+            if x.shape[0] <= KERNEL_MAX_ROWS:
+                return kernels.matmul_tensors(x, data, scales, offsets, bias, group_size)
+            return F.linear(x, kernels.dequantize_tensors(data, scales, offsets, group_size), bias)
+    rows = x.reshape(-1, x.shape[-1])
+    return reference_linear(rows, data, scales, offsets, bias, group_size).reshape(*x.shape[:-1], data.shape[0])
+
+
+torch.library.impl("compiled_engine::quantized_linear", "CompositeExplicitAutograd")(run_quantized_linear)
 
 
 @torch.library.register_fake("compiled_engine::quantized_linear")

@@ -1,0 +1,71 @@
+"""Which weights the runner loads, and in which form: the one place that reads the engine's
+quantization options.
+
+- A model directory with a GGUF (`model.gguf`: the default model, or a user's `.gguf` prepared by
+  model/gguf.py) runs the GGUF's own quantized tensors unless `quantization` says otherwise;
+  with "none" it runs dense weights (its safetensors if the directory has them, else the GGUF
+  dequantized); with int8/int4, dense weights quantized at load.
+- A safetensors checkpoint is dense unless `quantization` is int8 or int4.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from compiled_engine.config import EngineConfig
+from compiled_engine.model.config import ModelConfig
+from compiled_engine.model.default_model import GGUF_NAME
+from compiled_engine.model.llama import Transformer
+from compiled_engine.model.loader import INDEX_FILE, SINGLE_FILE, load_model
+from compiled_engine.parallel.shard import NO_SHARD, TPShard
+from compiled_engine.quantization.apply import QuantizationScheme, quantize_model
+
+
+@dataclass(frozen=True)
+class LoadedWeights:
+    model: Transformer
+    description: str  # for the log and the bench: "GGUF Q4_1/Q8_0", "int4 (group 32) at load", "dense float32"
+
+
+def load_weights(
+    model_dir: Path,
+    model_config: ModelConfig,
+    config: EngineConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    shard: TPShard = NO_SHARD,
+) -> LoadedWeights:
+    gguf = model_dir / GGUF_NAME if (model_dir / GGUF_NAME).is_file() else None
+    quantization = config.quantization
+    quantized = quantization in ("int8", "int4") or (quantization is None and gguf is not None)
+    if quantized and shard.size > 1:
+        raise ValueError(
+            "quantized weights do not run with tensor parallelism yet: pass --quantization none "
+            "(a GGUF is then dequantized) or --tensor-parallel-size 1"
+        )
+    has_dense = (model_dir / SINGLE_FILE).is_file() or (model_dir / INDEX_FILE).is_file()
+    if gguf is not None:
+        from compiled_engine.model.gguf import load_gguf_model  # the gguf package, only when needed
+    if gguf is not None and quantization is None:
+        model = load_gguf_model(gguf, model_config, dtype, device)
+        return LoadedWeights(model, f"GGUF {gguf.name}, its quantized tensors as they are")
+    if gguf is not None and not has_dense:
+        model = load_gguf_model(gguf, model_config, dtype, device, dequantize=True)
+        source = f"GGUF {gguf.name} dequantized to {str(dtype).removeprefix('torch.')}"
+    else:
+        model = load_model(model_dir, model_config, dtype, device, shard)
+        source = f"dense {str(dtype).removeprefix('torch.')}"
+    if quantization in ("int8", "int4"):
+        scheme = QuantizationScheme(quantization, config.quantization_group_size, config.quantize_head)
+        quantize_model(model, scheme)
+        group = (
+            "per channel"
+            if scheme.group_size is None and quantization == "int8"
+            else f"group {scheme.group_size or 32}"
+        )
+        head = ", head int8 group 32" if scheme.head else ", head dense"
+        return LoadedWeights(model, f"{quantization} ({group}{head}) quantized at load from {source}")
+    return LoadedWeights(model, source)

@@ -1,0 +1,304 @@
+"""Quantized weights: the formats and quantizers, the CPU kernels against the reference path
+(dequantize in torch, then F.linear), the operator eager and compiled, the kernels' build
+fallback, and whole models quantized at load against the same model with the dequantized
+weights put back."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from compiled_engine.config import EngineConfig
+from compiled_engine.engine.model_runner import ModelRunner
+from compiled_engine.engine.step_inputs import StepInputs
+from compiled_engine.model.llama import Linear
+from compiled_engine.native_build import KernelBuildError
+from compiled_engine.quantization import cpu_kernels, ops
+from compiled_engine.quantization.apply import QuantizationScheme, quantize_model, weight_bytes
+from compiled_engine.quantization.modules import QuantizedEmbedding, QuantizedLinear
+from compiled_engine.quantization.quantize import quantize, quantize_int4, quantize_int8
+from compiled_engine.quantization.weights import (
+    QuantizationError,
+    QuantizedWeight,
+    concat_rows,
+    dequantize_rows,
+    pack_int4,
+    unpack_int4,
+)
+
+# (format, group size) pairs: per-channel int8, GGUF's Q8_0 and Q4_1 layouts, wider int4 groups.
+FORMATS = [("int8", None), ("int8", 32), ("int4", 32), ("int4", 64), ("int4", 128)]
+
+
+def _weight(out: int, width: int, fmt: str, group: int | None, seed: int = 0) -> QuantizedWeight:
+    torch.manual_seed(seed)
+    return quantize(torch.randn(out, width), fmt, group)
+
+
+@pytest.fixture(scope="module")
+def kernels() -> cpu_kernels.QuantKernels:
+    return cpu_kernels.load_quant_kernels()
+
+
+# ---------------------------------------------------------------------------------------------
+# formats and quantizers
+
+
+def test_int4_packing_is_ggufs_block_layout() -> None:
+    values = torch.arange(64, dtype=torch.uint8).remainder(16).reshape(1, 64)
+    packed = pack_int4(values)
+    assert packed.shape == (1, 32)
+    # byte j of a block: weight j in the low nibble, weight j + 16 in the high one
+    assert int(packed[0, 3]) == int(values[0, 3]) | (int(values[0, 19]) << 4)
+    assert int(packed[0, 16 + 5]) == int(values[0, 32 + 5]) | (int(values[0, 48 + 5]) << 4)
+    assert torch.equal(unpack_int4(packed), values)
+
+
+@pytest.mark.parametrize(("fmt", "group"), FORMATS)
+def test_quantization_error_is_at_most_half_a_step(fmt: str, group: int | None) -> None:
+    dense = torch.randn(24, 256)
+    weight = quantize(dense, fmt, group)
+    g = group or 256
+    steps = weight.scales.repeat_interleave(g, dim=1)
+    error = (weight.dequantize() - dense).abs()
+    assert (error <= steps / 2 + 1e-6).all()
+    assert error.max() > 0  # really quantized
+
+
+def test_int4_keeps_each_groups_extremes_exact() -> None:
+    dense = torch.randn(8, 64)
+    back = quantize_int4(dense, 32).dequantize().reshape(8, 2, 32)
+    groups = dense.reshape(8, 2, 32)
+    torch.testing.assert_close(back.amin(-1), groups.amin(-1), rtol=0, atol=1e-6)
+    torch.testing.assert_close(back.amax(-1), groups.amax(-1), rtol=0, atol=1e-6)
+
+
+def test_a_constant_group_quantizes_without_dividing_by_zero() -> None:
+    dense = torch.zeros(2, 64)
+    dense[1] = 0.5
+    for weight in (quantize_int4(dense, 32), quantize_int8(dense), quantize_int8(dense, 32)):
+        assert torch.equal(weight.dequantize(), dense)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: quantize_int4(torch.randn(4, 48), 32), "multiple of 32 that divides the row width 48"),
+        (lambda: quantize_int4(torch.randn(4, 64), 48), "multiple of 32"),
+        (lambda: quantize_int8(torch.randn(4, 60), 32), "does not divide the row width 60"),
+        (lambda: quantize_int8(torch.randn(4, 4, 4)), "only 2-D floating-point weights"),
+        (lambda: quantize(torch.randn(4, 64), "int3", None), "unknown quantization format 'int3'"),
+    ],
+)
+def test_shapes_that_do_not_fit_the_group_are_refused(call: Callable[[], object], message: str) -> None:
+    with pytest.raises(QuantizationError, match=message):
+        call()
+
+
+def test_inconsistent_tensors_are_not_a_weight() -> None:
+    good = quantize_int4(torch.randn(4, 64), 32)
+    with pytest.raises(QuantizationError, match="data must be uint8"):
+        QuantizedWeight("int4", good.data.to(torch.int8), good.scales, good.offsets, 32, 64)
+    with pytest.raises(QuantizationError, match="need offsets"):
+        QuantizedWeight("int4", good.data, good.scales, None, 32, 64)
+    with pytest.raises(QuantizationError, match="scales must be float32"):
+        QuantizedWeight("int4", good.data, good.scales.half(), good.offsets, 32, 64)
+    with pytest.raises(QuantizationError, match="format must be one of"):
+        QuantizedWeight("int2", good.data, good.scales, good.offsets, 32, 64)
+
+
+def test_rows_narrow_and_concat_agree_with_the_dense_matrix() -> None:
+    a, b = _weight(8, 64, "int4", 32, seed=1), _weight(4, 64, "int4", 32, seed=2)
+    both = concat_rows([a, b])
+    assert torch.equal(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    assert torch.equal(both.narrow_rows(8, 4).dequantize(), b.dequantize())
+    index = torch.tensor([[3, 9], [0, 0]])
+    assert torch.equal(both.rows(index), both.dequantize()[index])
+    with pytest.raises(QuantizationError, match="cannot stack"):
+        concat_rows([a, _weight(4, 64, "int8", 32)])
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels against the reference
+
+
+@pytest.mark.parametrize(("fmt", "group"), FORMATS)
+def test_the_dequantize_kernel_equals_the_reference_exactly(
+    kernels: cpu_kernels.QuantKernels, fmt: str, group: int | None
+) -> None:
+    weight = _weight(37, 256, fmt, group)
+    assert torch.equal(kernels.dequantize(weight), dequantize_rows(weight, None))
+
+
+@pytest.mark.parametrize(("fmt", "group"), FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16])
+def test_the_product_kernel_matches_dequantize_then_matmul(
+    kernels: cpu_kernels.QuantKernels, fmt: str, group: int | None, rows: int
+) -> None:
+    weight = _weight(53, 384, fmt, group, seed=rows)  # 53 rows: not a whole number of strips
+    x = torch.randn(rows, 384)
+    bias = torch.randn(53)
+    expected = F.linear(x, weight.dequantize(), bias)
+    torch.testing.assert_close(kernels.matmul(x, weight, bias), expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(kernels.matmul(x, weight, None), expected - bias, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_kernels_give_the_same_result_on_any_thread_count(kernels: cpu_kernels.QuantKernels, threads: int) -> None:
+    weight = _weight(100, 128, "int4", 32)
+    x = torch.randn(6, 128)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernels.matmul(x, weight, None)
+        torch.set_num_threads(threads)
+        assert torch.equal(kernels.matmul(x, weight, None), one)  # each output sums in one thread
+        assert torch.equal(kernels.dequantize(weight), weight.dequantize())
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_kernels_refuse_bad_input(kernels: cpu_kernels.QuantKernels) -> None:
+    weight = _weight(8, 64, "int4", 32)
+    with pytest.raises(ValueError, match=r"x must be float32 \[rows, 64\]"):
+        kernels.matmul(torch.randn(2, 32), weight, None)
+    with pytest.raises(ValueError, match="x must be float32"):
+        kernels.matmul(torch.randn(2, 64, dtype=torch.float64), weight, None)
+    with pytest.raises(ValueError, match=r"bias must be float32 \[8\]"):
+        kernels.matmul(torch.randn(2, 64), weight, torch.randn(7))
+    odd = QuantizedWeight("int8", torch.zeros(4, 12, dtype=torch.int8), torch.ones(4, 3), None, 4, 12)
+    with pytest.raises(ValueError, match="not whole vectors of 8"):
+        kernels.matmul(torch.randn(1, 12), odd, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# the operator
+
+
+@pytest.mark.parametrize("rows", [1, 16, 17, 40])
+@pytest.mark.parametrize(("fmt", "group"), [("int8", None), ("int4", 32)])
+def test_the_operator_takes_the_kernel_or_the_gemm_and_matches_the_reference(
+    rows: int, fmt: str, group: int | None
+) -> None:
+    weight = _weight(48, 128, fmt, group)
+    module = QuantizedLinear(weight, torch.randn(48))
+    x = torch.randn(rows, 128)
+    expected = ops.reference_linear(x, weight.data, weight.scales, weight.offsets, module.bias, weight.group_size)
+    torch.testing.assert_close(module(x), expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(module(x[None]), expected[None], rtol=1e-5, atol=1e-4)  # leading dims
+    compiled = torch.compile(module.forward, fullgraph=True)
+    torch.testing.assert_close(compiled(x), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_the_operator_runs_the_reference_for_other_dtypes() -> None:
+    weight = _weight(16, 64, "int4", 32)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    out = QuantizedLinear(weight)(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, F.linear(x, weight.dequantize(torch.bfloat16)))
+
+
+def test_without_a_compiler_the_reference_path_runs_with_one_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("COMPILED_ENGINE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler")
+    cpu_kernels.load_quant_kernels.cache_clear()
+    ops.cpu_kernels.cache_clear()
+    try:
+        with pytest.raises(KernelBuildError, match="'no-such-compiler' is not on PATH"):
+            cpu_kernels.load_quant_kernels()
+        weight = _weight(16, 64, "int4", 32)
+        x = torch.randn(2, 64)
+        with caplog.at_level(logging.WARNING):
+            first = QuantizedLinear(weight)(x)
+            QuantizedLinear(weight)(x)
+        warnings = [r for r in caplog.records if "torch reference path" in r.getMessage()]
+        assert len(warnings) == 1 and "no C compiler" in warnings[0].getMessage()
+        assert torch.equal(first, F.linear(x, weight.dequantize()))
+    finally:
+        cpu_kernels.load_quant_kernels.cache_clear()
+        ops.cpu_kernels.cache_clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# whole models
+
+
+def _dense_twin(model: torch.nn.Module) -> None:
+    """Put each quantized weight back as a dense Linear holding its dequantized values."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, QuantizedLinear):
+            parent, _, child = name.rpartition(".")
+            dense = Linear(module.in_features, module.out_features, bias=module.bias is not None)
+            dense.weight = torch.nn.Parameter(module.weight.dequantize(), requires_grad=False)
+            if module.bias is not None:
+                dense.bias = torch.nn.Parameter(module.bias.detach().clone(), requires_grad=False)
+            setattr(model.get_submodule(parent) if parent else model, child, dense)
+        elif isinstance(module, QuantizedEmbedding):
+            model.embed_tokens = torch.nn.Embedding.from_pretrained(module.weight.dequantize())
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+@pytest.mark.parametrize(("fmt", "group", "head"), [("int8", None, True), ("int4", 32, True), ("int4", 64, False)])
+def test_a_model_quantized_at_load_equals_its_dequantized_twin(
+    tiny_model_factory: Callable[..., Path], model_type: str, fmt: str, group: int | None, head: bool
+) -> None:
+    model_dir = tiny_model_factory(model_type, max_position_embeddings=64)
+    config = EngineConfig(
+        model=str(model_dir),
+        quantization=fmt,
+        quantization_group_size=group,
+        quantize_head=head,
+        enforce_eager=True,
+        kv_cache_memory_gib=0.01,
+    )
+    runner = ModelRunner(model_dir, config)
+    model = runner.model
+    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(linears) == 4 * model.config.num_layers + (1 if head else 0)
+    assert all(m.format == fmt for m in linears if m is not model.lm_head)
+    assert isinstance(model.embed_tokens, QuantizedEmbedding) == head
+    inputs = StepInputs(list(range(3, 14)), list(range(11)), [11], [11], [[0]])
+    with torch.inference_mode():
+        quantized = runner.forward.logits(runner.hidden_states(inputs))
+        _dense_twin(model)
+        twin = runner.forward.logits(runner.hidden_states(inputs))
+        dense = ModelRunner(model_dir, EngineConfig(model=str(model_dir), enforce_eager=True, kv_cache_memory_gib=0.01))
+        original = dense.forward.logits(dense.hidden_states(inputs))
+    torch.testing.assert_close(quantized, twin, rtol=1e-4, atol=1e-4)
+    assert (quantized - original).abs().max() > 1e-4  # the quantization really changed the weights
+
+
+def test_quantize_model_refuses_a_width_the_group_does_not_divide_and_changes_nothing(
+    tiny_model_factory: Callable[..., Path],
+) -> None:
+    model_dir = tiny_model_factory("llama", max_position_embeddings=64)
+    runner = ModelRunner(model_dir, EngineConfig(model=str(model_dir), enforce_eager=True, kv_cache_memory_gib=0.01))
+    with pytest.raises(
+        QuantizationError, match=r"layers\.0\.self_attn\.qkv_proj: int4 group size 128 .*divides the row width 64"
+    ):
+        quantize_model(runner.model, QuantizationScheme("int4", 128))
+    assert not any(isinstance(m, QuantizedLinear) for m in runner.model.modules())
+    with pytest.raises(QuantizationError, match="group size must be one of"):
+        QuantizationScheme("int4", 48)
+    with pytest.raises(ValueError, match="quantization must be one of none, int8, int4"):
+        EngineConfig(quantization="fp4")
+    with pytest.raises(ValueError, match="quantization_group_size needs quantization int8 or int4"):
+        EngineConfig(quantization_group_size=32)
+
+
+def test_int4_weights_take_under_a_third_of_the_fp32_bytes(tiny_model_factory: Callable[..., Path]) -> None:
+    model_dir = tiny_model_factory("llama", max_position_embeddings=64, hidden_size=128, intermediate_size=256)
+
+    def resident(**options: object) -> int:
+        config = EngineConfig(model=str(model_dir), enforce_eager=True, kv_cache_memory_gib=0.01, **options)  # type: ignore[arg-type]
+        return weight_bytes(ModelRunner(model_dir, config).model)
+
+    dense, int4 = resident(), resident(quantization="int4")
+    assert int4 < dense / 3
