@@ -36,10 +36,11 @@ PROMPTS = [p.text for p in DEFAULT_PROMPTS]
 CPU = torch.device("cpu")
 
 
-def _runner(model_dir: Path, compiled: bool) -> ModelRunner:
-    return ModelRunner(
-        model_dir, EngineConfig(model=str(model_dir), enforce_eager=not compiled, kv_cache_memory_gib=0.02)
+def _runner(model_dir: Path, compiled: bool, quantization: str | None = None) -> ModelRunner:
+    config = EngineConfig(
+        model=str(model_dir), enforce_eager=not compiled, kv_cache_memory_gib=0.02, quantization=quantization
     )
+    return ModelRunner(model_dir, config)
 
 
 def _batches(vocab: int) -> list[list[tuple[int, int, int, list[int]]]]:
@@ -89,6 +90,25 @@ def test_compiled_logits_match_eager_on_mixed_batches_without_recompiling(
     # the whole forward: one graph for many tokens (dynamic), one for a single token; on CPU the
     # head's one-row graph
     assert after_warm_up == 3
+    compiled = _run_steps(runner, tokens)
+    assert counters["stats"]["unique_graphs"] == after_warm_up, "batch composition caused a recompilation"
+    assert not counters["graph_break"], f"graph breaks: {dict(counters['graph_break'])}"
+    for e, c in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(c, e, atol=2e-4, rtol=1e-4)
+        assert torch.equal(c.argmax(-1), e.argmax(-1))
+
+
+def test_compiled_quantized_model_matches_eager_without_recompiling(tiny_model_factory: Callable[..., Path]) -> None:
+    """int4 weights (and the int8 head): the opaque quantized operator inside the whole-forward
+    one-token graph and the per-layer graphs, against the same operator run eagerly."""
+    model_dir = tiny_model_factory("qwen3", max_position_embeddings=64)
+    gen = torch.Generator().manual_seed(1)
+    tokens = {s: torch.randint(3, 320, (40,), generator=gen).tolist() for s in range(4)}
+    eager = _run_steps(_runner(model_dir, compiled=False, quantization="int4"), tokens)
+    torch._dynamo.reset()
+    counters.clear()
+    runner = _runner(model_dir, compiled=True, quantization="int4")
+    after_warm_up = counters["stats"]["unique_graphs"]
     compiled = _run_steps(runner, tokens)
     assert counters["stats"]["unique_graphs"] == after_warm_up, "batch composition caused a recompilation"
     assert not counters["graph_break"], f"graph breaks: {dict(counters['graph_break'])}"

@@ -15,16 +15,28 @@ from compiled_engine.bench.workload import Workload
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.outputs import RequestOutput
 from compiled_engine.engine.sampling_params import SamplingParams
+from compiled_engine.quantization.modules import QuantizedEmbedding, QuantizedLinear
 
 
 def weight_bytes(engine: LLMEngine) -> int:
-    """Weight bytes one forward step reads: every parameter once, except the embedding table, of
-    which a step reads only its tokens' rows; a tied head reads that whole table as its weight."""
+    """Weight bytes one forward step reads: every parameter and buffer once (quantized weights
+    are buffers), except the embedding table, of which a step reads only its tokens' rows; a
+    tied head reads that whole table as its weight."""
     model = engine.runner.model
-    embedding = model.embed_tokens.weight
-    total = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding)
-    if model.lm_head.weight is embedding:
-        total += embedding.numel() * embedding.element_size()
+
+    def weights(module: torch.nn.Module) -> list[torch.Tensor]:
+        quantized = [m for m in module.modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))]
+        return [*module.parameters(), *(b for m in quantized for b in m.buffers(recurse=False))]
+
+    head = {id(t) for t in weights(model.lm_head)}
+    embedding = {id(t) for t in weights(model.embed_tokens)} - head
+    seen: set[int] = set()
+    total = 0
+    for t in weights(model):
+        if id(t) in seen or id(t) in embedding:
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
     return total
 
 
