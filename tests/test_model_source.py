@@ -205,7 +205,7 @@ def test_file_is_not_a_model_dir(tmp_path: Path, forbid_download: list[str]) -> 
     config.write_text("{}")
     with pytest.raises(ModelSourceError) as info:
         resolve_model_dir(str(config))
-    assert str(info.value) == f"--model {str(config)!r} is a file; pass the model directory"
+    assert str(info.value) == f"--model {str(config)!r} is a file; pass the model directory or a .gguf file"
     assert forbid_download == []
 
 

@@ -1,9 +1,10 @@
-"""`python -m compiled_engine.bench latency|offline|serve`: our figures, a same-run baseline, a ceiling.
+"""`python -m compiled_engine.bench latency|offline|serve|perplexity`: our figures, a same-run baseline, a ceiling.
 
 python -m compiled_engine.bench latency --prompt-len 512 --output-len 128 --baseline hf --json out.json
 python -m compiled_engine.bench offline --num-seqs 32 --input-len 100 1024 --output-len 100 1024 --baseline hf
 python -m compiled_engine.bench serve --concurrency 1 4 16 --baseline hf --plot serve.png
 python -m compiled_engine.bench serve --base-url http://127.0.0.1:8000 --request-rate 2 8 inf
+python -m compiled_engine.bench perplexity --formats none,int8,int4,gguf --window 1024 --stride 512
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from rich.table import Table
 from compiled_engine.bench.bandwidth import measure_read_bandwidth
 from compiled_engine.bench.environment import environment
 from compiled_engine.bench.hf_baseline import BaselineUnavailable, hf_generate_seconds, load_hf
+from compiled_engine.bench.perplexity import add_perplexity_command, bench_perplexity
 from compiled_engine.bench.plots import PlotUnavailable, check_plotting, write_plot
 from compiled_engine.bench.runs import run_hf, run_hf_as_server, run_ours, weight_bytes
 from compiled_engine.bench.serving import run_load, summarize
@@ -96,6 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-concurrency", type=int, default=None, help="with --request-rate: cap on requests in flight"
     )
+    add_perplexity_command(commands)
     return parser
 
 
@@ -435,7 +438,7 @@ def _strict_json(value: Any) -> Any:
     return value
 
 
-BENCHMARKS = {"latency": bench_latency, "offline": bench_offline, "serve": bench_serve}
+BENCHMARKS = {"latency": bench_latency, "offline": bench_offline, "serve": bench_serve, "perplexity": bench_perplexity}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -48,7 +48,7 @@ def load_weights(
         )
     has_dense = (model_dir / SINGLE_FILE).is_file() or (model_dir / INDEX_FILE).is_file()
     if gguf is not None:
-        from compiled_engine.model.gguf import load_gguf_model  # the gguf package, only when needed
+        from compiled_engine.model.gguf import load_gguf_model
     if gguf is not None and quantization is None:
         model = load_gguf_model(gguf, model_config, dtype, device)
         return LoadedWeights(model, f"GGUF {gguf.name}, its quantized tensors as they are")

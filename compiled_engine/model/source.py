@@ -13,7 +13,8 @@ HUB_FILE_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
 
 
 def resolve_model_dir(model: str | None) -> Path:
-    """Turn `--model` into a local directory holding config.json and the weights."""
+    """Turn `--model` into a local directory holding config.json and the weights (for a `.gguf`
+    file, the directory prepared for it in the engine cache)."""
     if model is None:
         return load_default_model_dir()
     if not model:
@@ -23,8 +24,12 @@ def resolve_model_dir(model: str | None) -> Path:
     path = Path(model).expanduser()
     if path.is_dir():
         return path
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        from compiled_engine.model.gguf import prepare_gguf_dir
+
+        return prepare_gguf_dir(path)
     if path.exists():
-        raise ModelSourceError(f"--model {model!r} is a file; pass the model directory")
+        raise ModelSourceError(f"--model {model!r} is a file; pass the model directory or a .gguf file")
     if not HUB_ID.match(model) or model.startswith((".", "~")):
         raise ModelSourceError(f"--model {model!r} is neither a local directory nor a Hub id (owner/name)")
     return _download_from_hub(model)
