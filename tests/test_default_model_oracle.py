@@ -1,5 +1,7 @@
-"""The default model, fp32 on CPU, against the transformers reference: identical greedy ids,
-close logits, batching that changes nothing, and every page back in the pool."""
+"""The default model on CPU against the transformers reference (fp32, on the GGUF's weights
+dequantized): identical greedy ids, close logits, batching that changes nothing, and every page
+back in the pool. Twice: with the GGUF's own 4-bit weights (the default) and with the dense fp32
+conversion (`quantization="none"`)."""
 
 from __future__ import annotations
 
@@ -33,17 +35,34 @@ class Run:
     golden: list[GoldenResult]
 
 
+@dataclass
+class Reference:
+    tokenizer: Tokenizer
+    oracle: ReferenceOracle
+    prompt_ids: list[list[int]]
+    golden: list[GoldenResult]
+
+
 @pytest.fixture(scope="module")
-def run(default_model_dir: Path) -> Run:
+def reference(default_model_dir: Path) -> Reference:
     tokenizer = Tokenizer(default_model_dir)
-    runner = ModelRunner(default_model_dir, EngineConfig(kv_cache_memory_gib=0.25))
-    generator = Generator(runner)
     oracle = ReferenceOracle(default_model_dir)
     prompt_ids = [tokenizer.encode_prompt(p.text, p.chat) for p in DEFAULT_PROMPTS]
-    stop = tokenizer.eos_token_ids
-    batched = generator.generate(prompt_ids, MAX_TOKENS, stop, record_logits=True)
-    golden = [oracle.greedy(ids, MAX_TOKENS, stop) for ids in prompt_ids]
-    return Run(tokenizer, runner, generator, oracle, prompt_ids, batched, golden)
+    golden = [oracle.greedy(ids, MAX_TOKENS, tokenizer.eos_token_ids) for ids in prompt_ids]
+    return Reference(tokenizer, oracle, prompt_ids, golden)
+
+
+@pytest.fixture(scope="module", params=["gguf-q4_1", "dense-fp32"])
+def run(request: pytest.FixtureRequest, default_model_dir: Path, reference: Reference) -> Run:
+    quantization = None if request.param == "gguf-q4_1" else "none"
+    runner = ModelRunner(default_model_dir, EngineConfig(kv_cache_memory_gib=0.25, quantization=quantization))
+    assert runner.weights_description.startswith("GGUF" if quantization is None else "dense")
+    generator = Generator(runner)
+    stop = reference.tokenizer.eos_token_ids
+    batched = generator.generate(reference.prompt_ids, MAX_TOKENS, stop, record_logits=True)
+    return Run(
+        reference.tokenizer, runner, generator, reference.oracle, reference.prompt_ids, batched, reference.golden
+    )
 
 
 def test_prompts_cover_chat_plain_and_non_ascii() -> None:

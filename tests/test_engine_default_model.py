@@ -1,4 +1,4 @@
-"""The scheduled engine on the default model, fp32 CPU: 16 concurrent requests through chunked
+"""The scheduled engine on the default model (its GGUF's 4-bit weights, fp32 activations, CPU): 16 concurrent requests through chunked
 prefill (chunks of 1, 7 and 64 tokens crossing pages), prefix-cache hits and forced preemption
 give exactly the oracle's greedy tokens, which are also each request's tokens alone."""
 

@@ -23,12 +23,18 @@ from typing import Any
 import httpx
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from compiled_engine.bench.bandwidth import measure_read_bandwidth
 from compiled_engine.bench.environment import environment
 from compiled_engine.bench.hf_baseline import BaselineUnavailable, hf_generate_seconds, load_hf
+from compiled_engine.bench.llama_cpp_baseline import (
+    llama_cpp_decode_seconds,
+    llama_cpp_prefill_seconds,
+    load_llama_cpp,
+)
 from compiled_engine.bench.perplexity import add_perplexity_command, bench_perplexity
 from compiled_engine.bench.plots import PlotUnavailable, check_plotting, write_plot
 from compiled_engine.bench.runs import run_hf, run_hf_as_server, run_ours, weight_bytes
@@ -40,6 +46,7 @@ from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine_options import add_engine_options, engine_config_from_args
 from compiled_engine.errors import CompiledEngineError
 from compiled_engine.model.config import ModelConfig
+from compiled_engine.model.gguf import gguf_file
 from compiled_engine.model.source import resolve_model_dir
 from compiled_engine.server.launch import serve_in_background
 
@@ -55,7 +62,13 @@ def _parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name)
         # latency turns prefix caching off itself; --seed is the workload's (below)
         add_engine_options(sub, exclude={"seed", "enable_prefix_caching"} if name == "latency" else {"seed"})
-        sub.add_argument("--baseline", choices=["none", "hf"], default="none")
+        sub.add_argument(
+            "--baseline",
+            choices=["none", "hf", "llama-cpp"] if name == "latency" else ["none", "hf"],
+            default="none",
+            help="the same workload in the same run through transformers (hf) or, for latency, "
+            "llama.cpp on the same GGUF (llama-cpp)",
+        )
         sub.add_argument("--seed", type=int, default=0, help="seed of the random workload")
         sub.add_argument("--json", type=Path, default=None, help="write every figure and the environment here")
         sub.add_argument(
@@ -158,13 +171,20 @@ def _baseline(args: argparse.Namespace, engine: LLMEngine) -> tuple[Any, str | N
 
 
 def _print_comparison(
-    console: Console, title: str, result: dict[str, Any], rows: tuple[tuple[str, str], ...], extra: tuple[str, str]
+    console: Console,
+    title: str,
+    result: dict[str, Any],
+    rows: tuple[tuple[str, str], ...],
+    extra: tuple[str, str],
+    baseline: str = "hf",
 ) -> None:
-    """Ours beside the baseline, one row per figure, then one row of ours alone."""
+    """Ours beside the baseline (its figures under result[baseline]), one row per figure, then
+    one row of ours alone."""
     table = Table(title=title)
-    for column in ("", "ours", "hf", "ours / hf"):
+    name = baseline.replace("_", "-")
+    for column in ("", "ours", name, f"ours / {name}"):
         table.add_column(column)
-    ours, hf, ratios = result["ours"], result.get("hf", {}), result.get("ratio_vs_hf", {})
+    ours, hf, ratios = result["ours"], result.get(baseline, {}), result.get(f"ratio_vs_{baseline}", {})
     for key, label in rows:
         ratio = ratios.get(key)
         table.add_row(
@@ -173,7 +193,36 @@ def _print_comparison(
     table.add_row(extra[0], extra[1], "-", "-")
     console.print(table)
     if "error" in hf:
-        console.print(f"[yellow]baseline hf did not run: {hf['error']}[/yellow]")
+        console.print(f"[yellow]baseline {name} did not run: {escape(hf['error'])}[/yellow]")
+
+
+RATIO_KEYS = ("prefill_tokens_per_s", "decode_tokens_per_s")
+
+
+def _llama_cpp_latency(
+    engine: LLMEngine,
+    ours: dict[str, float],
+    prefill_prompt: list[int],
+    decode_prompt: list[int],
+    output_len: int,
+    repeats: int,
+) -> dict[str, Any]:
+    """The latency figures of llama.cpp on the engine's own GGUF, keyed as the hf baseline's."""
+    try:
+        llm = load_llama_cpp(gguf_file(engine.model_dir), len(decode_prompt) + output_len + 8)
+    except BaselineUnavailable as exc:
+        return {"llama_cpp": {"error": str(exc)}}
+    llama_cpp_prefill_seconds(llm, prefill_prompt[:8])  # warm-up
+    prefill = statistics.median(llama_cpp_prefill_seconds(llm, prefill_prompt) for _ in range(repeats))
+    tpot = statistics.median(llama_cpp_decode_seconds(llm, decode_prompt, output_len) for _ in range(repeats))
+    figures = {
+        "ttft_s": prefill,
+        "prefill_tokens_per_s": len(prefill_prompt) / prefill,
+        "decode_ms_per_token": tpot * 1000,
+        "decode_tokens_per_s": 1 / tpot,
+    }
+    ratios = {k: ours_figure / figures[k] for k, ours_figure in ours.items() if k in RATIO_KEYS}
+    return {"llama_cpp": figures, "ratio_vs_llama_cpp": ratios}
 
 
 def bench_latency(args: argparse.Namespace, console: Console) -> dict[str, Any]:
@@ -198,7 +247,11 @@ def bench_latency(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         "bandwidth_fraction": weights / tpot / ceiling,
     }
     result: dict[str, Any] = {"ours": ours}
-    model, why = _baseline(args, engine)
+    if args.baseline == "llama-cpp":
+        result.update(_llama_cpp_latency(engine, ours, prefill.prompts[0], decode.prompts[0], output_len, args.repeats))
+        model, why = None, None
+    else:
+        model, why = _baseline(args, engine)
     if model is not None:
         device = engine.runner.device
         hf_generate_seconds(model, prefill.prompts, 2, device)  # warm-up
@@ -215,7 +268,7 @@ def bench_latency(args: argparse.Namespace, console: Console) -> dict[str, Any]:
             "decode_ms_per_token": hf_tpot * 1000,
             "decode_tokens_per_s": 1 / hf_tpot,
         }
-        result["ratio_vs_hf"] = {k: ours[k] / result["hf"][k] for k in ("prefill_tokens_per_s", "decode_tokens_per_s")}
+        result["ratio_vs_hf"] = {k: ours[k] / result["hf"][k] for k in RATIO_KEYS}
     elif why:
         result["hf"] = {"error": why}
     _print_comparison(
@@ -231,6 +284,7 @@ def bench_latency(args: argparse.Namespace, console: Console) -> dict[str, Any]:
             "weight bandwidth",
             f"{ours['effective_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s ({ours['bandwidth_fraction']:.0%} of {ceiling / 1e9:.1f} measured)",
         ),
+        baseline="llama_cpp" if args.baseline == "llama-cpp" else "hf",
     )
     return {
         "benchmark": "latency",
@@ -403,7 +457,7 @@ def bench_serve(args: argparse.Namespace, console: Console) -> dict[str, Any]:
                 f"[red]{point['ours']['errors']} requests failed at {sweep_name} {point['load']:g}: {point['ours']['error_examples']}[/red]"
             )
     if points and "error" in points[0].get("hf", {}):
-        console.print(f"[yellow]baseline hf did not run: {points[0]['hf']['error']}[/yellow]")
+        console.print(f"[yellow]baseline hf did not run: {escape(points[0]['hf']['error'])}[/yellow]")
     workload_info = {
         "num_prompts": args.num_prompts,
         "input_len": args.input_len,
