@@ -57,8 +57,29 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_prepare(args: argparse.Namespace) -> int:
     from compiled_engine.model.default_model import prepare_default_model
 
-    print(prepare_default_model())
+    model_dir = prepare_default_model()
+    _build_native_kernels()
+    print(model_dir)
     return 0
+
+
+def _build_native_kernels() -> None:
+    """Build the CPU kernels now, once per machine, so that the first start does not (each one
+    that cannot be built says why, and the engine runs its fallback)."""
+    import time
+
+    from compiled_engine.attention.native_decode import load_native_decode
+    from compiled_engine.native_build import KernelBuildError
+    from compiled_engine.quantization.ops import cpu_kernels, native_operator
+
+    started = time.perf_counter()
+    try:
+        load_native_decode()
+    except KernelBuildError as error:
+        print(f"the CPU attention kernel cannot be built here: {error}", file=sys.stderr)
+    cpu_kernels()  # warns itself when it cannot be built
+    native_operator()
+    print(f"native kernels ready ({time.perf_counter() - started:.1f} s)", file=sys.stderr)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

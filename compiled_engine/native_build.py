@@ -93,3 +93,86 @@ class NativeLibrary:
             return ctypes.CDLL(str(self.path()))
         except OSError as error:  # an unwritable cache, a library the loader refuses
             raise KernelBuildError(f"building or loading the {self.what} failed: {error}") from error
+
+
+@dataclass(frozen=True)
+class TorchOperatorLibrary:
+    """A native torch operator: a C++ source registering the operator (TORCH_LIBRARY) linked with
+    a C kernel source, against the running torch's headers and libraries. Keyed like
+    NativeLibrary, plus torch's version and C++ ABI; loaded with torch.ops.load_library."""
+
+    cpp_source: Path
+    c_source: Path
+    what: str
+
+    def path(self) -> Path:
+        import torch
+        import torch.utils.cpp_extension as cpp_extension
+
+        cc, cxx = compiler(), _cxx_compiler()
+        versions = [
+            subprocess.run([c, "--version"], capture_output=True, text=True, check=False).stdout for c in (cc, cxx)
+        ]
+        key = hashlib.sha256(
+            "\0".join(
+                [
+                    self.cpp_source.read_text(),
+                    self.c_source.read_text(),
+                    cc,
+                    cxx,
+                    *versions,
+                    torch.__version__,
+                    str(torch._C._GLIBCXX_USE_CXX11_ABI),
+                    " ".join(cpp_extension.include_paths()),
+                    cpu_identity(),
+                ]
+            ).encode()
+        ).hexdigest()[:16]
+        path = kernels_dir() / f"{self.cpp_source.stem}-{key}.so"
+        if not path.exists():
+            self.build(cc, cxx, path)
+        return path
+
+    def build(self, cc: str, cxx: str, output: Path) -> None:
+        import torch
+        import torch.utils.cpp_extension as cpp_extension
+
+        output.parent.mkdir(parents=True, exist_ok=True)
+        torch_lib = str(Path(torch.__file__).parent / "lib")
+        with tempfile.TemporaryDirectory(dir=output.parent) as scratch:
+            kernel = Path(scratch) / "kernels.o"
+            partial = Path(scratch) / output.name
+            abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+            commands = [
+                [cc, "-O3", "-march=native", "-fPIC", *OPENMP, "-c", str(self.c_source), "-o", str(kernel)],
+                [
+                    cxx, "-O2", "-std=c++17", "-fPIC", "-shared", abi,
+                    *(f"-I{p}" for p in cpp_extension.include_paths()),
+                    str(self.cpp_source), str(kernel), "-o", str(partial),
+                    f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu", *OPENMP,
+                ],
+            ]  # fmt: skip
+            for command in commands:
+                done = subprocess.run(command, capture_output=True, text=True, check=False)
+                if done.returncode != 0:
+                    raise KernelBuildError(
+                        f"building the {self.what} failed:\n$ {' '.join(command)}\n{done.stderr.strip()[-2000:]}"
+                    )
+            partial.replace(output)
+
+    def load(self) -> None:
+        """Build (once per machine) and register the operator; raises KernelBuildError when it cannot."""
+        import torch
+
+        try:
+            torch.ops.load_library(str(self.path()))
+        except OSError as error:
+            raise KernelBuildError(f"building or loading the {self.what} failed: {error}") from error
+
+
+def _cxx_compiler() -> str:
+    name = os.environ.get("CXX", "c++")
+    path = shutil.which(name)
+    if path is None:
+        raise KernelBuildError(f"no C++ compiler: {name!r} is not on PATH (set CXX to one)")
+    return path

@@ -195,6 +195,23 @@ def test_the_operator_takes_the_kernel_or_the_gemm_and_matches_the_reference(
     torch.testing.assert_close(compiled(x), expected, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])
+@pytest.mark.parametrize(("fmt", "group"), [("int8", None), ("int8", 32), ("int4", 32), ("int4", 128)])
+def test_the_native_operator_equals_the_python_one(rows: int, fmt: str, group: int | None) -> None:
+    weight = _weight(48, 256, fmt, group, seed=rows)
+    native = ops.native_operator()
+    assert native is not None
+    x, bias = torch.randn(rows, 256), torch.randn(48)
+    args = (x, weight.data, weight.scales, weight.offsets, bias, weight.group_size)
+    through_python = ops.run_quantized_linear(*args)
+    assert torch.equal(ops.quantized_linear(*args, native=native), through_python)  # the same kernels
+    module = QuantizedLinear(weight, bias)
+    assert module.native is native
+    torch.testing.assert_close(module(x), ops.reference_linear(*args), rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match=r"x must be float32 \[rows, 256\]"):
+        native(torch.randn(rows, 128), *args[1:], ops.KERNEL_MAX_ROWS)
+
+
 def test_the_operator_runs_the_reference_for_other_dtypes() -> None:
     weight = _weight(16, 64, "int4", 32)
     x = torch.randn(3, 64, dtype=torch.bfloat16)
@@ -208,22 +225,26 @@ def test_without_a_compiler_the_reference_path_runs_with_one_warning(
 ) -> None:
     monkeypatch.setenv("COMPILED_ENGINE_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-compiler")
-    cpu_kernels.load_quant_kernels.cache_clear()
-    ops.cpu_kernels.cache_clear()
+    caches = (cpu_kernels.load_quant_kernels, ops.cpu_kernels, ops.native_operator)
+    for cached in caches:
+        cached.cache_clear()
     try:
         with pytest.raises(KernelBuildError, match="'no-such-compiler' is not on PATH"):
             cpu_kernels.load_quant_kernels()
         weight = _weight(16, 64, "int4", 32)
         x = torch.randn(2, 64)
         with caplog.at_level(logging.WARNING):
-            first = QuantizedLinear(weight)(x)
+            module = QuantizedLinear(weight)
+            first = module(x)
             QuantizedLinear(weight)(x)
+        assert module.native is None
         warnings = [r for r in caplog.records if "torch reference path" in r.getMessage()]
         assert len(warnings) == 1 and "no C compiler" in warnings[0].getMessage()
+        assert sum("call their kernels from Python" in r.getMessage() for r in caplog.records) == 1
         assert torch.equal(first, F.linear(x, weight.dequantize()))
     finally:
-        cpu_kernels.load_quant_kernels.cache_clear()
-        ops.cpu_kernels.cache_clear()
+        for cached in caches:
+            cached.cache_clear()
 
 
 # ---------------------------------------------------------------------------------------------

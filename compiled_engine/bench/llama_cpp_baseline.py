@@ -51,12 +51,14 @@ def llama_cpp_prefill_seconds(llm: Any, prompt: list[int]) -> float:
 def llama_cpp_decode_seconds(llm: Any, prompt: list[int], new_tokens: int) -> float:
     """Seconds per decode step: `new_tokens` greedy steps after a prefill of `prompt` (the prefill
     is not counted)."""
+    import llama_cpp
     import numpy as np
 
+    vocab = llm.n_vocab()
     llm.reset()
     llm.eval(prompt)
     started = time.perf_counter()
     for _ in range(new_tokens):
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-        llm.eval([token])
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,))
+        llm.eval([int(np.argmax(logits))])
     return (time.perf_counter() - started) / new_tokens

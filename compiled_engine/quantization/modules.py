@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from compiled_engine.quantization.ops import quantized_linear
+from compiled_engine.quantization.ops import native_operator, quantized_linear
 from compiled_engine.quantization.weights import QuantizedWeight, dequantize_tensors
 
 
@@ -32,13 +32,16 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("scales", weight.scales)
         self.register_buffer("offsets", weight.offsets)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        # The C++ operator for CPU weights (built once per machine); None elsewhere or when it
+        # cannot be built.
+        self.native = native_operator() if weight.device.type == "cpu" else None
 
     @property
     def weight(self) -> QuantizedWeight:
         return QuantizedWeight(self.format, self.data, self.scales, self.offsets, self.group_size, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return quantized_linear(x, self.data, self.scales, self.offsets, self.bias, self.group_size)
+        return quantized_linear(x, self.data, self.scales, self.offsets, self.bias, self.group_size, self.native)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, {self.format}, group_size={self.group_size}"

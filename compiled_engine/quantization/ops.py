@@ -15,18 +15,51 @@ from __future__ import annotations
 
 import logging
 from functools import cache
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from compiled_engine.native_build import KernelBuildError
-from compiled_engine.quantization.cpu_kernels import QuantKernels, load_quant_kernels
+from compiled_engine.native_build import KernelBuildError, TorchOperatorLibrary
+from compiled_engine.quantization.cpu_kernels import LIBRARY, QuantKernels, load_quant_kernels
 from compiled_engine.quantization.weights import dequantize_tensors
 
 logger = logging.getLogger(__name__)
 
 # Rows up to which the kernel's direct product beats dequantize-then-GEMM (docs/benchmarks.md).
 KERNEL_MAX_ROWS = 16
+
+
+NATIVE_OPERATOR = TorchOperatorLibrary(
+    Path(__file__).with_name("kernels") / "quant_op.cpp", LIBRARY.source, "native quantized-linear operator"
+)
+
+
+@cache
+def native_operator() -> torch._ops.OpOverload | None:
+    """`compiled_engine::quantized_linear_f32`, the same product as a C++ operator (one
+    dispatcher call, no Python, inside a compiled graph), or None with one warning when it
+    cannot be built: the ctypes path below then runs the same kernels."""
+    try:
+        NATIVE_OPERATOR.load()
+    except KernelBuildError as error:
+        logger.warning("quantized products call their kernels from Python (slower per call), because %s", error)
+        return None
+    _register_native_fake()
+    op: torch._ops.OpOverload = torch.ops.compiled_engine.quantized_linear_f32.default
+    return op
+
+
+def _native_fake(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    group_size: int,
+    max_kernel_rows: int,
+) -> torch.Tensor:
+    return x.new_empty(x.shape[0], data.shape[0])
 
 
 @cache
@@ -98,7 +131,16 @@ def quantized_linear(
     offsets: torch.Tensor | None,
     bias: torch.Tensor | None,
     group_size: int,
+    native: torch._ops.OpOverload | None = None,
 ) -> torch.Tensor:
     """x @ W.T + bias for the quantized weight W held in `data`, `scales` and `offsets` (int8
-    data: the int8 format; uint8: int4)."""
+    data: the int8 format; uint8: int4). `native`: the C++ operator (`native_operator()`), taken
+    for 2-D fp32 activations on the CPU."""
+    if native is not None and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu":
+        return native(x, data, scales, offsets, bias, group_size, KERNEL_MAX_ROWS)
     return torch.ops.compiled_engine.quantized_linear(x, data, scales, offsets, bias, group_size)
+
+
+def _register_native_fake() -> None:
+    """The C++ operator's shape function, once its schema exists (after native_operator())."""
+    torch.library.register_fake("compiled_engine::quantized_linear_f32")(_native_fake)

@@ -1,0 +1,78 @@
+// compiled_engine::quantized_linear_f32: the quantized product as a native torch operator, so that
+// a compiled graph calls the kernels of quant_matmul.c through the dispatcher alone, without the
+// Python work of the ctypes path (about 30 us a call, docs/benchmarks.md). fp32 activations on the
+// CPU only; quantization/ops.py sends everything else to the reference path.
+//
+// Up to max_kernel_rows rows run straight from the quantized weight; more rows dequantize it and
+// run the fp32 GEMM, as ops.run_quantized_linear does.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <torch/library.h>
+
+#include <optional>
+
+extern "C" {
+int int4_matmul_f32(const float *x, int64_t rows, int64_t in, const uint8_t *data, const float *scales,
+                    const float *offsets, int64_t out, int64_t group, const float *bias, float *y, int threads);
+int int8_matmul_f32(const float *x, int64_t rows, int64_t in, const int8_t *data, const float *scales, int64_t out,
+                    int64_t group, const float *bias, float *y, int threads);
+int int4_dequantize_f32(const uint8_t *data, const float *scales, const float *offsets, int64_t out, int64_t in,
+                        int64_t group, float *w, int threads);
+int int8_dequantize_f32(const int8_t *data, const float *scales, int64_t out, int64_t in, int64_t group, float *w,
+                        int threads);
+}
+
+namespace {
+
+at::Tensor quantized_linear_f32(const at::Tensor &x, const at::Tensor &data, const at::Tensor &scales,
+                                const std::optional<at::Tensor> &offsets, const std::optional<at::Tensor> &bias,
+                                int64_t group_size, int64_t max_kernel_rows) {
+    const bool int4 = offsets.has_value();
+    const int64_t out = data.size(0), in = data.size(1) * (int4 ? 2 : 1);
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == in && x.scalar_type() == at::kFloat && x.is_cpu(),
+                "quantized_linear_f32: x must be float32 [rows, ", in, "] on the CPU");
+    TORCH_CHECK(data.is_contiguous() && scales.is_contiguous() && (!int4 || offsets->is_contiguous()),
+                "quantized_linear_f32: the weight's tensors must be contiguous");
+    TORCH_CHECK(data.scalar_type() == (int4 ? at::kByte : at::kChar) && scales.scalar_type() == at::kFloat,
+                "quantized_linear_f32: int4 data is uint8 with offsets, int8 data is int8 without");
+    TORCH_CHECK(!bias || (bias->numel() == out && bias->scalar_type() == at::kFloat && bias->is_contiguous()),
+                "quantized_linear_f32: bias must be float32 [", out, "]");
+    const int64_t rows = x.size(0);
+    if (rows == 0) return at::empty({0, out}, x.options());
+    const at::Tensor xc = x.contiguous();
+    const int threads = at::get_num_threads();
+    const float *bias_ptr = bias ? bias->data_ptr<float>() : nullptr;
+    int status;
+    if (rows <= max_kernel_rows) {
+        at::Tensor y = at::empty({rows, out}, x.options());
+        if (int4)
+            status = int4_matmul_f32(xc.data_ptr<float>(), rows, in, data.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+                                     offsets->data_ptr<float>(), out, group_size, bias_ptr, y.data_ptr<float>(),
+                                     threads);
+        else
+            status = int8_matmul_f32(xc.data_ptr<float>(), rows, in, data.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                                     out, group_size, bias_ptr, y.data_ptr<float>(), threads);
+        TORCH_CHECK(status == 0, "quantized_linear_f32: the kernel refused [", out, ", ", in, "] (status ", status, ")");
+        return y;
+    }
+    at::Tensor w = at::empty({out, in}, x.options());
+    if (int4)
+        status = int4_dequantize_f32(data.data_ptr<uint8_t>(), scales.data_ptr<float>(), offsets->data_ptr<float>(), out,
+                                     in, group_size, w.data_ptr<float>(), threads);
+    else
+        status = int8_dequantize_f32(data.data_ptr<int8_t>(), scales.data_ptr<float>(), out, in, group_size,
+                                     w.data_ptr<float>(), threads);
+    TORCH_CHECK(status == 0, "quantized_linear_f32: dequantizing [", out, ", ", in, "] failed");
+    return at::linear(xc, w, bias);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(compiled_engine, m) {
+    m.def("quantized_linear_f32(Tensor x, Tensor data, Tensor scales, Tensor? offsets, Tensor? bias, int group_size, "
+          "int max_kernel_rows) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(compiled_engine, CPU, m) { m.impl("quantized_linear_f32", quantized_linear_f32); }
