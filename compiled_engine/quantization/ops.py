@@ -26,8 +26,9 @@ from compiled_engine.quantization.weights import dequantize_tensors
 
 logger = logging.getLogger(__name__)
 
-# Rows up to which the kernel's direct product beats dequantize-then-GEMM (docs/benchmarks.md).
-KERNEL_MAX_ROWS = 16
+# Rows up to which the direct product is no slower than dequantize-then-GEMM, and int8 no slower
+# than the fp32 GEMM (docs/benchmarks.md); past them the dequantized weight goes to the GEMM.
+KERNEL_MAX_ROWS = 32
 
 
 NATIVE_OPERATOR = TorchOperatorLibrary(
