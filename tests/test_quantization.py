@@ -323,3 +323,23 @@ def test_int4_weights_take_under_a_third_of_the_fp32_bytes(tiny_model_factory: C
 
     dense, int4 = resident(), resident(quantization="int4")
     assert int4 < dense / 3
+
+
+def test_tensor_parallelism_takes_the_dense_weights_or_refuses(
+    default_model_dir: Path, tiny_model_factory: Callable[..., Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    from compiled_engine.engine.weight_loading import load_weights
+    from compiled_engine.model.config import ModelConfig
+    from compiled_engine.parallel.shard import TPShard
+
+    config = ModelConfig.from_model_dir(default_model_dir)
+    cpu = torch.device("cpu")
+    with caplog.at_level(logging.WARNING):
+        loaded = load_weights(default_model_dir, config, EngineConfig(), torch.float32, cpu, TPShard(0, 3))
+    assert loaded.description.startswith("dense") and "do not shard yet" in caplog.text
+    assert not any(isinstance(m, QuantizedLinear) for m in loaded.model.modules())
+    tiny = tiny_model_factory("llama")
+    with pytest.raises(ValueError, match="--quantization int4 does not run with tensor parallelism"):
+        load_weights(
+            tiny, ModelConfig.from_model_dir(tiny), EngineConfig(quantization="int4"), torch.float32, cpu, TPShard(0, 2)
+        )

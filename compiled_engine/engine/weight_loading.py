@@ -10,6 +10,7 @@ quantization options.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from compiled_engine.model.llama import Transformer
 from compiled_engine.model.loader import INDEX_FILE, SINGLE_FILE, load_model
 from compiled_engine.parallel.shard import NO_SHARD, TPShard
 from compiled_engine.quantization.apply import QuantizationScheme, quantize_model
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -40,13 +43,29 @@ def load_weights(
 ) -> LoadedWeights:
     gguf = model_dir / GGUF_NAME if (model_dir / GGUF_NAME).is_file() else None
     quantization = config.quantization
-    quantized = quantization in ("int8", "int4") or (quantization is None and gguf is not None)
-    if quantized and shard.size > 1:
+    if shard.size > 1 and quantization in ("int8", "int4"):
         raise ValueError(
-            "quantized weights do not run with tensor parallelism yet: pass --quantization none "
-            "(a GGUF is then dequantized) or --tensor-parallel-size 1"
+            f"--quantization {quantization} does not run with tensor parallelism yet: pass "
+            "--quantization none or --tensor-parallel-size 1"
         )
     has_dense = (model_dir / SINGLE_FILE).is_file() or (model_dir / INDEX_FILE).is_file()
+    if device.type != "cpu" and gguf is not None and quantization is None:
+        # The quantized kernels are CPU code; elsewhere the reference path would dequantize every
+        # weight at every product.
+        logger.info("on %s the GGUF runs dequantized: the quantized kernels are CPU-only so far", device.type)
+        quantization = "none"
+    if device.type != "cpu" and quantization in ("int8", "int4"):
+        logger.warning(
+            "--quantization %s on %s runs the torch reference path (each product dequantizes its weight)",
+            quantization,
+            device.type,
+        )
+    if shard.size > 1 and gguf is not None:
+        if not has_dense:
+            raise ValueError("a GGUF model does not run with tensor parallelism yet: pass --tensor-parallel-size 1")
+        if quantization is None:
+            logger.warning("tensor parallelism runs the dense weights: the GGUF's quantized tensors do not shard yet")
+            quantization = "none"
     if gguf is not None:
         from compiled_engine.model.gguf import load_gguf_model
     if gguf is not None and quantization is None:
