@@ -460,3 +460,28 @@ def test_weight_bytes_counts_the_head_once_and_the_embedding_never(
     head = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
     final_norm = model.norm.weight.numel() * model.norm.weight.element_size()
     assert weight_bytes(engine) == layers + head + final_norm
+
+
+def test_the_llama_cpp_baseline_needs_a_gguf_model(tiny_model_factory: Callable[..., Path], tmp_path: Path) -> None:
+    model = str(tiny_model_factory("llama"))
+    argv = ["latency", "--model", model, "--prompt-len", "8", "--output-len", "2", "--repeats", "1"]
+    report = _run([*argv, "--baseline", "llama-cpp", "--kv-cache-memory-gib", "0.01"], tmp_path)
+    results = report["results"]
+    assert isinstance(results, dict)
+    assert "needs a GGUF model" in results["llama_cpp"]["error"]
+    assert results["ours"]["decode_tokens_per_s"] > 0
+    with pytest.raises(SystemExit):  # the other benchmarks offer hf only
+        bench.main(["offline", "--baseline", "llama-cpp"])
+
+
+def test_the_llama_cpp_baseline_runs_on_the_default_gguf(tmp_path: Path) -> None:
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python (the llama-cpp extra) is not installed")
+    argv = ["latency", "--prompt-len", "16", "--output-len", "4", "--repeats", "1", "--enforce-eager"]
+    report = _run([*argv, "--baseline", "llama-cpp", "--kv-cache-memory-gib", "0.01"], tmp_path)
+    results = report["results"]
+    assert isinstance(results, dict)
+    theirs, ratios = results["llama_cpp"], results["ratio_vs_llama_cpp"]
+    assert theirs["decode_tokens_per_s"] > 0 and theirs["prefill_tokens_per_s"] > 0
+    assert ratios["decode_tokens_per_s"] == pytest.approx(
+        results["ours"]["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]
+    )
