@@ -60,11 +60,7 @@ class NativeLibrary:
     def path(self) -> Path:
         """Where the library for this source, compiler and CPU lives (built there if missing)."""
         cc = compiler()
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-        key = hashlib.sha256(
-            "\0".join([self.source.read_text(), cc, version, " ".join(FLAGS + OPENMP), cpu_identity()]).encode()
-        ).hexdigest()[:16]
-        path = kernels_dir() / f"{self.source.stem}-{key}.so"
+        path = _cached_path(self.source.stem, [self.source.read_text(), cc, _version(cc), " ".join(FLAGS + OPENMP)])
         if not path.exists():
             self.build(cc, path)
         return path
@@ -107,35 +103,17 @@ class TorchOperatorLibrary:
 
     def path(self) -> Path:
         import torch
-        import torch.utils.cpp_extension as cpp_extension
 
         cc, cxx = compiler(), _cxx_compiler()
-        versions = [
-            subprocess.run([c, "--version"], capture_output=True, text=True, check=False).stdout for c in (cc, cxx)
-        ]
-        key = hashlib.sha256(
-            "\0".join(
-                [
-                    self.cpp_source.read_text(),
-                    self.c_source.read_text(),
-                    cc,
-                    cxx,
-                    *versions,
-                    torch.__version__,
-                    str(torch._C._GLIBCXX_USE_CXX11_ABI),
-                    " ".join(cpp_extension.include_paths()),
-                    cpu_identity(),
-                ]
-            ).encode()
-        ).hexdigest()[:16]
-        path = kernels_dir() / f"{self.cpp_source.stem}-{key}.so"
+        parts = [self.cpp_source.read_text(), self.c_source.read_text(), cc, cxx, _version(cc), _version(cxx)]
+        parts += [torch.__version__, str(torch._C._GLIBCXX_USE_CXX11_ABI), " ".join(_torch_includes())]
+        path = _cached_path(self.cpp_source.stem, parts)
         if not path.exists():
             self.build(cc, cxx, path)
         return path
 
     def build(self, cc: str, cxx: str, output: Path) -> None:
         import torch
-        import torch.utils.cpp_extension as cpp_extension
 
         output.parent.mkdir(parents=True, exist_ok=True)
         torch_lib = str(Path(torch.__file__).parent / "lib")
@@ -147,7 +125,7 @@ class TorchOperatorLibrary:
                 [cc, "-O3", "-march=native", "-fPIC", *OPENMP, "-c", str(self.c_source), "-o", str(kernel)],
                 [
                     cxx, "-O2", "-std=c++17", "-fPIC", "-shared", abi,
-                    *(f"-I{p}" for p in cpp_extension.include_paths()),
+                    *(f"-I{p}" for p in _torch_includes()),
                     str(self.cpp_source), str(kernel), "-o", str(partial),
                     f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu", *OPENMP,
                 ],
@@ -168,6 +146,25 @@ class TorchOperatorLibrary:
             torch.ops.load_library(str(self.path()))
         except OSError as error:
             raise KernelBuildError(f"building or loading the {self.what} failed: {error}") from error
+
+
+def _cached_path(stem: str, parts: list[str]) -> Path:
+    """The cache path of a library built from `parts` (sources, compilers, flags) on this CPU."""
+    key = hashlib.sha256("\0".join([*parts, cpu_identity()]).encode()).hexdigest()[:16]
+    return kernels_dir() / f"{stem}-{key}.so"
+
+
+def _version(compiler_path: str) -> str:
+    return subprocess.run([compiler_path, "--version"], capture_output=True, text=True, check=False).stdout
+
+
+def _torch_includes() -> list[str]:
+    """torch's C++ headers (what torch.utils.cpp_extension.include_paths() gives for CPU builds,
+    without importing that module, which costs about 0.2 s at every start)."""
+    import torch
+
+    include = Path(torch.__file__).parent / "include"
+    return [str(include), str(include / "torch" / "csrc" / "api" / "include")]
 
 
 def _cxx_compiler() -> str:
