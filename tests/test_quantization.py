@@ -13,13 +13,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from compiled_engine.bench.runs import model_weight_bytes
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.engine.step_inputs import StepInputs
 from compiled_engine.model.llama import Linear
 from compiled_engine.native_build import KernelBuildError
 from compiled_engine.quantization import cpu_kernels, ops
-from compiled_engine.quantization.apply import QuantizationScheme, quantize_model, weight_bytes
+from compiled_engine.quantization.apply import QuantizationScheme, quantize_model
 from compiled_engine.quantization.modules import QuantizedEmbedding, QuantizedLinear
 from compiled_engine.quantization.quantize import quantize, quantize_int4, quantize_int8
 from compiled_engine.quantization.weights import (
@@ -319,7 +320,7 @@ def test_int4_weights_take_under_a_third_of_the_fp32_bytes(tiny_model_factory: C
 
     def resident(**options: object) -> int:
         config = EngineConfig(model=str(model_dir), enforce_eager=True, kv_cache_memory_gib=0.01, **options)  # type: ignore[arg-type]
-        return weight_bytes(ModelRunner(model_dir, config).model)
+        return model_weight_bytes(ModelRunner(model_dir, config).model)
 
     dense, int4 = resident(), resident(quantization="int4")
     assert int4 < dense / 3

@@ -19,17 +19,20 @@ from compiled_engine.quantization.modules import QuantizedEmbedding, QuantizedLi
 
 
 def weight_bytes(engine: LLMEngine) -> int:
-    """Weight bytes one forward step reads: every parameter and buffer once (quantized weights
-    are buffers), except the embedding table, of which a step reads only its tokens' rows; a
-    tied head reads that whole table as its weight."""
-    model = engine.runner.model
+    return model_weight_bytes(engine.runner.model)
+
+
+def model_weight_bytes(model: torch.nn.Module) -> int:
+    """Weight bytes one forward step of `model` (a Transformer) reads: every parameter and
+    quantized buffer once, except the embedding table, of which a step reads only its tokens'
+    rows; a tied head reads that whole table as its weight."""
 
     def weights(module: torch.nn.Module) -> list[torch.Tensor]:
         quantized = [m for m in module.modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))]
         return [*module.parameters(), *(b for m in quantized for b in m.buffers(recurse=False))]
 
-    head = {id(t) for t in weights(model.lm_head)}
-    embedding = {id(t) for t in weights(model.embed_tokens)} - head
+    head = {id(t) for t in weights(model.get_submodule("lm_head"))}
+    embedding = {id(t) for t in weights(model.get_submodule("embed_tokens"))} - head
     seen: set[int] = set()
     total = 0
     for t in weights(model):

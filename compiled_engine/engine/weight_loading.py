@@ -18,7 +18,7 @@ import torch
 
 from compiled_engine.config import EngineConfig
 from compiled_engine.model.config import ModelConfig
-from compiled_engine.model.default_model import GGUF_NAME
+from compiled_engine.model.gguf import gguf_file, load_gguf_model
 from compiled_engine.model.llama import Transformer
 from compiled_engine.model.loader import INDEX_FILE, SINGLE_FILE, load_model
 from compiled_engine.parallel.shard import NO_SHARD, TPShard
@@ -41,7 +41,7 @@ def load_weights(
     device: torch.device,
     shard: TPShard = NO_SHARD,
 ) -> LoadedWeights:
-    gguf = model_dir / GGUF_NAME if (model_dir / GGUF_NAME).is_file() else None
+    gguf = gguf_file(model_dir)
     quantization = config.quantization
     if shard.size > 1 and quantization in ("int8", "int4"):
         raise ValueError(
@@ -66,8 +66,6 @@ def load_weights(
         if quantization is None:
             logger.warning("tensor parallelism runs the dense weights: the GGUF's quantized tensors do not shard yet")
             quantization = "none"
-    if gguf is not None:
-        from compiled_engine.model.gguf import load_gguf_model
     if gguf is not None and quantization is None:
         model = load_gguf_model(gguf, model_config, dtype, device)
         return LoadedWeights(model, f"GGUF {gguf.name}, its quantized tensors as they are")

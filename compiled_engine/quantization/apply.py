@@ -79,17 +79,3 @@ def install_embedding(model: Transformer, weight: QuantizedWeight) -> None:
 
 def is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, (QuantizedLinear, QuantizedEmbedding)) for m in model.modules())
-
-
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters and buffers, each tensor counted once (a tied head and
-    embedding are one table)."""
-    seen: set[int] = set()
-    total = 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        key = t.untyped_storage().data_ptr()
-        if key in seen:
-            continue
-        seen.add(key)
-        total += t.untyped_storage().nbytes()
-    return total

@@ -15,41 +15,8 @@ from compiled_engine.quantization.ops import native_operator, quantized_linear
 from compiled_engine.quantization.weights import QuantizedWeight, dequantize_tensors
 
 
-class QuantizedLinear(nn.Module):
-    """y = x @ W.T + bias with W a QuantizedWeight [out_features, in_features]."""
-
-    data: torch.Tensor
-    scales: torch.Tensor
-    offsets: torch.Tensor | None
-
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
-        super().__init__()
-        self.format = weight.format
-        self.group_size = weight.group_size
-        self.in_features = weight.in_features
-        self.out_features = weight.out_features
-        self.register_buffer("data", weight.data)
-        self.register_buffer("scales", weight.scales)
-        self.register_buffer("offsets", weight.offsets)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
-        # The C++ operator for CPU weights (built once per machine); None elsewhere or when it
-        # cannot be built.
-        self.native = native_operator() if weight.device.type == "cpu" else None
-
-    @property
-    def weight(self) -> QuantizedWeight:
-        return QuantizedWeight(self.format, self.data, self.scales, self.offsets, self.group_size, self.in_features)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return quantized_linear(x, self.data, self.scales, self.offsets, self.bias, self.group_size, self.native)
-
-    def extra_repr(self) -> str:
-        return f"{self.in_features}, {self.out_features}, {self.format}, group_size={self.group_size}"
-
-
-class QuantizedEmbedding(nn.Module):
-    """An embedding table kept quantized: a lookup dequantizes only the rows it reads (plain
-    torch, which Inductor fuses). With tied embeddings it shares its tensors with the head."""
+class _HoldsQuantizedWeight(nn.Module):
+    """A module holding one QuantizedWeight as buffers (`data`, `scales`, `offsets`)."""
 
     data: torch.Tensor
     scales: torch.Tensor
@@ -59,15 +26,43 @@ class QuantizedEmbedding(nn.Module):
         super().__init__()
         self.format = weight.format
         self.group_size = weight.group_size
-        self.embedding_dim = weight.in_features
-        self.num_embeddings = weight.out_features
         self.register_buffer("data", weight.data)
         self.register_buffer("scales", weight.scales)
         self.register_buffer("offsets", weight.offsets)
+        self._width = weight.in_features
 
     @property
     def weight(self) -> QuantizedWeight:
-        return QuantizedWeight(self.format, self.data, self.scales, self.offsets, self.group_size, self.embedding_dim)
+        return QuantizedWeight(self.format, self.data, self.scales, self.offsets, self.group_size, self._width)
+
+
+class QuantizedLinear(_HoldsQuantizedWeight):
+    """y = x @ W.T + bias with W a QuantizedWeight [out_features, in_features]."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__(weight)
+        self.in_features = weight.in_features
+        self.out_features = weight.out_features
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        # The C++ operator for CPU weights (built once per machine); None elsewhere or when it
+        # cannot be built.
+        self.native = native_operator() if weight.device.type == "cpu" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return quantized_linear(x, self.data, self.scales, self.offsets, self.bias, self.group_size, self.native)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, {self.format}, group_size={self.group_size}"
+
+
+class QuantizedEmbedding(_HoldsQuantizedWeight):
+    """An embedding table kept quantized: a lookup dequantizes only the rows it reads (plain
+    torch, which Inductor fuses). With tied embeddings it shares its tensors with the head."""
+
+    def __init__(self, weight: QuantizedWeight) -> None:
+        super().__init__(weight)
+        self.embedding_dim = weight.in_features
+        self.num_embeddings = weight.out_features
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return dequantize_tensors(self.data, self.scales, self.offsets, self.group_size, input_ids)
