@@ -1,5 +1,5 @@
-"""Where the engine keeps what it builds once and reuses: prepared models, compiled kernels and
-Inductor's caches, all under one root (`$COMPILED_ENGINE_CACHE`, default
+"""Where the engine keeps what it builds once and reuses: prepared models, compiled kernels,
+Inductor's caches and saved traces, all under one root (`$COMPILED_ENGINE_CACHE`, default
 `~/.cache/compiled_engine`)."""
 
 from __future__ import annotations
@@ -27,3 +27,8 @@ def kernels_dir() -> Path:
 def inductor_dir() -> Path:
     """Inductor's FX-graph and AOTAutograd caches."""
     return cache_root() / "inductor"
+
+
+def compiled_dir() -> Path:
+    """The compiled model's saved traces (engine/precompiled.py), one directory per model."""
+    return cache_root() / "compiled"

@@ -41,6 +41,9 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # torch.compile and no CUDA graphs (the slow twin every fast path is tested against).
     enforce_eager: bool | None = None
     cuda_graphs: bool = True  # decode through captured CUDA graphs (CUDA only, not with eager)
+    # Compiled: save the traced model at the first start and load it at the next ones
+    # (engine/precompiled.py); False traces it at every start.
+    compile_cache: bool = True
     tensor_parallel_size: int = 1  # ranks the model is split across (parallel/)
     distributed_timeout_s: float = 60.0  # a collective that waits longer fails (a rank died or hung)
     # One of QUANTIZATIONS: the layer products' weights quantized at load. None = the checkpoint's

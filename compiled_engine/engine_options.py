@@ -106,6 +106,11 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     ),
     EngineOption("cuda_graphs", "--no-cuda-graphs", "compiled, but decode without CUDA graphs"),
     EngineOption(
+        "compile_cache",
+        "--no-compile-cache",
+        "trace the compiled model at every start instead of loading the trace an earlier start saved",
+    ),
+    EngineOption(
         "tensor_parallel_size",
         "--tensor-parallel-size",
         "split the model across this many processes: gloo on CPU, NCCL on CUDA, see docs/parallel.md",

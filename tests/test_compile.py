@@ -15,8 +15,10 @@ import torch
 import torch._dynamo
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from compiled_engine.attention.metadata import AttentionMetadata
+from compiled_engine.cache_paths import CACHE_ENV
 from compiled_engine.config import ENFORCE_EAGER_ENV, EngineConfig
 from compiled_engine.engine.compilation import (
     INDUCTOR_CACHE_ENV,
@@ -26,6 +28,7 @@ from compiled_engine.engine.compilation import (
 )
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.model_runner import ModelRunner
+from compiled_engine.engine.precompiled import PrecompiledFunction, artifact_dir, model_signature
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.engine.step_inputs import StepInputs
 from compiled_engine.prompts import DEFAULT_PROMPTS
@@ -36,9 +39,17 @@ PROMPTS = [p.text for p in DEFAULT_PROMPTS]
 CPU = torch.device("cpu")
 
 
-def _runner(model_dir: Path, compiled: bool, quantization: str | None = None) -> ModelRunner:
+def _runner(
+    model_dir: Path, compiled: bool, quantization: str | None = None, compile_cache: bool = False
+) -> ModelRunner:
+    """compile_cache False (most tests here): plain torch.compile, traced in this process, so
+    Dynamo's counters see every graph; the saved traces have tests of their own below."""
     config = EngineConfig(
-        model=str(model_dir), enforce_eager=not compiled, kv_cache_memory_gib=0.02, quantization=quantization
+        model=str(model_dir),
+        enforce_eager=not compiled,
+        kv_cache_memory_gib=0.02,
+        quantization=quantization,
+        compile_cache=compile_cache,
     )
     return ModelRunner(model_dir, config)
 
@@ -160,6 +171,10 @@ def test_compile_cache_lives_under_the_engine_cache_unless_the_user_chose(
     monkeypatch.setenv(INDUCTOR_CACHE_ENV, str(tmp_path / "mine"))
     assert use_compile_cache(tmp_path / "other") == tmp_path / "mine"
     assert not (tmp_path / "other").exists()
+    # what importing torch._dynamo writes there is Inductor's default, not the user's choice
+    monkeypatch.setenv(INDUCTOR_CACHE_ENV, default_cache_dir())
+    assert use_compile_cache(tmp_path / "ours") == tmp_path / "ours"
+    assert os.environ[INDUCTOR_CACHE_ENV] == str(tmp_path / "ours")
 
 
 def test_the_default_compiled_server_answers(
@@ -247,3 +262,102 @@ def test_a_compiled_decode_step_is_one_compiled_entry_and_one_attention_plan(
     entries = [e for e in prof.events() if e.name.startswith("Torch-Compiled Region")]
     assert len(entries) == 2, [e.name for e in entries]  # the forward and the one-row head
     assert len(prepared) == 2 and attended == [prepared[0]] * 3 + [prepared[1]] * 3
+
+
+# -- saved traces (engine/precompiled.py) ---------------------------------------------------------
+
+
+def _entry_sources(runner: ModelRunner) -> dict[str, str]:
+    assert isinstance(runner.forward, CompiledForward)
+    return {name: entry.source for name, entry in runner.forward.entries().items()}
+
+
+def test_a_saved_trace_loads_at_the_next_start_without_tracing_and_matches_eager(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    model_dir = tiny_model_factory("qwen3", max_position_embeddings=64)
+    gen = torch.Generator().manual_seed(2)
+    tokens = {s: torch.randint(3, 320, (40,), generator=gen).tolist() for s in range(4)}
+    eager = _run_steps(_runner(model_dir, compiled=False), tokens)
+
+    torch._dynamo.reset()
+    first = _runner(model_dir, compiled=True, compile_cache=True)
+    assert set(_entry_sources(first).values()) == {"compiled and saved"}
+    assert len(list((tmp_path / "compiled").rglob("*.bin"))) == 3
+    first_logits = _run_steps(first, tokens)
+
+    torch._dynamo.reset()
+    counters.clear()
+    second = _runner(model_dir, compiled=True, compile_cache=True)  # a later start
+    assert set(_entry_sources(second).values()) == {"loaded"}
+    second_logits = _run_steps(second, tokens)
+    assert counters["stats"]["unique_graphs"] == 0, "a saved entry was traced again"
+    for e, a, b in zip(eager, first_logits, second_logits, strict=True):
+        assert torch.equal(a, b)  # the same compiled code
+        torch.testing.assert_close(b, e, atol=2e-4, rtol=1e-4)
+        assert torch.equal(b.argmax(-1), e.argmax(-1))
+
+
+def test_a_saved_trace_that_does_not_load_is_compiled_again(
+    tiny_model_factory: Callable[..., Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    model_dir = tiny_model_factory("llama", max_position_embeddings=64)
+    gen = torch.Generator().manual_seed(3)
+    tokens = {s: torch.randint(3, 320, (40,), generator=gen).tolist() for s in range(4)}
+    eager = _run_steps(_runner(model_dir, compiled=False), tokens)
+    _runner(model_dir, compiled=True, compile_cache=True)
+    (damaged,) = (tmp_path / "compiled").rglob("one_token_forward.bin")
+    damaged.write_bytes(b"not a saved trace")
+    torch._dynamo.reset()
+    with caplog.at_level("INFO", logger="compiled_engine.engine.precompiled"):
+        runner = _runner(model_dir, compiled=True, compile_cache=True)
+    assert _entry_sources(runner) == {"layer": "loaded", "one-token forward": "compiled and saved", "head": "loaded"}
+    assert "does not load" in caplog.text
+    assert damaged.read_bytes() != b"not a saved trace"
+    for e, c in zip(eager, _run_steps(runner, tokens), strict=True):
+        torch.testing.assert_close(c, e, atol=2e-4, rtol=1e-4)
+
+
+def _scale_and_shift(x: torch.Tensor) -> torch.Tensor:
+    return x * 2 + 1
+
+
+def test_a_call_the_saved_guards_refuse_runs_through_plain_torch_compile(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "fn.bin"
+    saving = PrecompiledFunction(_scale_and_shift, path, dynamic_dims=((0, 0),))
+    torch.testing.assert_close(saving(torch.ones(4)), torch.full((4,), 3.0))
+    assert saving.source == "compiled and saved" and path.is_file()
+
+    torch._dynamo.reset()
+    loading = PrecompiledFunction(_scale_and_shift, path, dynamic_dims=((0, 0),))
+    x = torch.arange(6.0)
+    torch.testing.assert_close(loading(x), x * 2 + 1)  # another length: the token dimension is dynamic
+    assert loading.source == "loaded"
+    counters.clear()
+    with caplog.at_level("WARNING", logger="compiled_engine.engine.precompiled"):
+        doubles = torch.arange(3, dtype=torch.float64)
+        torch.testing.assert_close(loading(doubles), doubles * 2 + 1)
+    assert "guards refuse a call" in caplog.text and "dtype mismatch" in caplog.text
+    assert counters["stats"]["unique_graphs"] == 1  # traced, as plain torch.compile does
+
+    unsaved = PrecompiledFunction(_scale_and_shift, None)
+    torch.testing.assert_close(unsaved(x), x * 2 + 1)
+    assert unsaved.source == "traced"
+
+
+def test_saved_traces_are_keyed_by_the_model_and_its_configuration(tiny_model_factory: Callable[..., Path]) -> None:
+    root = Path("/nonexistent")
+    llama = ModelRunner(tiny_model_factory("llama"), EngineConfig(enforce_eager=True)).model
+    qwen3 = ModelRunner(tiny_model_factory("qwen3"), EngineConfig(enforce_eager=True)).model
+    assert artifact_dir(root, model_signature(llama)) == artifact_dir(root, model_signature(llama))
+    assert artifact_dir(root, model_signature(llama)) != artifact_dir(root, model_signature(qwen3))
+    assert artifact_dir(root, [*model_signature(llama), "float32"]) != artifact_dir(
+        root, [*model_signature(llama), "bfloat16"]
+    )

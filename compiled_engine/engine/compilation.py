@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,8 +39,10 @@ from typing import Any
 import torch
 import torch._inductor.config
 import torch.nn.functional as F
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from torch.distributed.tensor import DTensor
 
+from compiled_engine.engine.precompiled import PrecompiledFunction
 from compiled_engine.model.llama import Linear, Transformer, TransformerBlock
 from compiled_engine.model.packed_linear import can_pack, pack, packed_linear
 
@@ -51,9 +54,10 @@ INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 def use_compile_cache(cache_dir: Path) -> Path:
     """Keep Inductor's FX-graph and AOTAutograd caches in `cache_dir` (unless the user already
     chose a directory with TORCHINDUCTOR_CACHE_DIR), so a second start of the same model reuses
-    the first one's compiled kernels."""
+    the first one's compiled kernels. Importing torch._dynamo writes Inductor's default (a
+    directory under /tmp) into that variable, so the default does not count as a choice."""
     chosen = os.environ.get(INDUCTOR_CACHE_ENV)
-    if chosen:
+    if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
         return Path(chosen)
     cache_dir.mkdir(parents=True, exist_ok=True)
     os.environ[INDUCTOR_CACHE_ENV] = str(cache_dir)
@@ -87,26 +91,30 @@ def _decoder_layer(
 # (docs/benchmarks.md has its cost).
 COMPILE_OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {"size_asserts": False, "alignment_asserts": False}
 
-# One compiled code object for every layer: their weights are graph inputs, not constants.
-_compiled_layer = torch.compile(TransformerBlock.forward, fullgraph=True, options=COMPILE_OPTIONS)
+# Each compiled layer's entry (`CompiledForward.compiled_layer`, one for all a model's layers). It
+# is kept here, not as a module attribute, because a saved trace pickles the modules' attributes.
+_LAYER_ENTRIES: weakref.WeakKeyDictionary[TransformerBlock, PrecompiledFunction] = weakref.WeakKeyDictionary()
 
 
 class CompiledBlock(TransformerBlock):
     """A decoder layer of the compiled model. Traced inside the whole forward (one-token steps):
     the nested region every layer shares. Called eagerly (steps of several tokens, tensor
-    parallelism): the layer compiled on its own, with the token count marked dynamic."""
+    parallelism): the layer compiled on its own, one code object for every layer (their weights
+    are graph inputs, not constants)."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return _decoder_layer(self, x, cos, sin, kv_cache)
-        if x.shape[0] > 1:
-            # maybe_mark_dynamic, not mark_dynamic: the latter validates and costs ~100 us a call
-            # (docs/benchmarks.md), paid three times a layer every step.
-            for tensor in (x, cos, sin):
-                torch._dynamo.maybe_mark_dynamic(tensor, 0)
-        torch._dynamo.maybe_mark_dynamic(kv_cache, 0)  # any pool size, one graph
-        out: torch.Tensor = _compiled_layer(self, x, cos, sin, kv_cache)
+        out: torch.Tensor = _LAYER_ENTRIES[self](self, x, cos, sin, kv_cache)
         return out
+
+
+# The dimensions that vary between calls of each compiled entry: the token count of a layer's
+# input, cos and sin, and the page count of the pool (the warm-up's scratch cache and the real
+# pool share the graphs). maybe_mark_dynamic, not mark_dynamic: the latter validates and costs
+# ~100 us a call (docs/benchmarks.md).
+_LAYER_DYNAMIC_DIMS = ((1, 0), (2, 0), (3, 0), (4, 0))  # (self, x, cos, sin, kv_cache)
+_FORWARD_DYNAMIC_DIMS = ((3, 1),)  # (self, input_ids, positions, kv_cache [layers, pages, ...])
 
 
 class ModelForward:
@@ -131,7 +139,9 @@ class CompiledForward(ModelForward):
 
     compiled = True
 
-    def __init__(self, model: Transformer) -> None:
+    def __init__(self, model: Transformer, saved_dir: Path | None = None) -> None:
+        """`saved_dir`: where the entries' traces are saved and loaded (precompiled.py); None:
+        traced at every start."""
         super().__init__(model)
         torch._inductor.config.fx_graph_cache = True
         # Python floats of the model (the softmax scale, norm epsilons) stay constants: a second
@@ -143,33 +153,56 @@ class CompiledForward(ModelForward):
             for module in model.modules():
                 if isinstance(module, Linear):
                     _swap_in_cpu_linear(module)
+        # Tensor parallelism: torch's nested compile regions have no rule for DTensor's
+        # functional tensors yet, so there every step runs the layers compiled one by one; and
+        # DTensor traces are not saved.
+        tensor_parallel = any(isinstance(p, DTensor) for p in model.parameters())
+        if tensor_parallel:
+            saved_dir = None
+
+        def saved(name: str) -> Path | None:
+            return saved_dir / name if saved_dir is not None else None
+
+        self.compiled_layer = PrecompiledFunction(
+            TransformerBlock.forward, saved("layer.bin"), _LAYER_DYNAMIC_DIMS, options=COMPILE_OPTIONS
+        )
         for layer in model.layers:
             assert isinstance(layer, TransformerBlock)
             layer.__class__ = CompiledBlock
-        # Tensor parallelism: torch's nested compile regions have no rule for DTensor's
-        # functional tensors yet, so there every step runs the layers compiled one by one.
-        tensor_parallel = any(isinstance(p, DTensor) for p in model.parameters())
-        self._one_token_forward = (
-            None if tensor_parallel else torch.compile(model.forward, fullgraph=True, options=COMPILE_OPTIONS)
+            _LAYER_ENTRIES[layer] = self.compiled_layer
+        self.one_token_forward = (
+            None
+            if tensor_parallel
+            else PrecompiledFunction(
+                Transformer.forward, saved("one_token_forward.bin"), _FORWARD_DYNAMIC_DIMS, options=COMPILE_OPTIONS
+            )
         )
-        self.one_row_head = torch.compile(model.lm_head.forward, fullgraph=True, dynamic=False) if on_cpu else None
+        self.one_row_head = (
+            PrecompiledFunction(type(model.lm_head).forward, saved("one_row_head.bin"), dynamic=False)
+            if on_cpu
+            else None
+        )
+
+    def entries(self) -> dict[str, PrecompiledFunction]:
+        """The compiled entries by name, with where each came from (`.source`)."""
+        named = {"layer": self.compiled_layer, "one-token forward": self.one_token_forward, "head": self.one_row_head}
+        return {name: entry for name, entry in named.items() if entry is not None}
 
     def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-        if input_ids.shape[0] == 1 and self._one_token_forward is not None:
-            torch._dynamo.maybe_mark_dynamic(kv_cache, 1)  # any pool size, one graph
-            hidden: torch.Tensor = self._one_token_forward(input_ids, positions, kv_cache)
+        if input_ids.shape[0] == 1 and self.one_token_forward is not None:
+            hidden: torch.Tensor = self.one_token_forward(self.model, input_ids, positions, kv_cache)
             return hidden
         return self.model(input_ids, positions, kv_cache)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.shape[0] == 1 and self.one_row_head is not None:
-            out: torch.Tensor = self.one_row_head(hidden)
+            out: torch.Tensor = self.one_row_head(self.model.lm_head, hidden)
             return out
         return self.model.compute_logits(hidden)
 
 
-def model_forward(model: Transformer, compiled: bool) -> ModelForward:
-    return CompiledForward(model) if compiled else ModelForward(model)
+def model_forward(model: Transformer, compiled: bool, saved_dir: Path | None = None) -> ModelForward:
+    return CompiledForward(model, saved_dir) if compiled else ModelForward(model)
 
 
 def _swap_in_cpu_linear(linear: Linear) -> None:

@@ -21,11 +21,12 @@ from compiled_engine.attention.backend import AttentionBackend, AttentionShape, 
 from compiled_engine.attention.metadata import AttentionMetadata
 from compiled_engine.attention.op import attention_forward
 from compiled_engine.cache.kv_cache import KVCacheSpec
-from compiled_engine.cache_paths import inductor_dir
+from compiled_engine.cache_paths import compiled_dir, inductor_dir
 from compiled_engine.config import EngineConfig
-from compiled_engine.engine.compilation import ModelForward, model_forward, use_compile_cache
+from compiled_engine.engine.compilation import CompiledForward, ModelForward, model_forward, use_compile_cache
 from compiled_engine.engine.cuda_graphs import CudaGraphRunner, DecodeBuffers, capture_sizes
 from compiled_engine.engine.memory_budget import kv_budget_bytes
+from compiled_engine.engine.precompiled import artifact_dir, model_signature
 from compiled_engine.engine.step_inputs import ScheduledBatch, StepInputs
 from compiled_engine.engine.weight_loading import load_weights
 from compiled_engine.errors import ModelConfigError
@@ -104,16 +105,21 @@ class ModelRunner:
 
     def _compile_and_warm_up(self, config: EngineConfig) -> tuple[ModelForward, float]:
         compiled = not config.resolved_enforce_eager()
-        if compiled:
-            use_compile_cache(inductor_dir())
-        forward = model_forward(self.model, compiled)
         if not compiled:
-            return forward, 0.0
+            return model_forward(self.model, compiled=False), 0.0
+        use_compile_cache(inductor_dir())
+        saved_dir = None
+        if config.compile_cache:
+            key = [*model_signature(self.model), repr(self.model_config), self.weights_description, str(self.dtype)]
+            saved_dir = artifact_dir(compiled_dir(), key)
+        forward = model_forward(self.model, compiled=True, saved_dir=saved_dir)
         self.forward = forward
         started = time.perf_counter()
         self.warm_up(self._scratch_cache(WARM_UP_TOKENS))
         seconds = time.perf_counter() - started
-        logger.info("torch.compile: model compiled and warmed up in %.1f s", seconds)
+        assert isinstance(forward, CompiledForward)
+        sources = ", ".join(f"{name} {entry.source}" for name, entry in forward.entries().items())
+        logger.info("torch.compile: model compiled and warmed up in %.1f s (%s)", seconds, sources)
         return forward, seconds
 
     def _size_kv_pool(self, config: EngineConfig) -> int:

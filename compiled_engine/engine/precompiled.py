@@ -1,0 +1,150 @@
+"""Compiled entries whose Dynamo trace is saved at the first start and loaded at the next ones.
+
+Inductor's caches keep the generated kernels between starts, but Dynamo still traces every
+compiled function at every start (for the one-token forward, through all the layers), and that
+is most of a warm start's compile phase (docs/benchmarks.md). `PrecompiledFunction` compiles its
+function ahead of time with torch's `aot_compile` at its first call, saves the result (the traced
+bytecode, the guards and Inductor's compiled graph) in a directory keyed by everything the trace
+depends on (`artifact_dir`), and at later starts loads it instead of tracing.
+
+What runs is always checked: each call evaluates the saved guards (input shapes, dtypes, the
+model's constants) on its arguments, and a call they refuse runs the same function through plain
+`torch.compile` instead, which traces it as before. A file that does not load (another torch, a
+damaged file) is compiled again and replaced, with a log line saying why. With no directory the
+entry is plain `torch.compile`: the slow twin the saved path is tested against.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+_PACKAGE = Path(__file__).resolve().parents[1]
+_SOURCE_SUFFIXES = (".py", ".c", ".cpp", ".h")
+
+
+def _source_digest() -> str:
+    """One hash of the package's own code: a trace is only as valid as the code it traced."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in _PACKAGE.rglob("*") if p.suffix in _SOURCE_SUFFIXES):
+        digest.update(str(path.relative_to(_PACKAGE)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def model_signature(model: nn.Module) -> list[str]:
+    """The model's structure as the trace sees it: each module's class, and each parameter's and
+    buffer's name, shape and dtype (not its values: weights are graph inputs)."""
+    parts = [f"{name}:{type(module).__qualname__}" for name, module in model.named_modules()]
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        parts.append(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}:{tensor.device.type}")
+    return parts
+
+
+def artifact_dir(root: Path, parts: Iterable[str]) -> Path:
+    """The directory of one model's saved entries under `root`, keyed by `parts` (the model's
+    signature and configuration), the package's code, torch's and Python's versions and the CPU
+    (the generated kernels are built for its instruction set)."""
+    from compiled_engine.native_build import cpu_identity
+
+    digest = hashlib.sha256()
+    for part in (torch.__version__, sys.version, cpu_identity(), _source_digest(), *parts):
+        digest.update(part.encode())
+        digest.update(b"\0")
+    return root / digest.hexdigest()[:32]
+
+
+DynamicDims = tuple[tuple[int, int], ...]  # (argument index, dimension) pairs that vary between calls
+
+
+class PrecompiledFunction:
+    """`fn` under `torch.compile(fullgraph=True)`, its trace saved as `path` by the first call and
+    loaded from there by the first call of a later start. `dynamic_dims` are the argument
+    dimensions that may change between calls (marked dynamic for the trace, never at a call of
+    the saved entry: its guards compare the marking too). `path` None: plain torch.compile."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        path: Path | None,
+        dynamic_dims: DynamicDims = (),
+        dynamic: bool | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        self.fn = fn
+        self.path = path
+        self.dynamic_dims = dynamic_dims
+        self.traced: Any = torch.compile(fn, fullgraph=True, dynamic=dynamic, options=options)
+        self.saved: Any = None  # torch._dynamo.aot_compile.AOTCompiledFunction
+        self.source = "not called yet"  # then "loaded", "compiled and saved" or "traced"
+        self._prepared = False
+        self._refused = False
+
+    def __call__(self, *args: Any) -> Any:
+        if not self._prepared:
+            self._prepare(args)
+        saved = self.saved
+        if saved is not None:
+            if saved.guard_check(*args):
+                return saved.fn(*args)
+            self._log_refusal(args)
+        self._mark_dynamic(args)
+        return self.traced(*args)
+
+    def _mark_dynamic(self, args: tuple[Any, ...]) -> None:
+        for index, dim in self.dynamic_dims:
+            torch._dynamo.maybe_mark_dynamic(args[index], dim)
+
+    def _prepare(self, args: tuple[Any, ...]) -> None:
+        self._prepared = True
+        if self.path is None:
+            self.source = "traced"
+            return
+        if self.path.exists():
+            self.saved = self._load(self.path, args)
+            if self.saved is not None:
+                self.source = "loaded"
+                return
+        try:
+            self._mark_dynamic(args)
+            compiled = self.traced.aot_compile((args, {}))
+            self._save(compiled)
+        except Exception as error:  # whatever fails here, plain torch.compile still runs the function
+            logger.warning("%s: could not compile ahead of time (%s); traced at every start instead", self.path, error)
+            self.source = "traced"
+            return
+        self.saved = compiled
+        self.source = "compiled and saved"
+
+    def _load(self, path: Path, args: tuple[Any, ...]) -> Any:
+        try:
+            with path.open("rb") as file:
+                loaded: Any = torch.compiler.load_compiled_function(file, f_globals=self.fn.__globals__)
+        except Exception as error:  # another torch or Python, a damaged file, an operator not registered
+            logger.info("%s does not load (%s: %s); compiling it again", path, type(error).__name__, error)
+            return None
+        if not loaded.guard_check(*args):
+            logger.info("%s does not fit this model; compiling it again", path)
+            return None
+        return loaded
+
+    def _save(self, compiled: Any) -> None:
+        assert self.path is not None
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        compiled.save_compiled_function(str(self.path))  # written whole, then renamed into place
+
+    def _log_refusal(self, args: tuple[Any, ...]) -> None:
+        if self._refused:
+            return
+        self._refused = True
+        reason = self.saved._artifacts.guard_manager.check_verbose(self.saved.prepare_f_locals(*args))
+        logger.warning("%s: its guards refuse a call (%s); such calls are traced", self.path, reason.verbose_code_parts)
