@@ -109,7 +109,8 @@ class ModelRunner:
             return model_forward(self.model, compiled=False), 0.0
         use_compile_cache(inductor_dir())
         saved_dir = None
-        if config.compile_cache:
+        # CPU only for now: saved traces replayed inside CUDA graphs have not run on a GPU yet.
+        if config.compile_cache and self.device.type == "cpu":
             key = [*model_signature(self.model), repr(self.model_config), self.weights_description, str(self.dtype)]
             saved_dir = artifact_dir(compiled_dir(), key)
         forward = model_forward(self.model, compiled=True, saved_dir=saved_dir)
