@@ -119,7 +119,10 @@ class ModelRunner:
         self.warm_up(self._scratch_cache(WARM_UP_TOKENS))
         seconds = time.perf_counter() - started
         assert isinstance(forward, CompiledForward)
-        sources = ", ".join(f"{name} {entry.source}" for name, entry in forward.entries().items())
+        sources = ", ".join(
+            f"{name} {entry.source}" + (f" in {entry.seconds:.1f} s" if entry.source != "traced" else "")
+            for name, entry in forward.entries().items()
+        )
         logger.info("torch.compile: model compiled and warmed up in %.1f s (%s)", seconds, sources)
         return forward, seconds
 

@@ -19,11 +19,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import sys
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch._inductor.config
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -63,6 +65,13 @@ def artifact_dir(root: Path, parts: Iterable[str]) -> Path:
     return root / digest.hexdigest()[:32]
 
 
+# While a saved entry loads, Inductor finds its kernels already built in its cache (an entry is
+# saved after its kernels built and ran on this CPU: the directory's key includes it), but it
+# would still test-build a library for the vector instruction set and load it in a new Python
+# (half a second) before using them. That check does not enter the kernels' cache keys, so it is
+# skipped while loading.
+_LOADING_OPTIONS = {"cpp.vec_isa_ok": True}
+
 DynamicDims = tuple[tuple[int, int], ...]  # (argument index, dimension) pairs that vary between calls
 
 
@@ -86,6 +95,7 @@ class PrecompiledFunction:
         self.traced: Any = torch.compile(fn, fullgraph=True, dynamic=dynamic, options=options)
         self.saved: Any = None  # torch._dynamo.aot_compile.AOTCompiledFunction
         self.source = "not called yet"  # then "loaded", "compiled and saved" or "traced"
+        self.seconds = 0.0  # spent loading or compiling it ahead of time (not the first call's run)
         self._prepared = False
         self._refused = False
 
@@ -105,6 +115,13 @@ class PrecompiledFunction:
             torch._dynamo.maybe_mark_dynamic(args[index], dim)
 
     def _prepare(self, args: tuple[Any, ...]) -> None:
+        started = time.perf_counter()
+        try:
+            self._load_or_compile(args)
+        finally:
+            self.seconds = time.perf_counter() - started
+
+    def _load_or_compile(self, args: tuple[Any, ...]) -> None:
         self._prepared = True
         if self.path is None:
             self.source = "traced"
@@ -127,7 +144,7 @@ class PrecompiledFunction:
 
     def _load(self, path: Path, args: tuple[Any, ...]) -> Any:
         try:
-            with path.open("rb") as file:
+            with path.open("rb") as file, torch._inductor.config.patch(_LOADING_OPTIONS):
                 loaded: Any = torch.compiler.load_compiled_function(file, f_globals=self.fn.__globals__)
         except Exception as error:  # another torch or Python, a damaged file, an operator not registered
             logger.info("%s does not load (%s: %s); compiling it again", path, type(error).__name__, error)
