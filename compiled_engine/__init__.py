@@ -2,6 +2,7 @@
 
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.llm import LLM
+from compiled_engine.lora.manager import LoRARequest
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams"]

@@ -52,6 +52,12 @@ class EngineConfig(msgspec.Struct, frozen=True):
     quantization: str | None = None
     quantization_group_size: int | None = None  # None = per output channel for int8, 32 for int4
     quantize_head: bool = True  # with int8/int4: the head and embedding too, as int8 in groups of 32
+    # LoRA adapters (lora/): off unless enabled; then `max_loras` device slots, adapters of rank
+    # up to `max_lora_rank`, and at most `max_cpu_loras` loaded (None: as many as the slots).
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -60,7 +66,18 @@ class EngineConfig(msgspec.Struct, frozen=True):
             raise ValueError("quantization_group_size needs quantization int8 or int4")
         if self.sampler is not None and self.sampler not in SAMPLERS:
             raise ValueError(f"sampler must be {' or '.join(SAMPLERS)}, got {self.sampler!r}")
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters with tensor parallelism are not supported yet")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        for name in (
+            "page_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "tensor_parallel_size",
+            "max_loras",
+            "max_lora_rank",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.num_pages is not None and self.num_pages < 1:

@@ -105,6 +105,10 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
         f"plain eager PyTorch: no torch.compile, no CUDA graphs (absent: eager only when {ENFORCE_EAGER_ENV}=1)",
     ),
     EngineOption("cuda_graphs", "--no-cuda-graphs", "compiled, but decode without CUDA graphs"),
+    EngineOption("enable_lora", "--enable-lora", "serve LoRA adapters (requests name one with lora_request / model)"),
+    EngineOption("max_loras", "--max-loras", "adapters in device slots, so in one step, with --enable-lora"),
+    EngineOption("max_lora_rank", "--max-lora-rank", "the largest adapter rank accepted, with --enable-lora"),
+    EngineOption("max_cpu_loras", "--max-cpu-loras", "adapters kept loaded, with --enable-lora (default: --max-loras)"),
     EngineOption(
         "compile_cache",
         "--no-compile-cache",

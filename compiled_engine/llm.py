@@ -12,6 +12,7 @@ from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.outputs import RequestOutput
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.errors import RequestError
+from compiled_engine.lora.manager import LoRARequest
 from compiled_engine.tokenizer import Message
 
 Prompt = str | list[int]
@@ -34,13 +35,23 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """`lora_request`: the adapter every prompt runs with, or one per prompt (None: the base
+        model); the engine needs enable_lora."""
         batch = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(batch))
+        loras: list[LoRARequest | None] = (
+            [lora_request] * len(batch)
+            if lora_request is None or isinstance(lora_request, LoRARequest)
+            else list(lora_request)
+        )
+        if len(loras) != len(batch):
+            raise ValueError(f"{len(loras)} lora requests for {len(batch)} prompts")
         request_ids = []
         try:
-            for prompt, p in zip(batch, params, strict=True):
-                request_ids.append(self.engine.add_request(prompt, p, cache_salt=cache_salt))
+            for prompt, p, lora in zip(batch, params, loras, strict=True):
+                request_ids.append(self.engine.add_request(prompt, p, cache_salt=cache_salt, lora_request=lora))
         except Exception:
             for request_id in request_ids:  # nothing half-submitted stays in the engine
                 self.engine.abort_request(request_id)

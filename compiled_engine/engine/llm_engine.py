@@ -22,6 +22,8 @@ from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.engine.scheduler import Scheduler
 from compiled_engine.engine.sequence import FinishReason, Sequence
 from compiled_engine.errors import RequestError
+from compiled_engine.lora.adapter import LoRAError
+from compiled_engine.lora.manager import LoRAManager, LoRARequest
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.source import resolve_model_dir
 from compiled_engine.parallel.launch import TensorParallelGroup
@@ -66,7 +68,16 @@ class LLMEngine:
             self.tokenizer.eos_token_ids if self.tokenizer else frozenset(self.runner.model_config.eos_token_ids)
         )
         self.block_manager = BlockManager(self.runner.num_pages, self.runner.page_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.lora: LoRAManager | None = None
+        if self.runner.lora_slots is not None:
+            cpu_loras = config.max_cpu_loras or config.max_loras
+            self.lora = LoRAManager(self.runner.lora_slots, self.runner.model_config, cpu_loras)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.max_loras if self.lora is not None else None,
+        )
         self.sampler = make_sampler(config.sampler, self.runner.device, config.seed)
         self._rng = random.Random(config.seed)
         self._requests: dict[str, _Request] = {}
@@ -85,9 +96,11 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue a request and return its id. An invalid one raises a RequestError (a PromptError
-        for the prompt checks of request_validation) and leaves nothing queued."""
+        for the prompt checks of request_validation, a LoRAError for its adapter) and leaves
+        nothing queued. With `lora_request` it runs with that adapter, loaded now if new."""
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._requests:
@@ -101,6 +114,15 @@ class LLMEngine:
             self.runner.max_model_len,
             self.tokenizer is not None,
         )
+        lora_name = None
+        if lora_request is not None:
+            if self.lora is None:
+                raise LoRAError("this engine serves no LoRA adapters: start it with enable_lora (--enable-lora)")
+            adapter = self.lora.add(lora_request)
+            lora_name = lora_request.name
+            # The adapter's own KV: never shared with the base model, another adapter, or this
+            # one before its files changed.
+            cache_salt = f"{cache_salt or ''}\0lora:{adapter.digest}"
         now = time.perf_counter()
         seqs: list[Sequence] = []
         for index in range(params.n):
@@ -115,6 +137,7 @@ class LLMEngine:
                     index=index,
                     seed=(base_seed + index * SEED_STRIDE) % (1 << 63),
                     cache_salt=cache_salt,
+                    lora_name=lora_name,
                     arrival_time=now,
                     fork_of=seqs[0] if index else None,
                 )
@@ -128,6 +151,8 @@ class LLMEngine:
             [[] for _ in seqs] if params.logprobs is not None else None,
             RequestMetrics(arrival_time=now),
         )
+        if self.lora is not None and lora_name is not None:
+            self.lora.acquire(lora_name)
         for seq in seqs:
             self.scheduler.add(seq)
         return request_id
@@ -159,7 +184,10 @@ class LLMEngine:
         with nvtx_range("schedule"):
             out = self.scheduler.schedule()
         if not out.is_empty:
-            logits = self.runner.run([(item.seq, item.num_tokens) for item in out.scheduled])
+            slots = None
+            if self.lora is not None:
+                slots = self.lora.slots_for(s.seq.lora_name for s in out.scheduled if s.seq.lora_name is not None)
+            logits = self.runner.run([(item.seq, item.num_tokens) for item in out.scheduled], slots)
             due = self.scheduler.advance(out)
             if due:
                 rows = {item.seq.seq_id: i for i, item in enumerate(out.scheduled)}
@@ -216,6 +244,9 @@ class LLMEngine:
             outputs.append(self._request_output(request))
             if request.finished:
                 del self._requests[request_id]
+                lora_name = request.seqs[0].lora_name
+                if self.lora is not None and lora_name is not None:
+                    self.lora.release(lora_name)
         return outputs
 
     def _request_output(self, request: _Request) -> RequestOutput:

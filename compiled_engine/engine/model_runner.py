@@ -30,6 +30,7 @@ from compiled_engine.engine.precompiled import artifact_dir, model_signature
 from compiled_engine.engine.step_inputs import ScheduledBatch, StepInputs
 from compiled_engine.engine.weight_loading import load_weights
 from compiled_engine.errors import ModelConfigError
+from compiled_engine.lora.layers import LoRAPlan, install_lora, lora_forward
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.llama import Transformer
 from compiled_engine.parallel.distributed import broadcast_step
@@ -62,6 +63,11 @@ class ModelRunner:
         )
         self.backend = self._choose_backend(config)
         self.model = self._load(model_dir, config, mesh)
+        self.lora_slots = (
+            install_lora(self.model, self.model_config, config.max_loras, config.max_lora_rank)
+            if config.enable_lora
+            else None
+        )
         self.forward, self.compile_seconds = self._compile_and_warm_up(config)
         # With tensor parallelism every rank captures the same sizes in the same order and replays
         # the same padded size each step (`execute`), so the all-reduces match.
@@ -70,6 +76,7 @@ class ModelRunner:
             and config.cuda_graphs
             and self.device.type == "cuda"
             and self.backend.supports_cuda_graphs
+            and self.lora_slots is None  # adapters' per-forward plan is not in the graphs' buffers yet
         )
         self.num_pages = self._size_kv_pool(config)
         self.kv_cache = self._allocate_kv_pool()
@@ -208,11 +215,16 @@ class ModelRunner:
     # -- running a step -------------------------------------------------------------------------
 
     def _hidden(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        lora: LoRAPlan | None = None,
     ) -> torch.Tensor:
         with nvtx_range("attention plan"):
             plan = self.backend.prepare(metadata, kv_cache)
-        with attention_forward(self.backend, plan):
+        with attention_forward(self.backend, plan), lora_forward(lora):
             return self.forward.hidden(input_ids, positions, kv_cache)
 
     def decode_graph_forward(self, kv_cache: torch.Tensor) -> Any:
@@ -237,15 +249,21 @@ class ModelRunner:
         """The final hidden states of every new token of the step, [tokens, hidden] (what the
         oracle comparisons read; `run` keeps only each sequence's last)."""
         input_ids, positions, metadata = self._tensors(inputs)
-        return self._hidden(input_ids, positions, self.kv_cache, metadata)
+        return self._hidden(input_ids, positions, self.kv_cache, metadata, self._lora_plan(inputs))
+
+    @staticmethod
+    def _lora_plan(inputs: StepInputs) -> LoRAPlan | None:
+        if inputs.lora_slots is None:
+            return None
+        return LoRAPlan.from_slots(inputs.query_lens, inputs.lora_slots)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+    def run(self, batch: ScheduledBatch, lora_slots: dict[str, int] | None = None) -> torch.Tensor:
         """Run the new tokens of every sequence in `batch` (pages must already be allocated) and
         return the logits after each sequence's last new token, fp32 [num_seqs, vocab]. The one
         way to run a scheduled batch; tensor-parallel ranks receive the same step (`execute`)."""
         with nvtx_range("prepare inputs"):
-            inputs = StepInputs.from_batch(batch)
+            inputs = StepInputs.from_batch(batch, lora_slots)
             if self.shard.size > 1:
                 broadcast_step(inputs)
         logits = self.execute(inputs)
@@ -263,7 +281,7 @@ class ModelRunner:
                 if replayed is not None:
                     return replayed.clone()  # the graph's output buffer is rewritten by the next replay
             input_ids, positions, metadata = self._tensors(inputs)
-            hidden = self._hidden(input_ids, positions, self.kv_cache, metadata)
+            hidden = self._hidden(input_ids, positions, self.kv_cache, metadata, self._lora_plan(inputs))
             if not logits:
                 return None
             if not metadata.decode_only:  # each sequence's last new token

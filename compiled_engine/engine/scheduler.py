@@ -43,8 +43,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_loras: int | None = None
+    ) -> None:
+        """`max_loras`: at most this many distinct adapters among the running sequences (the
+        device slots), so every step's adapters fit; None: no adapters."""
         self.block_manager = block_manager
+        self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -83,9 +88,9 @@ class Scheduler:
             position < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted
         ):
             seq = self.waiting[position]
-            if self._waits_for_fork_parent(seq):
-                # It waits for pages that are on their way, not for free ones: the queue behind
-                # it goes on, and it keeps its place for the step its sibling's prompt is cached.
+            if self._waits_for_fork_parent(seq) or self._waits_for_adapter_slot(seq):
+                # It waits for pages that are on their way, or for a running adapter to finish,
+                # not for free pages: the queue behind it goes on, and it keeps its place.
                 position += 1
                 continue
             num_new = self._admit(seq, budget)
@@ -109,6 +114,13 @@ class Scheduler:
             if victim is seq:
                 return False
         return True
+
+    def _waits_for_adapter_slot(self, seq: Sequence) -> bool:
+        """Its adapter is not among the running ones, and those already fill every slot."""
+        if seq.lora_name is None or self.max_loras is None:
+            return False
+        running = {s.lora_name for s in self.running if s.lora_name is not None}
+        return seq.lora_name not in running and len(running) >= self.max_loras
 
     @staticmethod
     def _waits_for_fork_parent(seq: Sequence) -> bool:

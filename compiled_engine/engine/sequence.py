@@ -34,6 +34,7 @@ class Sequence:
     index: int = 0  # which of the request's n completions
     seed: int = 0
     cache_salt: str | None = None
+    lora_name: str | None = None  # the adapter it runs with (lora/), None for the base model
     arrival_time: float = 0.0
     fork_of: Sequence | None = None  # n > 1: share this sibling's prompt pages once it has them
     status: SequenceStatus = SequenceStatus.WAITING

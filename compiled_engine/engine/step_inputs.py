@@ -19,13 +19,15 @@ class StepInputs:
     query_lens: list[int]
     seq_lens: list[int]
     block_tables: list[list[int]]
+    lora_slots: list[int] | None = None  # each sequence's adapter slot, -1 for none; None: no adapters
 
     @property
     def decode_only(self) -> bool:
         return len(self.token_ids) == len(self.query_lens)
 
     @classmethod
-    def from_batch(cls, batch: ScheduledBatch) -> StepInputs:
+    def from_batch(cls, batch: ScheduledBatch, lora_slots: dict[str, int] | None = None) -> StepInputs:
+        """`lora_slots`: the slot of each adapter the batch's sequences use (None: none do)."""
         token_ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens = [], []
@@ -40,4 +42,7 @@ class StepInputs:
             positions.extend(range(start, end))
             query_lens.append(num_new)
             seq_lens.append(end)
-        return cls(token_ids, positions, query_lens, seq_lens, [list(seq.block_table) for seq, _ in batch])
+        slots = None
+        if lora_slots is not None:
+            slots = [-1 if seq.lora_name is None else lora_slots[seq.lora_name] for seq, _ in batch]
+        return cls(token_ids, positions, query_lens, seq_lens, [list(seq.block_table) for seq, _ in batch], slots)

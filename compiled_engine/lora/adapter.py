@@ -1,0 +1,208 @@
+"""PEFT LoRA adapters read from a directory and laid out for the model's fused products.
+
+An adapter directory holds `adapter_config.json` and `adapter_model.safetensors`, as PEFT's
+`save_pretrained` writes them. Each adapted product `y = W x` gains `scale * B (A x)`, with A
+[r, in] and B [out, r] and `scale = lora_alpha / r` (`lora_alpha / sqrt(r)` with `use_rslora`).
+Our model fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj`, so an adapter's q, k and v
+(or gate and up) pieces become one pair for the fused product: their A matrices stacked
+[r_q + r_k + r_v, in] and a B that maps each piece's rank columns to that piece's output rows
+only, zero elsewhere, with the scale folded in. The product is then exactly the sum of the pieces.
+
+Everything is checked before anything is used: names, shapes against the base model, each
+module's rank against `max_rank` (a fused product holds up to its pieces' count times that), dtype. What the engine cannot apply exactly is refused, one error naming the
+key: DoRA, `modules_to_save`, LoRA on the embedding or head, bias training, pickle weight files,
+unknown target modules.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from compiled_engine.errors import RequestError
+from compiled_engine.model.config import ModelConfig
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+
+# Each PEFT target module: our fused product, and which slice of its output rows it is
+# (0: q / gate, 1: k / up, 2: v).
+TARGETS: dict[str, tuple[str, str, int]] = {
+    "q_proj": ("self_attn", "qkv_proj", 0),
+    "k_proj": ("self_attn", "qkv_proj", 1),
+    "v_proj": ("self_attn", "qkv_proj", 2),
+    "o_proj": ("self_attn", "o_proj", 0),
+    "gate_proj": ("mlp", "gate_up_proj", 0),
+    "up_proj": ("mlp", "gate_up_proj", 1),
+    "down_proj": ("mlp", "down_proj", 0),
+}
+PRODUCTS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)(?:\.[\w-]+)?\.weight$")
+
+
+class LoRAError(RequestError):
+    """An adapter that cannot be loaded or applied; the message names the file and key."""
+
+    def __init__(self, message: str, param: str | None = "lora_request") -> None:
+        super().__init__(message, param)
+
+
+@dataclass(frozen=True)
+class LoRAWeights:
+    """One adapted product of one layer: delta = b @ (a @ x), the scale already in b."""
+
+    a: torch.Tensor  # fp32 [rank, in]
+    b: torch.Tensor  # fp32 [out, rank]
+
+
+@dataclass(frozen=True)
+class LoRAAdapter:
+    """A loaded adapter: its products by (layer, product name such as "self_attn.qkv_proj"),
+    and a digest of its files that changes whenever they do (the prefix cache keys on it)."""
+
+    path: Path
+    rank: int  # the largest rank of any target module
+    weights: dict[tuple[int, str], LoRAWeights]
+    digest: str
+
+
+def product_shapes(config: ModelConfig) -> dict[str, tuple[int, list[int]]]:
+    """Each fused product's input width and the output widths of its slices."""
+    q, kv, h, inter = config.q_size, config.kv_size, config.hidden_size, config.intermediate_size
+    return {
+        "self_attn.qkv_proj": (h, [q, kv, kv]),
+        "self_attn.o_proj": (q, [h]),
+        "mlp.gate_up_proj": (h, [inter, inter]),
+        "mlp.down_proj": (inter, [h]),
+    }
+
+
+def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
+    """PEFT's rank_pattern / alpha_pattern lookup: the first key that matches the end of the
+    module's name."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    file = path / CONFIG_NAME
+    if not file.is_file():
+        raise LoRAError(f"{path}: no {CONFIG_NAME} (a PEFT adapter directory has it)")
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise LoRAError(f"{file}: not readable JSON ({error})") from error
+    if not isinstance(config, dict):
+        raise LoRAError(f"{file}: not a JSON object")
+    peft_type = config.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        raise LoRAError(f"{file}: peft_type {peft_type!r} is not supported, only LORA")
+    refusals = {
+        "use_dora": "DoRA adapters are not supported",
+        "modules_to_save": "modules_to_save (fully trained modules) is not supported",
+        "fan_in_fan_out": "fan_in_fan_out (Conv1D layers) is not supported",
+    }
+    for key, problem in refusals.items():
+        if config.get(key):
+            raise LoRAError(f"{file}: {key}: {problem}")
+    if config.get("bias", "none") != "none":
+        raise LoRAError(f"{file}: bias: trained biases ({config['bias']!r}) are not supported")
+    for key in ("r", "lora_alpha"):
+        if not isinstance(config.get(key), int | float) or config[key] <= 0:
+            raise LoRAError(f"{file}: {key} must be a positive number, got {config.get(key)!r}")
+    targets = config.get("target_modules")
+    names = [targets] if isinstance(targets, str) else targets
+    if isinstance(names, list):
+        for name in names:
+            if name in ("embed_tokens", "lm_head"):
+                raise LoRAError(f"{file}: target_modules: LoRA on {name} is not supported")
+            if isinstance(targets, list) and name not in TARGETS:
+                raise LoRAError(f"{file}: target_modules: unknown module {name!r} (supported: {', '.join(TARGETS)})")
+    return config
+
+
+def digest_of(path: Path) -> str:
+    """A digest of the adapter's two files: a changed adapter under the same name is another."""
+    digest = hashlib.sha256()
+    for name in (CONFIG_NAME, WEIGHTS_NAME):
+        digest.update((path / name).read_bytes())
+    return digest.hexdigest()
+
+
+def load_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> LoRAAdapter:
+    """Read and check the PEFT adapter in directory `path` for a model of `config`."""
+    path = Path(path)
+    if not path.is_dir():
+        raise LoRAError(f"{path}: no such adapter directory")
+    adapter_config = _read_config(path)
+    weights_file = path / WEIGHTS_NAME
+    if not weights_file.is_file():
+        pickles = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+        found = f" ({', '.join(pickles)} are pickle files, which are never loaded)" if pickles else ""
+        raise LoRAError(f"{path}: no {WEIGHTS_NAME}{found}")
+    pieces: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}
+    with safe_open(str(weights_file), framework="pt") as tensors:
+        for key in tensors.keys():  # noqa: SIM118 - safe_open is not a mapping
+            match = _KEY.match(key)
+            if match is None:
+                raise LoRAError(f"{weights_file}: {key}: not a LoRA weight of a decoder layer's product")
+            layer, block, module, which = int(match[1]), match[2], match[3], match[4]
+            if module not in TARGETS or TARGETS[module][0] != block:
+                raise LoRAError(f"{weights_file}: {key}: unknown target module {block}.{module}")
+            if layer >= config.num_layers:
+                raise LoRAError(f"{weights_file}: {key}: layer {layer}, but the model has {config.num_layers}")
+            tensor = tensors.get_tensor(key)
+            if not tensor.is_floating_point() or tensor.dim() != 2:
+                raise LoRAError(
+                    f"{weights_file}: {key}: expected a 2-D float tensor, got {tensor.dtype} {list(tensor.shape)}"
+                )
+            pieces.setdefault((layer, block, module), {})[which] = tensor.float()
+    if not pieces:
+        raise LoRAError(f"{weights_file}: holds no LoRA weights")
+    shapes = product_shapes(config)
+    fused: dict[tuple[int, str], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+    for (layer, block, module), pair in sorted(pieces.items()):
+        name = f"base_model.model.model.layers.{layer}.{block}.{module}"
+        if set(pair) != {"A", "B"}:
+            raise LoRAError(f"{weights_file}: {name}: lora_A and lora_B must both be present")
+        a, b = pair["A"], pair["B"]
+        _, product, piece = TARGETS[module]
+        in_features, widths = shapes[f"{block}.{product}"]
+        rank = a.shape[0]
+        if a.shape != (rank, in_features) or b.shape != (widths[piece], rank):
+            raise LoRAError(
+                f"{weights_file}: {name}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not fit "
+                f"[r, {in_features}] and [{widths[piece]}, r] of the base model"
+            )
+        if rank > max_rank:
+            raise LoRAError(f"{weights_file}: {name}: rank {rank} is above --max-lora-rank {max_rank}")
+        module_name = f"model.layers.{layer}.{block}.{module}"
+        expected = _pattern_value(adapter_config.get("rank_pattern") or {}, module_name, adapter_config["r"])
+        if rank != expected:
+            raise LoRAError(f"{weights_file}: {name}: rank {rank}, but the config gives {expected}")
+        alpha = _pattern_value(adapter_config.get("alpha_pattern") or {}, module_name, adapter_config["lora_alpha"])
+        scale = alpha / math.sqrt(rank) if adapter_config.get("use_rslora") else alpha / rank
+        fused.setdefault((layer, f"{block}.{product}"), []).append((piece, a, b * scale))
+    weights: dict[tuple[int, str], LoRAWeights] = {}
+    for (layer, product), parts in fused.items():
+        widths = shapes[product][1]
+        starts = [sum(widths[:i]) for i in range(len(widths))]
+        total_rank = sum(a.shape[0] for _, a, _ in parts)
+        b_fused = torch.zeros(sum(widths), total_rank)
+        column = 0
+        for piece, a, b in parts:
+            b_fused[starts[piece] : starts[piece] + widths[piece], column : column + a.shape[0]] = b
+            column += a.shape[0]
+        weights[(layer, product)] = LoRAWeights(torch.cat([a for _, a, _ in parts]), b_fused)
+    rank = max(pair["A"].shape[0] for pair in pieces.values())
+    return LoRAAdapter(path, rank, weights, digest_of(path))

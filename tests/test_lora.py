@@ -1,0 +1,238 @@
+"""LoRA adapters against PEFT on transformers (the oracle), fp32 CPU: greedy ids for each adapter
+alone and for a batch that mixes two adapters with the base model, eager and compiled; what the
+loader refuses; slots and the prefix cache."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch._dynamo
+from safetensors.torch import load_file, save_file
+from torch._dynamo.utils import counters
+
+from compiled_engine import LLM, LoRARequest, SamplingParams
+from compiled_engine.errors import RequestError
+from compiled_engine.lora.adapter import LoRAError, load_adapter
+from compiled_engine.lora.layers import LoRAPlan
+from compiled_engine.model.config import ModelConfig
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPTS = [[5, 17, 99, 3, 42, 8], [11, 12, 13], [200, 7, 7, 31, 64, 2, 9, 150]]
+NEW_TOKENS = 10
+
+
+def _peft_adapter(model_dir: Path, out: Path, seed: int, **lora: Any) -> Path:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(seed)
+    options = {"r": 4, "lora_alpha": 8, "target_modules": ALL_TARGETS, "init_lora_weights": False, **lora}
+    model = get_peft_model(base, LoraConfig(**options))
+    with torch.no_grad():  # PEFT's non-zero init is small: make the adapter change the greedy ids
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0.0, 0.2)
+    model.save_pretrained(out)
+    return out
+
+
+def _peft_greedy(model_dir: Path, adapter: Path | None) -> list[list[int]]:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter)
+    model.eval()
+    outputs = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = torch.tensor([prompt])
+            generated = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None
+            )
+            outputs.append(generated[0, len(prompt) :].tolist())
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def lora_setup(tiny_model_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    model_dir = tiny_model_factory("llama", max_position_embeddings=64)
+    root = tmp_path_factory.mktemp("adapters")
+    first = _peft_adapter(model_dir, root / "first", seed=1)
+    # q/v only, a rank pattern and rsLoRA scaling: the fused qkv gets two of its three pieces
+    second = _peft_adapter(
+        model_dir,
+        root / "second",
+        seed=2,
+        r=6,
+        lora_alpha=12,
+        target_modules=["q_proj", "v_proj", "down_proj"],
+        rank_pattern={"down_proj": 2},
+        use_rslora=True,
+    )
+    return {
+        "model_dir": model_dir,
+        "first": first,
+        "second": second,
+        "expected": {
+            None: _peft_greedy(model_dir, None),
+            "first": _peft_greedy(model_dir, first),
+            "second": _peft_greedy(model_dir, second),
+        },
+    }
+
+
+def _greedy(llm: LLM, loras: list[LoRARequest | None]) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate(
+        PROMPTS * len(loras), params, use_tqdm=False, lora_request=[x for x in loras for _ in PROMPTS]
+    )
+    ids = [out.outputs[0].token_ids for out in outputs]
+    return [ids[i : i + len(PROMPTS)] for i in range(0, len(ids), len(PROMPTS))]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_adapters_alone_and_mixed_in_one_batch_match_peft(lora_setup: dict[str, Any], compiled: bool) -> None:
+    torch._dynamo.reset()
+    counters.clear()
+    llm = LLM(
+        str(lora_setup["model_dir"]),
+        enable_lora=True,
+        enforce_eager=not compiled,
+        compile_cache=False,  # traced here, so that Dynamo's counters see every graph
+        kv_cache_memory_gib=0.02,
+    )
+    graphs = counters["stats"]["unique_graphs"]
+    first = LoRARequest("first", str(lora_setup["first"]))
+    second = LoRARequest("second", str(lora_setup["second"]))
+    expected = lora_setup["expected"]
+    assert expected["first"] != expected[None] and expected["second"] != expected[None]  # the adapters matter
+    assert _greedy(llm, [first]) == [expected["first"]]
+    assert _greedy(llm, [second]) == [expected["second"]]
+    # one batch: both adapters and the base model, interleaved sequence by sequence
+    assert _greedy(llm, [first, None, second]) == [expected["first"], expected[None], expected["second"]]
+    assert counters["stats"]["unique_graphs"] == graphs, "loading adapters or mixing them recompiled"
+
+
+def test_the_prefix_cache_never_shares_pages_between_adapters(lora_setup: dict[str, Any]) -> None:
+    llm = LLM(str(lora_setup["model_dir"]), enable_lora=True, enforce_eager=True, kv_cache_memory_gib=0.02)
+    prompt = list(range(3, 40))  # two full pages of 16
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    first = LoRARequest("first", str(lora_setup["first"]))
+
+    def cached(lora: LoRARequest | None) -> int:
+        return llm.generate([prompt], params, use_tqdm=False, lora_request=lora)[0].num_cached_tokens
+
+    assert cached(None) == 0
+    assert cached(first) == 0  # the base model's pages are not the adapter's
+    assert cached(first) == 32  # but the adapter's own are
+    assert cached(None) == 32
+
+
+def test_at_most_max_loras_adapters_run_at_once_and_slots_are_reused(lora_setup: dict[str, Any]) -> None:
+    llm = LLM(
+        str(lora_setup["model_dir"]),
+        enable_lora=True,
+        enforce_eager=True,
+        max_loras=1,
+        max_cpu_loras=2,
+        kv_cache_memory_gib=0.02,
+    )
+    engine = llm.engine
+    first = LoRARequest("first", str(lora_setup["first"]))
+    second = LoRARequest("second", str(lora_setup["second"]))
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    ids = [engine.add_request(PROMPTS[0], params, lora_request=lora) for lora in (first, second, None)]
+    finished: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        running = {s.lora_name for s in engine.scheduler.running if s.lora_name is not None}
+        assert len(running) <= 1
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].token_ids
+    expected = lora_setup["expected"]
+    assert [finished[i] for i in ids] == [expected["first"][0], expected["second"][0], expected[None][0]]
+
+
+def test_requests_name_adapters_only_when_the_engine_serves_them(lora_setup: dict[str, Any]) -> None:
+    llm = LLM(str(lora_setup["model_dir"]), enforce_eager=True, kv_cache_memory_gib=0.02)
+    with pytest.raises(RequestError, match="enable_lora"):
+        llm.generate([PROMPTS[0]], use_tqdm=False, lora_request=LoRARequest("first", str(lora_setup["first"])))
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_segments_join_neighbours_on_one_slot_and_skip_the_base_model() -> None:
+    plan = LoRAPlan.from_slots([3, 1, 1, 4, 2], [0, 0, -1, 1, 0])
+    assert plan.segments == ((0, 4, 0), (5, 9, 1), (9, 11, 0))
+
+
+def _broken(adapter: Path, tmp_path: Path, config: dict[str, Any] | None = None, drop: str | None = None) -> Path:
+    out = tmp_path / "broken"
+    shutil.copytree(adapter, out)
+    if config is not None:
+        data = json.loads((out / "adapter_config.json").read_text())
+        (out / "adapter_config.json").write_text(json.dumps({**data, **config}))
+    if drop is not None:
+        tensors = load_file(out / "adapter_model.safetensors")
+        save_file({k: v for k, v in tensors.items() if drop not in k}, out / "adapter_model.safetensors")
+    return out
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"use_dora": True}, "DoRA"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"target_modules": ["q_proj", "embed_tokens"]}, "embed_tokens"),
+        ({"target_modules": ["q_proj", "c_attn"]}, "unknown module 'c_attn'"),
+        ({"bias": "all"}, "bias"),
+        ({"r": 8}, "rank 4, but the config gives 8"),
+        ({"peft_type": "IA3"}, "IA3"),
+    ],
+)
+def test_the_loader_refuses_what_it_cannot_apply(
+    lora_setup: dict[str, Any], tmp_path: Path, change: dict[str, Any], message: str
+) -> None:
+    config = ModelConfig.from_model_dir(lora_setup["model_dir"])
+    with pytest.raises(LoRAError, match=message):
+        load_adapter(_broken(lora_setup["first"], tmp_path, config=change), config, max_rank=16)
+
+
+def test_the_loader_checks_files_shapes_and_rank(lora_setup: dict[str, Any], tmp_path: Path) -> None:
+    config = ModelConfig.from_model_dir(lora_setup["model_dir"])
+    with pytest.raises(LoRAError, match="above --max-lora-rank 2"):
+        load_adapter(lora_setup["first"], config, max_rank=2)
+    with pytest.raises(LoRAError, match="no such adapter directory"):
+        load_adapter(tmp_path / "missing", config, max_rank=16)
+    missing_b = _broken(lora_setup["first"], tmp_path, drop="layers.1.mlp.up_proj.lora_B")
+    with pytest.raises(LoRAError, match=r"layers\.1\.mlp\.up_proj: lora_A and lora_B must both be present"):
+        load_adapter(missing_b, config, max_rank=16)
+    pickled = tmp_path / "pickled"
+    shutil.copytree(lora_setup["first"], pickled)
+    (pickled / "adapter_model.safetensors").rename(pickled / "adapter_model.bin")
+    with pytest.raises(LoRAError, match="pickle files, which are never loaded"):
+        load_adapter(pickled, config, max_rank=16)
+    other = ModelConfig.from_model_dir(lora_setup["model_dir"])
+    wider = type(other)(**{**{f: getattr(other, f) for f in other.__struct_fields__}, "hidden_size": 128})
+    with pytest.raises(LoRAError, match="do not fit"):
+        load_adapter(lora_setup["first"], wider, max_rank=16)
+
+
+def test_a_failed_load_keeps_the_loaded_adapters(lora_setup: dict[str, Any], tmp_path: Path) -> None:
+    llm = LLM(str(lora_setup["model_dir"]), enable_lora=True, enforce_eager=True, kv_cache_memory_gib=0.02)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    first = LoRARequest("first", str(lora_setup["first"]))
+    llm.generate([PROMPTS[0]], params, use_tqdm=False, lora_request=first)
+    bad = LoRARequest("first", str(_broken(lora_setup["first"], tmp_path, config={"use_dora": True})))
+    with pytest.raises(LoRAError, match="DoRA"):
+        llm.generate([PROMPTS[0]], params, use_tqdm=False, lora_request=bad)
+    out = llm.generate([PROMPTS[0]], params, use_tqdm=False, lora_request=first)
+    assert out[0].outputs[0].token_ids == lora_setup["expected"]["first"][0]
