@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -44,6 +45,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-waiting-requests", type=int, default=256, help="beyond this, new requests get 429")
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20)
     serve.add_argument("--shutdown-grace-s", type=float, default=30.0)
+    serve.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters a request names as its model: name=path, or JSON "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\' (needs --enable-lora)',
+    )
+    serve.add_argument(
+        "--enable-runtime-lora-updates",
+        action="store_true",
+        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key)",
+    )
     add_engine_options(serve)
 
     verify = commands.add_parser("verify", help="compare greedy output with the transformers reference")
@@ -151,7 +165,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.max_waiting_requests,
         args.max_body_bytes,
         args.shutdown_grace_s,
+        lora_modules(args.lora_modules or [], args.served_model_name),
+        args.enable_runtime_lora_updates,
     )
+
+
+def lora_modules(specs: list[str], served_model_name: str | None) -> dict[str, str]:
+    """`--lora-modules` as name -> directory: `name=path`, or vLLM's JSON form, whose
+    `base_model_name` must be the served model when given."""
+    modules: dict[str, str] = {}
+    for spec in specs:
+        if spec.lstrip().startswith("{"):
+            try:
+                entry = json.loads(spec)
+                name, path = entry["name"], entry["path"]
+            except (json.JSONDecodeError, KeyError, TypeError) as error:
+                raise SystemExit(f'--lora-modules: {spec!r} is not {{"name": ..., "path": ...}} ({error})') from error
+            base = entry.get("base_model_name")
+            if base is not None and served_model_name is not None and base != served_model_name:
+                raise SystemExit(f"--lora-modules: {name!r} is for {base!r}, not the served {served_model_name!r}")
+        else:
+            name, sep, path = spec.partition("=")
+            if not sep or not name or not path:
+                raise SystemExit(f"--lora-modules: {spec!r} is not name=path")
+        if name in modules:
+            raise SystemExit(f"--lora-modules: {name!r} is given twice")
+        modules[name] = path
+    return modules
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

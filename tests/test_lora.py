@@ -43,7 +43,7 @@ def _peft_adapter(model_dir: Path, out: Path, seed: int, **lora: Any) -> Path:
     return out
 
 
-def _peft_greedy(model_dir: Path, adapter: Path | None) -> list[list[int]]:
+def _peft_greedy(model_dir: Path, adapter: Path | None, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -53,7 +53,7 @@ def _peft_greedy(model_dir: Path, adapter: Path | None) -> list[list[int]]:
     model.eval()
     outputs = []
     with torch.no_grad():
-        for prompt in PROMPTS:
+        for prompt in prompts:
             ids = torch.tensor([prompt])
             generated = model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None
@@ -236,3 +236,73 @@ def test_a_failed_load_keeps_the_loaded_adapters(lora_setup: dict[str, Any], tmp
         llm.generate([PROMPTS[0]], params, use_tqdm=False, lora_request=bad)
     out = llm.generate([PROMPTS[0]], params, use_tqdm=False, lora_request=first)
     assert out[0].outputs[0].token_ids == lora_setup["expected"]["first"][0]
+
+
+# -- the server, on the default model ---------------------------------------------------------------
+
+SERVER_PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def default_adapters(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("default_adapters")
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    prompt = tokenizer(SERVER_PROMPT)["input_ids"]
+    adapters = {
+        "french": _peft_adapter(default_model_dir, root / "french", seed=3, r=8, lora_alpha=16),
+        "second": _peft_adapter(default_model_dir, root / "second", seed=4, target_modules=["q_proj", "o_proj"]),
+    }
+    expected = {
+        name: tokenizer.decode(_peft_greedy(default_model_dir, path, [prompt])[0])
+        for name, path in [("base", None), *adapters.items()]
+    }
+    return {"paths": adapters, "expected": expected}
+
+
+def test_the_server_serves_adapters_by_model_name_and_loads_and_unloads_them(
+    default_adapters: dict[str, Any], tmp_path: Path
+) -> None:
+    import httpx
+
+    from tests.server_process import running_server
+
+    paths, expected = default_adapters["paths"], default_adapters["expected"]
+    assert len({expected["base"], expected["french"], expected["second"]}) == 3
+    args = ["--kv-cache-memory-gib", "0.05", "--enable-lora", "--max-loras", "2", "--served-model-name", "base"]
+    args += ["--lora-modules", f"french={paths['french']}", "--enable-runtime-lora-updates"]
+    with running_server(tmp_path, *args) as server:
+        url = server.url
+
+        def complete(model: str) -> httpx.Response:
+            body = {"model": model, "prompt": SERVER_PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0}
+            return httpx.post(f"{url}/v1/completions", json={**body, "ignore_eos": True}, timeout=60)
+
+        cards = httpx.get(f"{url}/v1/models").json()["data"]
+        assert [(c["id"], c["parent"]) for c in cards] == [("base", None), ("french", "base")]
+        assert complete("french").json()["choices"][0]["text"] == expected["french"]
+        assert complete("base").json()["choices"][0]["text"] == expected["base"]
+        assert complete("second").status_code == 404
+
+        load = f"{url}/v1/load_lora_adapter"
+        assert httpx.post(load, json={"lora_name": "second", "lora_path": str(paths["second"])}).status_code == 200
+        assert complete("second").json()["choices"][0]["text"] == expected["second"]
+        # bad loads: each a 4xx that names the problem, and nothing loaded is lost
+        missing = httpx.post(load, json={"lora_name": "third", "lora_path": str(tmp_path / "none")})
+        assert missing.status_code == 400 and "no such adapter directory" in missing.json()["error"]["message"]
+        assert httpx.post(load, json={"lora_name": "base", "lora_path": str(paths["second"])}).status_code == 400
+        assert httpx.post(load, json={"lora_name": "french", "lora_path": str(paths["second"])}).status_code == 400
+        assert complete("french").json()["choices"][0]["text"] == expected["french"]
+
+        unload = f"{url}/v1/unload_lora_adapter"
+        assert httpx.post(unload, json={"lora_name": "second"}).status_code == 200
+        assert complete("second").status_code == 404
+        assert httpx.post(unload, json={"lora_name": "second"}).status_code == 404
+        # an adapter a running request uses is not unloaded under it
+        body = {"model": "french", "prompt": SERVER_PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as stream:
+            next(stream.iter_lines())
+            busy = httpx.post(unload, json={"lora_name": "french"})
+            assert busy.status_code == 409 and busy.json()["error"]["code"] == "adapter_in_use"
+        assert complete("french").json()["choices"][0]["text"] == expected["french"]

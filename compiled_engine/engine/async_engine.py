@@ -15,6 +15,7 @@ measurement).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -22,11 +23,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.outputs import RequestOutput
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.errors import EngineDeadError, EngineOverloadedError, EngineShuttingDownError
+from compiled_engine.lora.manager import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -37,11 +40,21 @@ class _Add:
     prompt: str | list[int]
     params: SamplingParams
     cache_salt: str | None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(frozen=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    """Run `function(engine)` on the loop thread (what only the loop may touch: the adapters)."""
+
+    function: Callable[[LLMEngine], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
 
 
 @dataclass(frozen=True)
@@ -64,7 +77,7 @@ class AsyncEngine:
             self._build = engine
         self._built = threading.Event()
         self.max_waiting_requests = max_waiting_requests
-        self._inbox: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Call] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | BaseException]]] = {}
         self._lock = threading.Lock()
@@ -139,6 +152,7 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs as they come; the last one has `finished` set. Raises the
         engine's RequestError for an invalid request, and the overload / dead / shutdown errors."""
@@ -153,7 +167,7 @@ class AsyncEngine:
         with self._lock:
             self._streams[request_id] = (asyncio.get_running_loop(), stream)
             self._pending_adds += 1
-        self._inbox.put(_Add(request_id, prompt, params, cache_salt))
+        self._inbox.put(_Add(request_id, prompt, params, cache_salt, lora_request))
         self._wake.set()
         finished = False
         try:
@@ -202,6 +216,33 @@ class AsyncEngine:
             except RuntimeError:  # the caller's event loop is closed: nobody is listening
                 self.engine.abort_request(request_id)
 
+    async def call(self, function: Callable[[LLMEngine], Any]) -> Any:
+        """`function(engine)`, run on the loop thread between steps; its result or its error."""
+        if self.error is not None or not self._thread.is_alive():
+            raise EngineDeadError(f"the engine loop is not running ({self.error!r})")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._inbox.put(_Call(function, loop, future))
+        self._wake.set()
+        return await future
+
+    def _answer(self, command: _Call) -> None:
+        try:
+            result, error = command.function(self.engine), None
+        except Exception as exc:  # handed to the caller, the loop goes on
+            result, error = None, exc
+
+        def settle() -> None:
+            if command.future.done():  # the caller gave up
+                return
+            if error is not None:
+                command.future.set_exception(error)
+            else:
+                command.future.set_result(result)
+
+        with contextlib.suppress(RuntimeError):  # the caller's event loop is closed: nobody waits
+            command.loop.call_soon_threadsafe(settle)
+
     def _drain_inbox(self) -> None:
         while True:
             try:
@@ -211,13 +252,18 @@ class AsyncEngine:
             if isinstance(command, _Abort):
                 self.engine.abort_request(command.request_id)
                 continue
+            if isinstance(command, _Call):
+                self._answer(command)
+                continue
             with self._lock:
                 self._pending_adds -= 1
                 listening = command.request_id in self._streams
             if not listening:
                 continue  # the caller left before the loop saw the request
             try:
-                self.engine.add_request(command.prompt, command.params, command.request_id, command.cache_salt)
+                self.engine.add_request(
+                    command.prompt, command.params, command.request_id, command.cache_salt, command.lora_request
+                )
             except Exception as exc:  # invalid request: hand the error to its caller
                 self._deliver(command.request_id, exc)
 

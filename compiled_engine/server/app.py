@@ -8,7 +8,7 @@ import hmac
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import msgspec
@@ -20,9 +20,12 @@ from litestar.params import Body
 from litestar.response import Stream
 
 from compiled_engine.engine.async_engine import AsyncEngine
+from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.outputs import CompletionOutput, RequestOutput
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.errors import PromptError, RequestError
+from compiled_engine.lora.adapter import LoRAError
+from compiled_engine.lora.manager import LoRAManager, LoRARequest
 from compiled_engine.server.errors import ApiError, error_response, handle_exception
 from compiled_engine.server.metrics import ServerMetrics
 from compiled_engine.server.protocol import (
@@ -40,13 +43,22 @@ from compiled_engine.server.protocol import (
     CompletionResponse,
     Delta,
     ErrorResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     PromptTokensDetails,
     TopLogprob,
+    UnloadLoRAAdapterRequest,
     Usage,
 )
 from compiled_engine.tokenizer import Tokenizer
+
+
+def _lora_manager(engine: LLMEngine) -> LoRAManager:
+    if engine.lora is None:
+        raise LoRAError("this server serves no LoRA adapters: start it with --enable-lora")
+    return engine.lora
+
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 CHAT_ROLES = ("system", "user", "assistant")
@@ -60,6 +72,11 @@ class ServerSettings:
     served_model_name: str
     api_keys: tuple[str, ...] = ()
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # Adapters a request may name as its `model` (name -> directory), loaded into the engine at
+    # start (`serve --lora-modules`); with `runtime_lora_updates`, /v1/load_lora_adapter and
+    # /v1/unload_lora_adapter change the set while serving.
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    runtime_lora_updates: bool = False
 
 
 class OpenAIServer:
@@ -94,15 +111,21 @@ class OpenAIServer:
             )
         return hashlib.sha256(given).hexdigest()
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.settings.served_model_name:
-            raise ApiError(
-                404,
-                f"the model '{model}' does not exist; this server serves '{self.settings.served_model_name}'",
-                "not_found_error",
-                "model",
-                "model_not_found",
-            )
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names, None for the base model; 404 for anything else."""
+        if model is None or model == self.settings.served_model_name:
+            return None
+        path = self.settings.lora_modules.get(model)
+        if path is not None:
+            return LoRARequest(model, path)
+        adapters = "".join(f", '{name}'" for name in self.settings.lora_modules)
+        raise ApiError(
+            404,
+            f"the model '{model}' does not exist; this server serves '{self.settings.served_model_name}'{adapters}",
+            "not_found_error",
+            "model",
+            "model_not_found",
+        )
 
     def default_max_tokens(self, prompt_ids: list[int], max_tokens: int | None) -> int:
         """`max_tokens` as given, or by default what the context leaves after the prompt. The
@@ -236,9 +259,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
             yield output
 
     def generate(
-        prompt: list[int], params: SamplingParams, request_id: str, salt: str | None
+        prompt: list[int], params: SamplingParams, request_id: str, salt: str | None, lora: LoRARequest | None
     ) -> AsyncIterator[RequestOutput]:
-        return observed(engine.generate(prompt, params, request_id, salt))
+        return observed(engine.generate(prompt, params, request_id, salt, lora))
 
     @get("/metrics", sync_to_thread=False, media_type="text/plain; version=0.0.4")
     def prometheus() -> bytes:
@@ -261,24 +284,60 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
 
     @get("/v1/models", sync_to_thread=False)
     def models(request: Request[Any, Any, Any]) -> ModelList:
-        """The one model this server serves."""
+        """The model this server serves, and each LoRA adapter on it (with its `parent`)."""
         server.check_auth(request)
-        return ModelList([ModelCard(settings.served_model_name, server.created, max_model_len=server.max_model_len)])
+        base = settings.served_model_name
+        cards = [ModelCard(base, server.created, max_model_len=server.max_model_len, root=base)]
+        for name, path in settings.lora_modules.items():
+            cards.append(ModelCard(name, server.created, max_model_len=server.max_model_len, root=path, parent=base))
+        return ModelList(cards)
+
+    @post("/v1/load_lora_adapter", status_code=200, sync_to_thread=False)
+    async def load_lora_adapter(
+        request: Request[Any, Any, Any], data: Annotated[LoadLoRAAdapterRequest, Body()]
+    ) -> Response[str]:
+        """Load a LoRA adapter while serving (`serve --enable-runtime-lora-updates`)."""
+        server.check_auth(request)
+        name = data.lora_name
+        if name == settings.served_model_name:
+            raise ApiError(400, f"'{name}' is the base model's name", param="lora_name")
+        if name in settings.lora_modules:
+            raise ApiError(400, f"the LoRA adapter '{name}' is already loaded", param="lora_name")
+        lora = LoRARequest(name, data.lora_path)
+        await engine.call(lambda e: _lora_manager(e).add(lora))
+        settings.lora_modules[name] = data.lora_path
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+    @post("/v1/unload_lora_adapter", status_code=200, sync_to_thread=False)
+    async def unload_lora_adapter(
+        request: Request[Any, Any, Any], data: Annotated[UnloadLoRAAdapterRequest, Body()]
+    ) -> Response[str]:
+        """Unload a LoRA adapter; refused with 409 while requests use it."""
+        server.check_auth(request)
+        name = data.lora_name
+        if name not in settings.lora_modules:
+            raise ApiError(404, f"the LoRA adapter '{name}' is not loaded", "not_found_error", "lora_name")
+        try:
+            await engine.call(lambda e: _lora_manager(e).remove(name))
+        except LoRAError as exc:
+            raise ApiError(409, str(exc), "conflict_error", "lora_name", "adapter_in_use") from exc
+        del settings.lora_modules[name]
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
     @post("/v1/completions", status_code=200)
     async def completions(request: Request[Any, Any, Any], data: Annotated[CompletionRequest, Body()]) -> Any:
         """OpenAI text completions (prompt as text, token ids, or a list of either)."""
         salt = server.check_auth(request)
-        server.check_model(data.model)
+        lora = server.check_model(data.model)
         prompts = server.completion_prompts(data)
         if data.stream and len(prompts) > 1:
             raise ApiError(400, "streaming supports one prompt per request", param="prompt")
         params = [sampling_params(data, server.default_max_tokens(p, data.max_tokens), data.logprobs) for p in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        model = settings.served_model_name
+        model = data.model or settings.served_model_name
         if data.stream:
-            stream = generate(prompts[0], params[0], request_id, salt)
+            stream = generate(prompts[0], params[0], request_id, salt, lora)
             first = await _first_output(stream)
             return Stream(
                 _completion_events(server, data, request_id, created, first, stream), media_type="text/event-stream"
@@ -286,7 +345,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
         # A batch of prompts runs concurrently, like any other set of requests.
         finals = await _final_outputs(
             [
-                generate(prompt, p, f"{request_id}-{i}", salt)
+                generate(prompt, p, f"{request_id}-{i}", salt, lora)
                 for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
             ]
         )
@@ -315,7 +374,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
     async def chat_completions(request: Request[Any, Any, Any], data: Annotated[ChatCompletionRequest, Body()]) -> Any:
         """OpenAI chat completions: messages rendered with the model's chat template."""
         salt = server.check_auth(request)
-        server.check_model(data.model)
+        lora = server.check_model(data.model)
         for name in ("tools", "tool_choice", "response_format", "functions"):
             if getattr(data, name) is not None:
                 raise ApiError(
@@ -332,20 +391,23 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if data.stream:
-            stream = generate(prompt, params, request_id, salt)
+            stream = generate(prompt, params, request_id, salt, lora)
             first = await _first_output(stream)
             return Stream(
                 _chat_events(server, data, request_id, created, first, stream), media_type="text/event-stream"
             )
-        final = await _final_output(generate(prompt, params, request_id, salt))
+        final = await _final_output(generate(prompt, params, request_id, salt, lora))
         choices = [
             ChatChoice(c.index, AssistantMessage(c.text), server.chat_logprobs(c), c.finish_reason)
             for c in final.outputs
         ]
-        return ChatCompletionResponse(request_id, created, settings.served_model_name, choices, server.usage(final))
+        return ChatCompletionResponse(
+            request_id, created, data.model or settings.served_model_name, choices, server.usage(final)
+        )
 
     return Litestar(
-        route_handlers=[health, ready, prometheus, models, completions, chat_completions],
+        route_handlers=[health, ready, prometheus, models, completions, chat_completions]
+        + ([load_lora_adapter, unload_lora_adapter] if settings.runtime_lora_updates else []),
         middleware=[metrics.middleware],
         exception_handlers={Exception: handle_exception, RequestError: handle_request_error},
         request_class=BodyRequest,
@@ -428,7 +490,7 @@ async def _completion_events(
     first: RequestOutput | None,
     stream: AsyncIterator[RequestOutput],
 ) -> AsyncIterator[bytes]:
-    model = server.settings.served_model_name
+    model = data.model or server.settings.served_model_name
     shown = [0] * data.n
     shown_logprobs = [0] * data.n
     last: RequestOutput | None = None
@@ -465,7 +527,7 @@ async def _chat_events(
     first: RequestOutput | None,
     stream: AsyncIterator[RequestOutput],
 ) -> AsyncIterator[bytes]:
-    model = server.settings.served_model_name
+    model = data.model or server.settings.served_model_name
     for index in range(data.n):
         yield sse(
             ChatCompletionChunk(

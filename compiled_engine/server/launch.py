@@ -16,6 +16,7 @@ from compiled_engine.config import EngineConfig
 from compiled_engine.engine.async_engine import AsyncEngine
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.errors import EngineDeadError
+from compiled_engine.lora.manager import LoRARequest
 from compiled_engine.server.app import ServerSettings, create_app
 
 logger = logging.getLogger("compiled_engine.server")
@@ -30,10 +31,23 @@ def run_server(
     max_waiting_requests: int,
     max_body_bytes: int,
     shutdown_grace_s: float,
+    lora_modules: dict[str, str] | None = None,
+    runtime_lora_updates: bool = False,
 ) -> int:
     started = time.perf_counter()
+    lora_modules = dict(lora_modules or {})
+    if (lora_modules or runtime_lora_updates) and not config.enable_lora:
+        raise ValueError("--lora-modules and --enable-runtime-lora-updates need --enable-lora")
+
+    def build() -> LLMEngine:
+        engine = LLMEngine(config)
+        for lora_name, path in lora_modules.items():  # each checked now: a bad adapter stops the start
+            assert engine.lora is not None
+            engine.lora.add(LoRARequest(lora_name, path))
+        return engine
+
     # The engine is built on the loop thread that will run it (see AsyncEngine).
-    async_engine = AsyncEngine(lambda: LLMEngine(config), max_waiting_requests)
+    async_engine = AsyncEngine(build, max_waiting_requests)
     async_engine.start()
     engine = async_engine.engine
     load_s = time.perf_counter() - started
@@ -50,7 +64,10 @@ def run_server(
         runner.page_size,
         engine.max_model_len,
     )
-    app = create_app(async_engine, ServerSettings(name, api_keys, max_body_bytes))
+    if name in lora_modules:
+        raise ValueError(f"the adapter name {name!r} is the served model's name")
+    settings = ServerSettings(name, api_keys, max_body_bytes, lora_modules, runtime_lora_updates)
+    app = create_app(async_engine, settings)
     app.on_shutdown.append(lambda: async_engine.shutdown(grace_s=shutdown_grace_s))
     logger.info("serving on http://%s:%d/v1 (OpenAPI schema at /docs/openapi.json)", host, port)
     config_ = uvicorn.Config(

@@ -170,7 +170,18 @@ class ModelCard(msgspec.Struct):
     created: int
     owned_by: str = "compiled_engine"
     max_model_len: int | None = None
+    root: str | None = None  # an adapter's directory; the base model's name for the base model
+    parent: str | None = None  # an adapter's base model
     object: Literal["model"] = "model"
+
+
+class LoadLoRAAdapterRequest(msgspec.Struct, forbid_unknown_fields=True):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(msgspec.Struct, forbid_unknown_fields=True):
+    lora_name: str
 
 
 class ModelList(msgspec.Struct):
