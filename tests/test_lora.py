@@ -306,3 +306,22 @@ def test_the_server_serves_adapters_by_model_name_and_loads_and_unloads_them(
             busy = httpx.post(unload, json={"lora_name": "french"})
             assert busy.status_code == 409 and busy.json()["error"]["code"] == "adapter_in_use"
         assert complete("french").json()["choices"][0]["text"] == expected["french"]
+
+
+def test_bench_lora_reports_each_figure_against_the_base_model(lora_setup: dict[str, Any], tmp_path: Path) -> None:
+    from compiled_engine.bench.__main__ import main
+
+    out = tmp_path / "lora.json"
+    args = ["lora", "--model", str(lora_setup["model_dir"]), "--enforce-eager", "--kv-cache-memory-gib", "0.02"]
+    args += ["--lora-rank", "4", "--num-adapters", "2", "--batch", "3", "--prompt-len", "8", "--output-len", "4"]
+    assert main([*args, "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    for key in (
+        "base_batch1",
+        "adapter_batch1",
+        "base_batch_output_tokens_per_s",
+        "adapters_batch_output_tokens_per_s",
+    ):
+        assert results[key] > 0
+    assert results["ratio_batch1"] == pytest.approx(results["adapter_batch1"] / results["base_batch1"])
+    assert 0 < results["load_seconds"] < 60

@@ -1,4 +1,4 @@
-"""`python -m compiled_engine.bench latency|offline|serve|perplexity`: our figures, a same-run baseline, a ceiling.
+"""`python -m compiled_engine.bench latency|offline|serve|perplexity|lora`: our figures, a same-run baseline, a ceiling.
 
 python -m compiled_engine.bench latency --prompt-len 512 --output-len 128 --baseline hf --json out.json
 python -m compiled_engine.bench offline --num-seqs 32 --input-len 100 1024 --output-len 100 1024 --baseline hf
@@ -35,6 +35,7 @@ from compiled_engine.bench.llama_cpp_baseline import (
     llama_cpp_prefill_seconds,
     load_llama_cpp,
 )
+from compiled_engine.bench.lora import bench_lora_runs
 from compiled_engine.bench.perplexity import add_perplexity_command, bench_perplexity
 from compiled_engine.bench.plots import PlotUnavailable, check_plotting, write_plot
 from compiled_engine.bench.runs import run_hf, run_hf_as_server, run_ours, weight_bytes
@@ -112,6 +113,16 @@ def _parser() -> argparse.ArgumentParser:
         "--max-concurrency", type=int, default=None, help="with --request-rate: cap on requests in flight"
     )
     add_perplexity_command(commands)
+    lora = commands.add_parser("lora", help="adapters beside the base model, in the same run")
+    add_engine_options(lora, exclude={"seed", "enable_lora", "max_loras", "enable_prefix_caching"})
+    lora.add_argument("--lora-rank", type=int, default=16)
+    lora.add_argument("--num-adapters", type=int, default=4, help="distinct adapters in the batch")
+    lora.add_argument("--batch", type=int, default=32)
+    lora.add_argument("--prompt-len", type=int, default=128)
+    lora.add_argument("--output-len", type=int, default=64)
+    lora.add_argument("--seed", type=int, default=0)
+    lora.add_argument("--json", type=Path, default=None, help="write every figure and the environment here")
+    lora.set_defaults(plot=None)
     return parser
 
 
@@ -492,7 +503,61 @@ def _strict_json(value: Any) -> Any:
     return value
 
 
-BENCHMARKS = {"latency": bench_latency, "offline": bench_offline, "serve": bench_serve, "perplexity": bench_perplexity}
+def bench_lora(args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    # prefix caching off: every run must compute its prompts, with and without adapters
+    plain = _engine(args, enable_prefix_caching=False)
+    lora = _engine(
+        args, enable_prefix_caching=False, enable_lora=True, max_loras=args.num_adapters, max_lora_rank=args.lora_rank
+    )
+    figures = bench_lora_runs(
+        plain, lora, args.lora_rank, args.num_adapters, args.batch, args.prompt_len, args.output_len, args.seed
+    )
+    table = Table(
+        title=f"lora: rank {args.lora_rank}, all seven products, prompt {args.prompt_len}, output {args.output_len}"
+    )
+    for column in ("", "base model", "with adapters", "ratio"):
+        table.add_column(column)
+    table.add_row(
+        "batch-1 decode tokens/s",
+        f"{figures['base_batch1']:.1f}",
+        f"{figures['adapter_batch1']:.1f}",
+        f"{figures['ratio_batch1']:.2f}x",
+    )
+    table.add_row(
+        f"batch {args.batch}, {args.num_adapters} adapters, output tokens/s",
+        f"{figures['base_batch_output_tokens_per_s']:.1f}",
+        f"{figures['adapters_batch_output_tokens_per_s']:.1f}",
+        f"{figures['ratio_batch']:.2f}x",
+    )
+    table.add_row(
+        "base request on the engine with slots, batch 1", f"{figures['slots_batch1_base_request']:.1f}", "", ""
+    )
+    table.add_row("loading one adapter", "", f"{figures['load_seconds'] * 1000:.0f} ms", "")
+    console.print(table)
+    workload = {
+        "lora_rank": args.lora_rank,
+        "num_adapters": args.num_adapters,
+        "batch": args.batch,
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "seed": args.seed,
+    }
+    return {
+        "benchmark": "lora",
+        "workload": workload,
+        "results": figures,
+        "environment": environment(lora.runner.device, lora.runner.dtype, lora.model_dir),
+        "engine": _engine_info(lora),
+    }
+
+
+BENCHMARKS = {
+    "latency": bench_latency,
+    "offline": bench_offline,
+    "serve": bench_serve,
+    "perplexity": bench_perplexity,
+    "lora": bench_lora,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

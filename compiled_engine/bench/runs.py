@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from itertools import pairwise
 from typing import Any
 
@@ -15,6 +15,7 @@ from compiled_engine.bench.workload import Workload
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.outputs import RequestOutput
 from compiled_engine.engine.sampling_params import SamplingParams
+from compiled_engine.lora.manager import LoRARequest
 from compiled_engine.quantization.modules import QuantizedEmbedding, QuantizedLinear
 
 
@@ -48,11 +49,19 @@ def kv_bytes_per_token(engine: LLMEngine) -> int:
     return c.num_layers * 2 * c.num_kv_heads * c.head_dim * engine.runner.kv_cache.element_size()
 
 
-def run_ours(engine: LLMEngine, workload: Workload, on_tokens: Callable[[int], None] | None = None) -> dict[str, Any]:
+def run_ours(
+    engine: LLMEngine,
+    workload: Workload,
+    on_tokens: Callable[[int], None] | None = None,
+    loras: Sequence[LoRARequest | None] | None = None,
+) -> dict[str, Any]:
     """All requests at once through the scheduler; counts steps and the bytes they read.
-    `on_tokens` hears how many output tokens each step produced (for a progress bar)."""
-    for prompt, out_len in zip(workload.prompts, workload.output_lens, strict=True):
-        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True))
+    `on_tokens` hears how many output tokens each step produced (for a progress bar); `loras`:
+    each request's adapter (None: the base model for all)."""
+    adapters = loras if loras is not None else [None] * len(workload.prompts)
+    for prompt, out_len, lora in zip(workload.prompts, workload.output_lens, adapters, strict=True):
+        params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+        engine.add_request(prompt, params, lora_request=lora)
     steps = 0
     start = time.perf_counter()
     finished: list[RequestOutput] = []

@@ -1,0 +1,94 @@
+"""`bench lora`: adapters beside the base model, in the same run.
+
+Random PEFT-format adapters (every one of the seven products, `--lora-rank`) are written to a
+scratch directory, so the workload needs neither PEFT nor a download. Three figures, each against
+the same workload on the base model: batch-1 decode with one adapter; a batch that spreads its
+requests over `--num-adapters` distinct adapters; and the time to load one adapter, as a runtime
+load does (read, check, lay out; the first step then writes it into a slot).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from compiled_engine.bench.runs import run_ours
+from compiled_engine.bench.workload import random_workload
+from compiled_engine.engine.llm_engine import LLMEngine
+from compiled_engine.lora.adapter import CONFIG_NAME, TARGETS, WEIGHTS_NAME, product_shapes
+from compiled_engine.lora.manager import LoRARequest
+from compiled_engine.model.config import ModelConfig
+
+
+def write_random_adapter(directory: Path, config: ModelConfig, rank: int, seed: int) -> Path:
+    """A PEFT LoRA adapter on all seven products, with random A and B (so it changes outputs)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    shapes = product_shapes(config)
+    tensors = {}
+    for layer in range(config.num_layers):
+        for module, (block, product, piece) in TARGETS.items():
+            in_features, widths = shapes[f"{block}.{product}"]
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) * 0.02
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(widths[piece], rank, generator=generator) * 0.02
+    save_file(tensors, directory / WEIGHTS_NAME)
+    adapter_config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS)}
+    (directory / CONFIG_NAME).write_text(json.dumps(adapter_config))
+    return directory
+
+
+def _decode_tokens_per_s(engine: LLMEngine, run: dict[str, Any]) -> float:
+    return 1 / statistics.median(run["tpot_s"])
+
+
+def bench_lora_runs(
+    plain: LLMEngine,
+    lora: LLMEngine,
+    rank: int,
+    num_adapters: int,
+    batch: int,
+    prompt_len: int,
+    output_len: int,
+    seed: int,
+) -> dict[str, Any]:
+    """The figures of `bench lora`: `plain` runs the base model without adapter slots, `lora`
+    the same model with them."""
+    config = lora.runner.model_config
+    vocab = config.vocab_size
+    with tempfile.TemporaryDirectory() as scratch:
+        paths = [write_random_adapter(Path(scratch) / f"a{i}", config, rank, seed + i) for i in range(num_adapters)]
+        assert lora.lora is not None
+        started = time.perf_counter()
+        lora.lora.add(LoRARequest("a0", str(paths[0])))
+        load_s = time.perf_counter() - started
+        requests = [LoRARequest(f"a{i}", str(path)) for i, path in enumerate(paths)]
+        one = random_workload(vocab, 1, (prompt_len, prompt_len), (output_len, output_len), seed)
+        many = random_workload(vocab, batch, (prompt_len, prompt_len), (output_len, output_len), seed + 1)
+        warm_up = random_workload(vocab, 1, (8, 8), (2, 2), seed + 2)
+        for engine in (plain, lora):
+            run_ours(engine, warm_up)
+        run_ours(lora, warm_up, loras=requests[:1])
+        figures = {
+            "base_batch1": _decode_tokens_per_s(plain, run_ours(plain, one)),
+            "slots_batch1_base_request": _decode_tokens_per_s(lora, run_ours(lora, one)),
+            "adapter_batch1": _decode_tokens_per_s(lora, run_ours(lora, one, loras=requests[:1])),
+        }
+        spread = [requests[i % num_adapters] for i in range(batch)]
+        base_many = run_ours(plain, many)
+        lora_many = run_ours(lora, many, loras=spread)
+        figures["base_batch_output_tokens_per_s"] = many.output_tokens / base_many["seconds"]
+        figures["adapters_batch_output_tokens_per_s"] = many.output_tokens / lora_many["seconds"]
+    return {
+        "load_seconds": load_s,
+        **figures,
+        "ratio_batch1": figures["adapter_batch1"] / figures["base_batch1"],
+        "ratio_batch": figures["adapters_batch_output_tokens_per_s"] / figures["base_batch_output_tokens_per_s"],
+    }
