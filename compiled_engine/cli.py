@@ -83,6 +83,7 @@ def _build_native_kernels() -> None:
     import time
 
     from compiled_engine.attention.native_decode import load_native_decode
+    from compiled_engine.lora.layers import native_lora_kernel
     from compiled_engine.native_build import KernelBuildError
     from compiled_engine.quantization.ops import cpu_kernels, native_operator
 
@@ -93,6 +94,7 @@ def _build_native_kernels() -> None:
         print(f"the CPU attention kernel cannot be built here: {error}", file=sys.stderr)
     cpu_kernels()  # warns itself when it cannot be built
     native_operator()
+    native_lora_kernel()
     print(f"native kernels ready ({time.perf_counter() - started:.1f} s)", file=sys.stderr)
 
 

@@ -98,14 +98,15 @@ class TorchOperatorLibrary:
     NativeLibrary, plus torch's version and C++ ABI; loaded with torch.ops.load_library."""
 
     cpp_source: Path
-    c_source: Path
+    c_source: Path | None  # None: the operator is C++ alone
     what: str
 
     def path(self) -> Path:
         import torch
 
         cc, cxx = compiler(), _cxx_compiler()
-        parts = [self.cpp_source.read_text(), self.c_source.read_text(), cc, cxx, _version(cc), _version(cxx)]
+        c_text = self.c_source.read_text() if self.c_source is not None else ""
+        parts = [self.cpp_source.read_text(), c_text, cc, cxx, _version(cc), _version(cxx)]
         parts += [torch.__version__, str(torch._C._GLIBCXX_USE_CXX11_ABI), " ".join(_torch_includes())]
         path = _cached_path(self.cpp_source.stem, parts)
         if not path.exists():
@@ -121,15 +122,19 @@ class TorchOperatorLibrary:
             kernel = Path(scratch) / "kernels.o"
             partial = Path(scratch) / output.name
             abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+            objects = [str(kernel)] if self.c_source is not None else []
             commands = [
-                [cc, "-O3", "-march=native", "-fPIC", *OPENMP, "-c", str(self.c_source), "-o", str(kernel)],
                 [
                     cxx, "-O2", "-std=c++17", "-fPIC", "-shared", abi,
                     *(f"-I{p}" for p in _torch_includes()),
-                    str(self.cpp_source), str(kernel), "-o", str(partial),
+                    str(self.cpp_source), *objects, "-o", str(partial),
                     f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu", *OPENMP,
                 ],
             ]  # fmt: skip
+            if self.c_source is not None:
+                commands.insert(
+                    0, [cc, "-O3", "-march=native", "-fPIC", *OPENMP, "-c", str(self.c_source), "-o", str(kernel)]
+                )
             for command in commands:
                 done = subprocess.run(command, capture_output=True, text=True, check=False)
                 if done.returncode != 0:

@@ -325,3 +325,27 @@ def test_bench_lora_reports_each_figure_against_the_base_model(lora_setup: dict[
         assert results[key] > 0
     assert results["ratio_batch1"] == pytest.approx(results["adapter_batch1"] / results["base_batch1"])
     assert 0 < results["load_seconds"] < 60
+
+
+def test_the_native_lora_kernel_equals_the_python_kernel() -> None:
+    from compiled_engine.lora import layers
+
+    assert layers.native_lora_kernel() is not None  # the machine has a compiler (as CI's has)
+    layers._native_plan = layers.native_lora_kernel()
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("compiled_engine::lora_delta", "CPU")
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(17, 24, generator=generator)
+    a = torch.randn(3, 6, 24, generator=generator)
+    b = torch.randn(3, 40, 6, generator=generator)
+    # slot 2 in two runs (gathered), slot 0 one row (the few-row loops), slot 1 six rows (at::mm)
+    plan = LoRAPlan.from_slots([2, 4, 1, 4, 6], [2, -1, 0, 2, 1])
+    with layers.lora_forward(plan):
+        native = torch.ops.compiled_engine.lora_delta(x, a, b)
+        reference = layers.reference_lora_delta(x, a, b)
+    torch.testing.assert_close(native, reference)
+    assert native[2:6].abs().max() == 0 and native[:2].abs().max() > 0
+    with layers.lora_forward(None):  # outside a plan: no adapter anywhere
+        assert torch.ops.compiled_engine.lora_delta(x, a, b).abs().max() == 0
+    bad = LoRAPlan(((0, 18, 0),))  # more tokens than the batch has
+    with layers.lora_forward(bad), pytest.raises(RuntimeError, match="outside this product"):
+        torch.ops.compiled_engine.lora_delta(x, a, b)

@@ -15,9 +15,12 @@ never a per-token gather of whole adapter matrices.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -25,6 +28,9 @@ from torch import nn
 from compiled_engine.lora.adapter import PRODUCTS, LoRAAdapter, product_shapes
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.llama import Transformer
+from compiled_engine.native_build import KernelBuildError, TorchOperatorLibrary
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -48,8 +54,13 @@ class LoRAPlan:
             start += count
         return cls(tuple(segments))
 
+    def runs(self) -> torch.Tensor:
+        return torch.tensor(self.segments, dtype=torch.int64).reshape(-1, 3)
+
 
 _current: LoRAPlan | None = None
+_NO_RUNS = torch.zeros(0, 3, dtype=torch.int64)
+_native_plan: Callable[[torch.Tensor], None] | None = None  # the C++ kernel's plan, once install_lora loaded it
 
 
 @contextmanager
@@ -57,17 +68,23 @@ def lora_forward(plan: LoRAPlan | None) -> Iterator[None]:
     """Every `lora_delta` inside this block adds the adapters of `plan` (None: none)."""
     global _current
     previous, _current = _current, plan
+    native = _native_plan
+    if native is not None:
+        native(plan.runs() if plan is not None else _NO_RUNS)
     try:
         yield
     finally:
         _current = previous
+        if native is not None:
+            native(previous.runs() if previous is not None else _NO_RUNS)
 
 
 torch.library.define("compiled_engine::lora_delta", "(Tensor x, Tensor a, Tensor b) -> Tensor")
 
 
-@torch.library.impl("compiled_engine::lora_delta", "CompositeExplicitAutograd")
-def _lora_delta_kernel(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def reference_lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The operator in plain torch, by the current plan: the kernel on devices without the
+    native one, and its slow twin."""
     out = x.new_zeros(x.shape[0], b.shape[1])
     if _current is not None:
         for start, end, slot in _current.segments:
@@ -75,9 +92,28 @@ def _lora_delta_kernel(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tor
     return out
 
 
+torch.library.impl("compiled_engine::lora_delta", "CompositeExplicitAutograd")(reference_lora_delta)
+
+
 @torch.library.register_fake("compiled_engine::lora_delta")
 def _lora_delta_fake(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], b.shape[1])
+
+
+NATIVE_KERNEL = TorchOperatorLibrary(Path(__file__).with_name("kernels") / "lora_op.cpp", None, "native LoRA operator")
+
+
+@cache
+def native_lora_kernel() -> Callable[[torch.Tensor], None] | None:
+    """Registers the C++ CPU kernel of `lora_delta` and returns its plan setter, or None (with
+    one warning saying why) when it cannot be built: the Python kernel above then runs."""
+    try:
+        NATIVE_KERNEL.load()
+    except KernelBuildError as error:
+        logger.warning("LoRA products run through Python (slower per call), because %s", error)
+        return None
+    setter: Callable[[torch.Tensor], None] = torch.ops.compiled_engine_lora.set_plan.default
+    return setter
 
 
 class LoRALinear(nn.Module):
@@ -129,6 +165,8 @@ class LoRASlots:
 def install_lora(model: Transformer, config: ModelConfig, num_slots: int, max_rank: int) -> LoRASlots:
     """Wrap every decoder layer's products in LoRALinear with `num_slots` empty slots. A fused
     product's slots hold its pieces' ranks side by side: up to pieces x `max_rank`."""
+    global _native_plan
+    _native_plan = native_lora_kernel()  # registered before anything traces the products
     shapes = product_shapes(config)
     products: dict[tuple[int, str], LoRALinear] = {}
     for index, layer in enumerate(model.layers):
