@@ -267,6 +267,16 @@ def test_a_compiled_decode_step_is_one_compiled_entry_and_one_attention_plan(
 # -- saved traces (engine/precompiled.py) ---------------------------------------------------------
 
 
+def _eager_run(
+    tiny_model_factory: Callable[..., Path], model_type: str, seed: int
+) -> tuple[Path, dict[int, list[int]], list[torch.Tensor]]:
+    """A tiny model, random tokens for four sequences, and the eager logits of `_batches`."""
+    model_dir = tiny_model_factory(model_type, max_position_embeddings=64)
+    gen = torch.Generator().manual_seed(seed)
+    tokens = {s: torch.randint(3, 320, (40,), generator=gen).tolist() for s in range(4)}
+    return model_dir, tokens, _run_steps(_runner(model_dir, compiled=False), tokens)
+
+
 def _entry_sources(runner: ModelRunner) -> dict[str, str]:
     assert isinstance(runner.forward, CompiledForward)
     return {name: entry.source for name, entry in runner.forward.entries().items()}
@@ -276,10 +286,7 @@ def test_a_saved_trace_loads_at_the_next_start_without_tracing_and_matches_eager
     tiny_model_factory: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
-    model_dir = tiny_model_factory("qwen3", max_position_embeddings=64)
-    gen = torch.Generator().manual_seed(2)
-    tokens = {s: torch.randint(3, 320, (40,), generator=gen).tolist() for s in range(4)}
-    eager = _run_steps(_runner(model_dir, compiled=False), tokens)
+    model_dir, tokens, eager = _eager_run(tiny_model_factory, "qwen3", seed=2)
 
     torch._dynamo.reset()
     first = _runner(model_dir, compiled=True, compile_cache=True)
@@ -306,10 +313,7 @@ def test_a_saved_trace_that_does_not_load_is_compiled_again(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
-    model_dir = tiny_model_factory("llama", max_position_embeddings=64)
-    gen = torch.Generator().manual_seed(3)
-    tokens = {s: torch.randint(3, 320, (40,), generator=gen).tolist() for s in range(4)}
-    eager = _run_steps(_runner(model_dir, compiled=False), tokens)
+    model_dir, tokens, eager = _eager_run(tiny_model_factory, "llama", seed=3)
     _runner(model_dir, compiled=True, compile_cache=True)
     (damaged,) = (tmp_path / "compiled").rglob("one_token_forward.bin")
     damaged.write_bytes(b"not a saved trace")

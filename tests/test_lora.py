@@ -306,6 +306,10 @@ def test_the_server_serves_adapters_by_model_name_and_loads_and_unloads_them(
             busy = httpx.post(unload, json={"lora_name": "french"})
             assert busy.status_code == 409 and busy.json()["error"]["code"] == "adapter_in_use"
         assert complete("french").json()["choices"][0]["text"] == expected["french"]
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'compiled_engine_lora_requests_total{adapter="french"} 3.0' in metrics
+        assert 'compiled_engine_lora_requests_total{adapter="second"} 1.0' in metrics
+        assert "compiled_engine_lora_adapters_loaded 1.0" in metrics
 
 
 def test_bench_lora_reports_each_figure_against_the_base_model(lora_setup: dict[str, Any], tmp_path: Path) -> None:

@@ -65,6 +65,8 @@ class EngineStats:
     kv_pages_free: int
     prefix_queried_tokens: int
     prefix_hit_tokens: int
+    lora_loaded: int = 0  # adapters the engine holds
+    lora_resident: int = 0  # of those, in device slots
 
 
 class AsyncEngine:
@@ -194,7 +196,7 @@ class AsyncEngine:
         return len(self.engine.scheduler.waiting) + self._pending_adds
 
     def stats(self) -> EngineStats:
-        manager = self.engine.block_manager
+        manager, lora = self.engine.block_manager, self.engine.lora
         return EngineStats(
             running_requests=len(self.engine.scheduler.running),
             waiting_requests=self.num_waiting(),
@@ -202,6 +204,8 @@ class AsyncEngine:
             kv_pages_free=manager.num_free_pages,
             prefix_queried_tokens=manager.stats.queried_tokens,
             prefix_hit_tokens=manager.stats.hit_tokens,
+            lora_loaded=len(lora.adapters) if lora is not None else 0,
+            lora_resident=lora.num_resident if lora is not None else 0,
         )
 
     # -- the loop thread ------------------------------------------------------------------------

@@ -67,6 +67,11 @@ class LoRAManager:
             self.slots.clear(slot)
             self._free.append(slot)
 
+    @property
+    def num_resident(self) -> int:
+        """Adapters in device slots."""
+        return len(self._slot_of)
+
     def acquire(self, name: str) -> None:
         self.in_use[name] = self.in_use.get(name, 0) + 1
 

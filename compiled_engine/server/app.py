@@ -252,16 +252,16 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
     server = OpenAIServer(engine, settings)
     metrics = ServerMetrics(engine)
 
-    async def observed(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    async def observed(stream: AsyncIterator[RequestOutput], adapter: str | None) -> AsyncIterator[RequestOutput]:
         async for output in stream:
             if output.finished:
-                metrics.observe(output)
+                metrics.observe(output, adapter)
             yield output
 
     def generate(
         prompt: list[int], params: SamplingParams, request_id: str, salt: str | None, lora: LoRARequest | None
     ) -> AsyncIterator[RequestOutput]:
-        return observed(engine.generate(prompt, params, request_id, salt, lora))
+        return observed(engine.generate(prompt, params, request_id, salt, lora), lora.name if lora else None)
 
     @get("/metrics", sync_to_thread=False, media_type="text/plain; version=0.0.4")
     def prometheus() -> bytes:

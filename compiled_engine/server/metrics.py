@@ -48,6 +48,10 @@ class _EngineCollector(Collector):
             "Prompt tokens found in the prefix cache",
             stats.prefix_hit_tokens,
         )
+        yield GaugeMetricFamily("compiled_engine_lora_adapters_loaded", "LoRA adapters loaded", stats.lora_loaded)
+        yield GaugeMetricFamily(
+            "compiled_engine_lora_adapters_resident", "LoRA adapters in device slots", stats.lora_resident
+        )
 
 
 class ServerMetrics:
@@ -64,6 +68,12 @@ class ServerMetrics:
         )
         self.generated_tokens = Counter(
             "compiled_engine_generated_tokens", "Tokens generated for finished requests", registry=self.registry
+        )
+        self.lora_requests = Counter(
+            "compiled_engine_lora_requests",
+            "Finished requests by LoRA adapter",
+            ["adapter"],
+            registry=self.registry,
         )
         self.ttft = Histogram(
             "compiled_engine_time_to_first_token_seconds",
@@ -85,8 +95,10 @@ class ServerMetrics:
         )
         self.registry.register(_EngineCollector(engine))
 
-    def observe(self, output: RequestOutput) -> None:
-        """Record a finished request."""
+    def observe(self, output: RequestOutput, adapter: str | None = None) -> None:
+        """Record a finished request (`adapter`: the LoRA adapter it ran with)."""
+        if adapter is not None:
+            self.lora_requests.labels(adapter).inc()
         self.prompt_tokens.inc(len(output.prompt_token_ids))
         self.generated_tokens.inc(sum(len(c.token_ids) for c in output.outputs))
         m = output.metrics
