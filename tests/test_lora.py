@@ -302,9 +302,11 @@ def test_the_server_serves_adapters_by_model_name_and_loads_and_unloads_them(
         # an adapter a running request uses is not unloaded under it
         body = {"model": "french", "prompt": SERVER_PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as stream:
-            next(stream.iter_lines())
+            lines = stream.iter_lines()  # kept: dropping the iterator would close the stream
+            assert stream.status_code == 200, next(lines)
+            next(lines)
             busy = httpx.post(unload, json={"lora_name": "french"})
-            assert busy.status_code == 409 and busy.json()["error"]["code"] == "adapter_in_use"
+            assert busy.status_code == 409 and busy.json()["error"]["code"] == "adapter_in_use", busy.text
         assert complete("french").json()["choices"][0]["text"] == expected["french"]
         metrics = httpx.get(f"{url}/metrics").text
         assert 'compiled_engine_lora_requests_total{adapter="french"} 3.0' in metrics

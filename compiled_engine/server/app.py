@@ -292,7 +292,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
             cards.append(ModelCard(name, server.created, max_model_len=server.max_model_len, root=path, parent=base))
         return ModelList(cards)
 
-    @post("/v1/load_lora_adapter", status_code=200, sync_to_thread=False)
+    @post("/v1/load_lora_adapter", status_code=200)
     async def load_lora_adapter(
         request: Request[Any, Any, Any], data: Annotated[LoadLoRAAdapterRequest, Body()]
     ) -> Response[str]:
@@ -308,7 +308,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
         settings.lora_modules[name] = data.lora_path
         return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
 
-    @post("/v1/unload_lora_adapter", status_code=200, sync_to_thread=False)
+    @post("/v1/unload_lora_adapter", status_code=200)
     async def unload_lora_adapter(
         request: Request[Any, Any, Any], data: Annotated[UnloadLoRAAdapterRequest, Body()]
     ) -> Response[str]:
