@@ -355,3 +355,29 @@ def test_the_native_lora_kernel_equals_the_python_kernel() -> None:
     bad = LoRAPlan(((0, 18, 0),))  # more tokens than the batch has
     with layers.lora_forward(bad), pytest.raises(RuntimeError, match="outside this product"):
         torch.ops.compiled_engine.lora_delta(x, a, b)
+
+
+def test_an_adapter_named_by_hub_id_resolves_through_huggingface_hub(
+    lora_setup: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    config = ModelConfig.from_model_dir(lora_setup["model_dir"])
+    asked: list[str] = []
+
+    def snapshot_download(repo_id: str, **kwargs: Any) -> str:
+        asked.append(repo_id)
+        if repo_id == "someone/french-lora":
+            return str(lora_setup["first"])
+        raise LocalEntryNotFoundError("not cached")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    adapter = load_adapter("someone/french-lora", config, max_rank=16)
+    local = load_adapter(lora_setup["first"], config, max_rank=16)
+    assert adapter.path == Path("someone/french-lora") and adapter.digest == local.digest
+    with pytest.raises(LoRAError, match="not in the local Hugging Face cache"):
+        load_adapter("someone/absent", config, max_rank=16)
+    with pytest.raises(LoRAError, match="nor a Hub id"):
+        load_adapter("/no/such/dir", config, max_rank=16)
+    assert asked == ["someone/french-lora", "someone/absent"]

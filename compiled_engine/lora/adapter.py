@@ -27,8 +27,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from compiled_engine.errors import RequestError
+from compiled_engine.errors import ModelSourceError, RequestError
 from compiled_engine.model.config import ModelConfig
+from compiled_engine.model.source import HUB_ID, download_from_hub
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -68,7 +69,7 @@ class LoRAAdapter:
     """A loaded adapter: its products by (layer, product name such as "self_attn.qkv_proj"),
     and a digest of its files that changes whenever they do (the prefix cache keys on it)."""
 
-    path: Path
+    path: Path  # as the request named it: a directory or a Hub id
     rank: int  # the largest rank of any target module
     weights: dict[tuple[int, str], LoRAWeights]
     digest: str
@@ -139,11 +140,23 @@ def digest_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def load_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> LoRAAdapter:
-    """Read and check the PEFT adapter in directory `path` for a model of `config`."""
-    path = Path(path)
-    if not path.is_dir():
-        raise LoRAError(f"{path}: no such adapter directory")
+def adapter_dir(source: str | Path) -> Path:
+    """A local adapter directory, or a Hub id (owner/name) resolved through huggingface_hub as
+    models are (model/source.py), from the local cache when offline."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or not HUB_ID.match(str(source)) or str(source).startswith((".", "~", "/")):
+        raise LoRAError(f"{source}: no such adapter directory (nor a Hub id owner/name)")
+    try:
+        return download_from_hub(str(source))
+    except ModelSourceError as error:
+        raise LoRAError(f"adapter {str(source)!r}: {error}") from error
+
+
+def load_adapter(source: str | Path, config: ModelConfig, max_rank: int) -> LoRAAdapter:
+    """Read and check the PEFT adapter in directory (or Hub id) `source` for a model of `config`."""
+    path = adapter_dir(source)
     adapter_config = _read_config(path)
     weights_file = path / WEIGHTS_NAME
     if not weights_file.is_file():
@@ -205,4 +218,4 @@ def load_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> LoRAAd
             column += a.shape[0]
         weights[(layer, product)] = LoRAWeights(torch.cat([a for _, a, _ in parts]), b_fused)
     rank = max(pair["A"].shape[0] for pair in pieces.values())
-    return LoRAAdapter(path, rank, weights, digest_of(path))
+    return LoRAAdapter(Path(source), rank, weights, digest_of(path))

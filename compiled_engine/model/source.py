@@ -32,10 +32,10 @@ def resolve_model_dir(model: str | None) -> Path:
         raise ModelSourceError(f"--model {model!r} is a file; pass the model directory or a .gguf file")
     if not HUB_ID.match(model) or model.startswith((".", "~")):
         raise ModelSourceError(f"--model {model!r} is neither a local directory nor a Hub id (owner/name)")
-    return _download_from_hub(model)
+    return download_from_hub(model)
 
 
-def _download_from_hub(repo_id: str) -> Path:
+def download_from_hub(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
