@@ -381,3 +381,55 @@ def test_an_adapter_named_by_hub_id_resolves_through_huggingface_hub(
     with pytest.raises(LoRAError, match="nor a Hub id"):
         load_adapter("/no/such/dir", config, max_rank=16)
     assert asked == ["someone/french-lora", "someone/absent"]
+
+
+def test_adapter_churn_under_load_leaks_no_pages_and_no_uses(lora_setup: dict[str, Any], tmp_path: Path) -> None:
+    """Requests on three adapters through two slots, with one adapter unloaded and loaded again
+    from another directory while the others run: every page comes back, every use is released,
+    and each request's tokens are its adapter's."""
+    llm = LLM(
+        str(lora_setup["model_dir"]),
+        enable_lora=True,
+        enforce_eager=True,
+        max_loras=2,
+        max_cpu_loras=3,
+        kv_cache_memory_gib=0.02,
+        max_num_seqs=4,
+    )
+    engine = llm.engine
+    copy = tmp_path / "first-again"
+    shutil.copytree(lora_setup["first"], copy)
+    loras = [
+        LoRARequest("first", str(lora_setup["first"])),
+        LoRARequest("second", str(lora_setup["second"])),
+        LoRARequest("third", str(copy)),  # the same weights as "first" under another name
+        None,
+    ]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    expected = lora_setup["expected"]
+    want = {"first": expected["first"], "second": expected["second"], "third": expected["first"], None: expected[None]}
+    submitted: dict[str, tuple[str | None, int]] = {}
+    finished: dict[str, list[int]] = {}
+    for round_ in range(3):
+        for i, lora in enumerate(loras * 2):
+            prompt = i % len(PROMPTS)
+            request_id = engine.add_request(PROMPTS[prompt], params, lora_request=lora)
+            submitted[request_id] = (lora.name if lora else None, prompt)
+        for _ in range(4):
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out.outputs[0].token_ids
+        if round_ == 1:  # "third" is idle or in use; unloading is refused only while it is used
+            assert engine.lora is not None
+            try:
+                engine.lora.remove("third")
+            except LoRAError as error:
+                assert "in use" in str(error)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].token_ids
+    assert engine.lora is not None and engine.lora.in_use == {}
+    assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
+    for request_id, (name, prompt) in submitted.items():
+        assert finished[request_id] == want[name][prompt], (name, prompt)
