@@ -90,6 +90,14 @@ def lora_setup(tiny_model_factory: Callable[..., Path], tmp_path_factory: pytest
     }
 
 
+def _lora_llm(lora_setup: dict[str, Any], **options: Any) -> LLM:
+    """The tiny model with adapter slots, eager unless told, in a small KV pool."""
+    return LLM(
+        str(lora_setup["model_dir"]),
+        **{"enable_lora": True, "enforce_eager": True, "kv_cache_memory_gib": 0.02, **options},
+    )
+
+
 def _greedy(llm: LLM, loras: list[LoRARequest | None]) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outputs = llm.generate(
@@ -123,7 +131,7 @@ def test_adapters_alone_and_mixed_in_one_batch_match_peft(lora_setup: dict[str, 
 
 
 def test_the_prefix_cache_never_shares_pages_between_adapters(lora_setup: dict[str, Any]) -> None:
-    llm = LLM(str(lora_setup["model_dir"]), enable_lora=True, enforce_eager=True, kv_cache_memory_gib=0.02)
+    llm = _lora_llm(lora_setup)
     prompt = list(range(3, 40))  # two full pages of 16
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     first = LoRARequest("first", str(lora_setup["first"]))
@@ -138,14 +146,7 @@ def test_the_prefix_cache_never_shares_pages_between_adapters(lora_setup: dict[s
 
 
 def test_at_most_max_loras_adapters_run_at_once_and_slots_are_reused(lora_setup: dict[str, Any]) -> None:
-    llm = LLM(
-        str(lora_setup["model_dir"]),
-        enable_lora=True,
-        enforce_eager=True,
-        max_loras=1,
-        max_cpu_loras=2,
-        kv_cache_memory_gib=0.02,
-    )
+    llm = _lora_llm(lora_setup, max_loras=1, max_cpu_loras=2)
     engine = llm.engine
     first = LoRARequest("first", str(lora_setup["first"]))
     second = LoRARequest("second", str(lora_setup["second"]))
@@ -227,7 +228,7 @@ def test_the_loader_checks_files_shapes_and_rank(lora_setup: dict[str, Any], tmp
 
 
 def test_a_failed_load_keeps_the_loaded_adapters(lora_setup: dict[str, Any], tmp_path: Path) -> None:
-    llm = LLM(str(lora_setup["model_dir"]), enable_lora=True, enforce_eager=True, kv_cache_memory_gib=0.02)
+    llm = _lora_llm(lora_setup)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     first = LoRARequest("first", str(lora_setup["first"]))
     llm.generate([PROMPTS[0]], params, use_tqdm=False, lora_request=first)
@@ -387,15 +388,7 @@ def test_adapter_churn_under_load_leaks_no_pages_and_no_uses(lora_setup: dict[st
     """Requests on three adapters through two slots, with one adapter unloaded and loaded again
     from another directory while the others run: every page comes back, every use is released,
     and each request's tokens are its adapter's."""
-    llm = LLM(
-        str(lora_setup["model_dir"]),
-        enable_lora=True,
-        enforce_eager=True,
-        max_loras=2,
-        max_cpu_loras=3,
-        kv_cache_memory_gib=0.02,
-        max_num_seqs=4,
-    )
+    llm = _lora_llm(lora_setup, max_loras=2, max_cpu_loras=3, max_num_seqs=4)
     engine = llm.engine
     copy = tmp_path / "first-again"
     shutil.copytree(lora_setup["first"], copy)
