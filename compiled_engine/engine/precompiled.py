@@ -16,6 +16,7 @@ entry is plain `torch.compile`: the slow twin the saved path is tested against.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import sys
@@ -34,8 +35,10 @@ _PACKAGE = Path(__file__).resolve().parents[1]
 _SOURCE_SUFFIXES = (".py", ".c", ".cpp", ".h")
 
 
+@functools.cache
 def _source_digest() -> str:
-    """One hash of the package's own code: a trace is only as valid as the code it traced."""
+    """One hash of the package's own code: a trace is only as valid as the code it traced. Read
+    once per process: the code that runs is the code imported, whatever changes on disk later."""
     digest = hashlib.sha256()
     for path in sorted(p for p in _PACKAGE.rglob("*") if p.suffix in _SOURCE_SUFFIXES):
         digest.update(str(path.relative_to(_PACKAGE)).encode())
