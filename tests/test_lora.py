@@ -19,7 +19,7 @@ from torch._dynamo.utils import counters
 from compiled_engine import LLM, LoRARequest, SamplingParams
 from compiled_engine.errors import RequestError
 from compiled_engine.lora.adapter import LoRAError, load_adapter
-from compiled_engine.lora.layers import LoRAPlan
+from compiled_engine.lora.layers import dense_lora_delta, reference_lora_delta, token_runs
 from compiled_engine.model.config import ModelConfig
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -130,6 +130,22 @@ def test_adapters_alone_and_mixed_in_one_batch_match_peft(lora_setup: dict[str, 
     assert counters["stats"]["unique_graphs"] == graphs, "loading adapters or mixing them recompiled"
 
 
+@pytest.mark.gpu
+def test_adapters_in_cuda_graphs_match_peft_and_eager(lora_setup: dict[str, Any]) -> None:
+    """Decode replays CUDA graphs with each row's slot in the graphs' static buffer: the same
+    greedy ids as eager on the same device, and as PEFT."""
+    options = {"device": "cuda", "dtype": "float32", "attention_backend": "torch", "max_num_seqs": 9}
+    graphed = _lora_llm(lora_setup, enforce_eager=False, **options)
+    assert graphed.engine.runner.graphs is not None
+    eager = _lora_llm(lora_setup, **options)
+    first = LoRARequest("first", str(lora_setup["first"]))
+    second = LoRARequest("second", str(lora_setup["second"]))
+    mixed = [first, None, second]
+    assert _greedy(graphed, mixed) == _greedy(eager, mixed)
+    expected = lora_setup["expected"]
+    assert _greedy(graphed, [second]) == [expected["second"]]
+
+
 def test_the_prefix_cache_never_shares_pages_between_adapters(lora_setup: dict[str, Any]) -> None:
     llm = _lora_llm(lora_setup)
     prompt = list(range(3, 40))  # two full pages of 16
@@ -170,9 +186,8 @@ def test_requests_name_adapters_only_when_the_engine_serves_them(lora_setup: dic
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_segments_join_neighbours_on_one_slot_and_skip_the_base_model() -> None:
-    plan = LoRAPlan.from_slots([3, 1, 1, 4, 2], [0, 0, -1, 1, 0])
-    assert plan.segments == ((0, 4, 0), (5, 9, 1), (9, 11, 0))
+def test_runs_join_neighbouring_tokens_on_one_slot_and_skip_the_base_model() -> None:
+    assert token_runs([0, 0, 0, 0, -1, 1, 1, 0, 0, 0]) == [(0, 4, 0), (5, 7, 1), (7, 10, 0)]
 
 
 def _broken(adapter: Path, tmp_path: Path, config: dict[str, Any] | None = None, drop: str | None = None) -> Path:
@@ -334,28 +349,49 @@ def test_bench_lora_reports_each_figure_against_the_base_model(lora_setup: dict[
     assert 0 < results["load_seconds"] < 60
 
 
+def _slot_tensors(tokens: int = 17) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """x, a and b of 3 slots as the slots hold them: two pieces of rank 6, 30 and 10 rows wide."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, 24, generator=generator)
+    a = torch.randn(3, 2 * 6, 24, generator=generator)
+    b = torch.randn(3, 6, 30 + 10, generator=generator)
+    return x, a, b, [30, 10]
+
+
+# slot 2 in two runs (gathered), slot 0 one token (the few-token loops), slot 1 six (at::mm);
+# two tokens past the batch's 17, as a CUDA graph's padding rows are
+MIXED_SLOTS = [2, 2, -1, -1, -1, -1, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, -1, -1]
+
+
 def test_the_native_lora_kernel_equals_the_python_kernel() -> None:
     from compiled_engine.lora import layers
 
-    assert layers.native_lora_kernel() is not None  # the machine has a compiler (as CI's has)
-    layers._native_plan = layers.native_lora_kernel()
+    assert layers.native_lora_kernel()  # the machine has a compiler (as CI's has)
     assert torch._C._dispatch_has_kernel_for_dispatch_key("compiled_engine::lora_delta", "CPU")
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(17, 24, generator=generator)
-    a = torch.randn(3, 6, 24, generator=generator)
-    b = torch.randn(3, 40, 6, generator=generator)
-    # slot 2 in two runs (gathered), slot 0 one row (the few-row loops), slot 1 six rows (at::mm)
-    plan = LoRAPlan.from_slots([2, 4, 1, 4, 6], [2, -1, 0, 2, 1])
-    with layers.lora_forward(plan):
-        native = torch.ops.compiled_engine.lora_delta(x, a, b)
-        reference = layers.reference_lora_delta(x, a, b)
+    x, a, b, widths = _slot_tensors()
+    slots = torch.tensor(MIXED_SLOTS)
+    native = torch.ops.compiled_engine.lora_delta(x, a, b, slots, widths)
+    reference = reference_lora_delta(x, a, b, slots, widths)
     torch.testing.assert_close(native, reference)
     assert native[2:6].abs().max() == 0 and native[:2].abs().max() > 0
-    with layers.lora_forward(None):  # outside a plan: no adapter anywhere
-        assert torch.ops.compiled_engine.lora_delta(x, a, b).abs().max() == 0
-    bad = LoRAPlan(((0, 18, 0),))  # more tokens than the batch has
-    with layers.lora_forward(bad), pytest.raises(RuntimeError, match="outside this product"):
-        torch.ops.compiled_engine.lora_delta(x, a, b)
+    # each piece's rows take its own rank rows of a only
+    torch.testing.assert_close(reference[0, 30:], (x[0] @ a[2, 6:].T) @ b[2, :, 30:])
+    none = torch.full((17,), -1)
+    assert torch.ops.compiled_engine.lora_delta(x, a, b, none, widths).abs().max() == 0
+    with pytest.raises(RuntimeError, match="uses slot 3 of 3"):
+        torch.ops.compiled_engine.lora_delta(x, a, b, torch.full((17,), 3), widths)
+    with pytest.raises(RuntimeError, match="a slot for each of the 17 tokens"):
+        torch.ops.compiled_engine.lora_delta(x, a, b, slots[:10], widths)
+
+
+def test_the_graph_kernel_equals_the_python_kernel() -> None:
+    """`dense_lora_delta` (CUDA's kernel: no host work, so graphs capture it) against the
+    reference, on the CPU."""
+    x, a, b, widths = _slot_tensors()
+    slots = torch.tensor(MIXED_SLOTS)
+    dense = dense_lora_delta(x, a, b, slots, widths)
+    torch.testing.assert_close(dense, reference_lora_delta(x, a, b, slots, widths))
+    assert dense[2:6].abs().max() == 0
 
 
 def test_an_adapter_named_by_hub_id_resolves_through_huggingface_hub(

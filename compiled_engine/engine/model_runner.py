@@ -9,6 +9,7 @@ size and allocate the KV pool, capture the decode CUDA graphs.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from pathlib import Path
@@ -24,13 +25,13 @@ from compiled_engine.cache.kv_cache import KVCacheSpec
 from compiled_engine.cache_paths import compiled_dir, inductor_dir
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine.compilation import CompiledForward, ModelForward, model_forward, use_compile_cache
-from compiled_engine.engine.cuda_graphs import CudaGraphRunner, DecodeBuffers, capture_sizes
+from compiled_engine.engine.cuda_graphs import MAX_CAPTURE_SIZE, CudaGraphRunner, DecodeBuffers, capture_sizes
 from compiled_engine.engine.memory_budget import kv_budget_bytes
 from compiled_engine.engine.precompiled import artifact_dir, model_signature
 from compiled_engine.engine.step_inputs import ScheduledBatch, StepInputs
 from compiled_engine.engine.weight_loading import load_weights
 from compiled_engine.errors import ModelConfigError
-from compiled_engine.lora.layers import LoRAPlan, install_lora, lora_forward
+from compiled_engine.lora.layers import install_lora
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.llama import Transformer
 from compiled_engine.parallel.distributed import broadcast_step
@@ -64,7 +65,14 @@ class ModelRunner:
         self.backend = self._choose_backend(config)
         self.model = self._load(model_dir, config, mesh)
         self.lora_slots = (
-            install_lora(self.model, self.model_config, config.max_loras, config.max_lora_rank)
+            install_lora(
+                self.model,
+                self.model_config,
+                config.max_loras,
+                config.max_lora_rank,
+                max(config.max_num_batched_tokens, WARM_UP_TOKENS, MAX_CAPTURE_SIZE),
+                self.dtype,
+            )
             if config.enable_lora
             else None
         )
@@ -76,7 +84,6 @@ class ModelRunner:
             and config.cuda_graphs
             and self.device.type == "cuda"
             and self.backend.supports_cuda_graphs
-            and self.lora_slots is None  # adapters' per-forward plan is not in the graphs' buffers yet
         )
         self.num_pages = self._size_kv_pool(config)
         self.kv_cache = self._allocate_kv_pool()
@@ -220,11 +227,15 @@ class ModelRunner:
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
-        lora: LoRAPlan | None = None,
+        lora_slots: list[int] | None = None,
     ) -> torch.Tensor:
+        """`lora_slots`: each sequence's adapter slot (-1 or None: the base model)."""
         with nvtx_range("attention plan"):
             plan = self.backend.prepare(metadata, kv_cache)
-        with attention_forward(self.backend, plan), lora_forward(lora):
+            if self.lora_slots is not None:
+                starts = metadata.query_start_loc_cpu
+                self.lora_slots.set_tokens([end - start for start, end in itertools.pairwise(starts)], lora_slots)
+        with attention_forward(self.backend, plan):
             return self.forward.hidden(input_ids, positions, kv_cache)
 
     def decode_graph_forward(self, kv_cache: torch.Tensor) -> Any:
@@ -249,13 +260,7 @@ class ModelRunner:
         """The final hidden states of every new token of the step, [tokens, hidden] (what the
         oracle comparisons read; `run` keeps only each sequence's last)."""
         input_ids, positions, metadata = self._tensors(inputs)
-        return self._hidden(input_ids, positions, self.kv_cache, metadata, self._lora_plan(inputs))
-
-    @staticmethod
-    def _lora_plan(inputs: StepInputs) -> LoRAPlan | None:
-        if inputs.lora_slots is None:
-            return None
-        return LoRAPlan.from_slots(inputs.query_lens, inputs.lora_slots)
+        return self._hidden(input_ids, positions, self.kv_cache, metadata, inputs.lora_slots)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, lora_slots: dict[str, int] | None = None) -> torch.Tensor:
@@ -277,11 +282,13 @@ class ModelRunner:
         other batch runs the model. Only rank 0 asks for the logits of eager steps."""
         with nvtx_range("forward"):
             if self.graphs is not None and inputs.decode_only:
+                if self.lora_slots is not None:  # the graphs read each row's slot from this buffer
+                    self.lora_slots.set_tokens(inputs.query_lens, inputs.lora_slots, self.graphs.buffers.max_size)
                 replayed = self.graphs.replay(inputs.token_ids, inputs.positions, inputs.block_tables)
                 if replayed is not None:
                     return replayed.clone()  # the graph's output buffer is rewritten by the next replay
             input_ids, positions, metadata = self._tensors(inputs)
-            hidden = self._hidden(input_ids, positions, self.kv_cache, metadata, self._lora_plan(inputs))
+            hidden = self._hidden(input_ids, positions, self.kv_cache, metadata, inputs.lora_slots)
             if not logits:
                 return None
             if not metadata.decode_only:  # each sequence's last new token

@@ -4,13 +4,12 @@ An adapter directory holds `adapter_config.json` and `adapter_model.safetensors`
 `save_pretrained` writes them. Each adapted product `y = W x` gains `scale * B (A x)`, with A
 [r, in] and B [out, r] and `scale = lora_alpha / r` (`lora_alpha / sqrt(r)` with `use_rslora`).
 Our model fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj`, so an adapter's q, k and v
-(or gate and up) pieces become one pair for the fused product: their A matrices stacked
-[r_q + r_k + r_v, in] and a B that maps each piece's rank columns to that piece's output rows
-only, zero elsewhere, with the scale folded in. The product is then exactly the sum of the pieces.
+(or gate and up) modules become pieces of the fused product: each piece keeps its own A and B
+(the scale folded into B) and names which slice of the product's output rows its B writes.
 
 Everything is checked before anything is used: names, shapes against the base model, each
-module's rank against `max_rank` (a fused product holds up to its pieces' count times that), dtype. What the engine cannot apply exactly is refused, one error naming the
-key: DoRA, `modules_to_save`, LoRA on the embedding or head, bias training, pickle weight files,
+module's rank against `max_rank`, dtype. What the engine cannot apply exactly is refused, one
+error naming the key: DoRA, `modules_to_save`, LoRA on the embedding or head, bias training, pickle weight files,
 unknown target modules.
 """
 
@@ -57,11 +56,13 @@ class LoRAError(RequestError):
 
 
 @dataclass(frozen=True)
-class LoRAWeights:
-    """One adapted product of one layer: delta = b @ (a @ x), the scale already in b."""
+class LoRAPiece:
+    """One adapted module: the slice `piece` of its fused product's output rows gains
+    b @ (a @ x), the scale already in b."""
 
+    piece: int  # 0: q / gate / a whole unfused product, 1: k / up, 2: v
     a: torch.Tensor  # fp32 [rank, in]
-    b: torch.Tensor  # fp32 [out, rank]
+    b: torch.Tensor  # fp32 [width of the slice, rank]
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class LoRAAdapter:
 
     path: Path  # as the request named it: a directory or a Hub id
     rank: int  # the largest rank of any target module
-    weights: dict[tuple[int, str], LoRAWeights]
+    weights: dict[tuple[int, str], tuple[LoRAPiece, ...]]  # each product's adapted pieces
     digest: str
 
 
@@ -206,16 +207,6 @@ def load_adapter(source: str | Path, config: ModelConfig, max_rank: int) -> LoRA
         alpha = _pattern_value(adapter_config.get("alpha_pattern") or {}, module_name, adapter_config["lora_alpha"])
         scale = alpha / math.sqrt(rank) if adapter_config.get("use_rslora") else alpha / rank
         fused.setdefault((layer, f"{block}.{product}"), []).append((piece, a, b * scale))
-    weights: dict[tuple[int, str], LoRAWeights] = {}
-    for (layer, product), parts in fused.items():
-        widths = shapes[product][1]
-        starts = [sum(widths[:i]) for i in range(len(widths))]
-        total_rank = sum(a.shape[0] for _, a, _ in parts)
-        b_fused = torch.zeros(sum(widths), total_rank)
-        column = 0
-        for piece, a, b in parts:
-            b_fused[starts[piece] : starts[piece] + widths[piece], column : column + a.shape[0]] = b
-            column += a.shape[0]
-        weights[(layer, product)] = LoRAWeights(torch.cat([a for _, a, _ in parts]), b_fused)
+    weights = {key: tuple(LoRAPiece(*part) for part in parts) for key, parts in fused.items()}
     rank = max(pair["A"].shape[0] for pair in pieces.values())
     return LoRAAdapter(Path(source), rank, weights, digest_of(path))

@@ -2,23 +2,29 @@
 
 `install_lora` wraps each decoder layer's four products (qkv, o, gate_up, down) in a
 `LoRALinear`: the base product plus the opaque operator `compiled_engine::lora_delta`, which adds
-`b @ (a @ x)` for the tokens of each sequence that uses an adapter. The adapters sit in device
-slots, buffers of a fixed shape ([slots, rank, in] and [slots, out, rank], zero where an
-adapter's rank is smaller or it leaves a product alone), so the compiled graphs take them as
-inputs and never recompile when adapters load or the batch's mix changes.
+each token's adapter delta. The adapters sit in device slots, buffers of a fixed shape, zero where
+an adapter's rank is smaller or it leaves a product (or a piece of one) alone, so the compiled
+graphs take them as inputs and never recompile when adapters load or the batch's mix changes:
 
-Which tokens use which slot is the runner's per-forward `LoRAPlan`, set around the forward with
-`lora_forward` as the attention plan is: contiguous runs of tokens (one sequence's new tokens are
-contiguous in the flat batch), each multiplied by its slot's matrices in two small products,
-never a per-token gather of whole adapter matrices.
+- `a` [slots, pieces x rank, in]: piece p's A in rows [p x rank, p x rank + its rank);
+- `b` [slots, rank, out], B transposed: output column o of piece p takes piece p's hidden rank
+  rows only, so a fused product costs what its pieces do, not a block-diagonal
+  [out, pieces x rank] product.
+
+Which slot each token of a forward uses is one more buffer, `token_slots` (-1: the base model),
+written by the runner before each forward and shared by every product. The operator is thus a
+function of its inputs, and a CUDA graph replays it with the slots of the batch in that static
+buffer. Kernels: on the CPU a C++ one (`kernels/lora_op.cpp`) that multiplies each slot's tokens
+in two small products (contiguous runs, or one gather), never a per-token gather of whole adapter
+matrices; on CUDA `dense_lora_delta`, two products over every slot with the other slots' columns
+masked to zero, which needs no host decision and so captures into a graph. Both are tested
+against `reference_lora_delta`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
@@ -33,87 +39,88 @@ from compiled_engine.native_build import KernelBuildError, TorchOperatorLibrary
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class LoRAPlan:
-    """One forward's runs of tokens that use an adapter: (first token, end token, slot)."""
-
-    segments: tuple[tuple[int, int, int], ...]
-
-    @classmethod
-    def from_slots(cls, query_lens: list[int], slots: list[int]) -> LoRAPlan:
-        """`slots[s]`: the slot of sequence s's adapter, or -1 for the base model. Neighbouring
-        sequences on the same slot make one run."""
-        segments: list[tuple[int, int, int]] = []
-        start = 0
-        for count, slot in zip(query_lens, slots, strict=True):
-            if slot >= 0:
-                if segments and segments[-1][2] == slot and segments[-1][1] == start:
-                    segments[-1] = (segments[-1][0], start + count, slot)
-                else:
-                    segments.append((start, start + count, slot))
-            start += count
-        return cls(tuple(segments))
-
-    def runs(self) -> torch.Tensor:
-        return torch.tensor(self.segments, dtype=torch.int64).reshape(-1, 3)
+def token_runs(token_slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """The runs of neighbouring tokens on one slot, (first token, end token, slot); tokens on
+    the base model (-1) are in none."""
+    runs: list[tuple[int, int, int]] = []
+    for token, slot in enumerate(token_slots):
+        if slot < 0:
+            continue
+        if runs and runs[-1][2] == slot and runs[-1][1] == token:
+            runs[-1] = (runs[-1][0], token + 1, slot)
+        else:
+            runs.append((token, token + 1, slot))
+    return runs
 
 
-_current: LoRAPlan | None = None
-_NO_RUNS = torch.zeros(0, 3, dtype=torch.int64)
-_native_plan: Callable[[torch.Tensor], None] | None = None  # the C++ kernel's plan, once install_lora loaded it
+torch.library.define(
+    "compiled_engine::lora_delta", "(Tensor x, Tensor a, Tensor b, Tensor token_slots, int[] widths) -> Tensor"
+)
 
 
-@contextmanager
-def lora_forward(plan: LoRAPlan | None) -> Iterator[None]:
-    """Every `lora_delta` inside this block adds the adapters of `plan` (None: none)."""
-    global _current
-    previous, _current = _current, plan
-    native = _native_plan
-    if native is not None:
-        native(plan.runs() if plan is not None else _NO_RUNS)
-    try:
-        yield
-    finally:
-        _current = previous
-        if native is not None:
-            native(previous.runs() if previous is not None else _NO_RUNS)
-
-
-torch.library.define("compiled_engine::lora_delta", "(Tensor x, Tensor a, Tensor b) -> Tensor")
-
-
-def reference_lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The operator in plain torch, by the current plan: the kernel on devices without the
-    native one, and its slow twin."""
-    out = x.new_zeros(x.shape[0], b.shape[1])
-    if _current is not None:
-        for start, end, slot in _current.segments:
-            out[start:end] = (x[start:end] @ a[slot].T) @ b[slot].T
+def reference_lora_delta(
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor, widths: Sequence[int]
+) -> torch.Tensor:
+    """The operator in plain torch, run by run: `x` [tokens, in], `a` and `b` as the slots hold
+    them, `token_slots[t]` token t's slot (-1: none), `widths` the output rows of each piece.
+    The slow twin of both kernels."""
+    out = x.new_zeros(x.shape[0], b.shape[2])
+    rank = b.shape[1]
+    for start, end, slot in token_runs(token_slots[: x.shape[0]].tolist()):
+        hidden = x[start:end] @ a[slot].T
+        row = 0
+        for piece, width in enumerate(widths):
+            columns = hidden[:, piece * rank : (piece + 1) * rank]
+            out[start:end, row : row + width] = columns @ b[slot, :, row : row + width]
+            row += width
     return out
 
 
+def dense_lora_delta(
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor, widths: Sequence[int]
+) -> torch.Tensor:
+    """The operator as products over all slots at once, each token's hidden columns of other
+    slots masked to zero: no host work, so it captures into a CUDA graph. Costs every slot's
+    weights per call, which on a GPU's bandwidth is small beside the base model's."""
+    tokens = x.shape[0]
+    num_slots, piece_ranks, _ = a.shape
+    rank = b.shape[1]
+    hidden = x @ a.reshape(num_slots * piece_ranks, -1).T  # [tokens, slots x pieces x rank]
+    owner = torch.arange(num_slots, device=x.device).repeat_interleave(piece_ranks)
+    hidden = hidden * (token_slots[:tokens, None] == owner).to(hidden.dtype)
+    by_slot = hidden.view(tokens, num_slots, len(widths), rank).transpose(0, 1)  # [slots, tokens, pieces, rank]
+    parts, row = [], 0
+    for piece, width in enumerate(widths):
+        # every slot's product, summed: a token's other slots contribute exact zeros
+        parts.append(torch.bmm(by_slot[:, :, piece], b[:, :, row : row + width]).sum(0))
+        row += width
+    return torch.cat(parts, dim=1)
+
+
 torch.library.impl("compiled_engine::lora_delta", "CompositeExplicitAutograd")(reference_lora_delta)
+torch.library.impl("compiled_engine::lora_delta", "CUDA")(dense_lora_delta)
 
 
 @torch.library.register_fake("compiled_engine::lora_delta")
-def _lora_delta_fake(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], b.shape[1])
+def _lora_delta_fake(
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor, widths: Sequence[int]
+) -> torch.Tensor:
+    return x.new_empty(x.shape[0], b.shape[2])
 
 
 NATIVE_KERNEL = TorchOperatorLibrary(Path(__file__).with_name("kernels") / "lora_op.cpp", None, "native LoRA operator")
 
 
 @cache
-def native_lora_kernel() -> Callable[[torch.Tensor], None] | None:
-    """Registers the C++ CPU kernel of `lora_delta` and returns its plan setter, or None (with
-    one warning saying why) when it cannot be built: the Python kernel above then runs."""
+def native_lora_kernel() -> bool:
+    """Registers the C++ CPU kernel of `lora_delta`; False (with one warning saying why) when it
+    cannot be built: the Python kernel above then runs."""
     try:
         NATIVE_KERNEL.load()
     except KernelBuildError as error:
         logger.warning("LoRA products run through Python (slower per call), because %s", error)
-        return None
-    setter: Callable[[torch.Tensor], None] = torch.ops.compiled_engine_lora.set_plan.default
-    return setter
+        return False
+    return True
 
 
 class LoRALinear(nn.Module):
@@ -121,39 +128,49 @@ class LoRALinear(nn.Module):
 
     lora_a: torch.Tensor
     lora_b: torch.Tensor
+    token_slots: torch.Tensor
 
-    def __init__(self, base: nn.Module, in_features: int, out_features: int, slots: int, rank: int) -> None:
+    def __init__(
+        self, base: nn.Module, widths: list[int], lora_a: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor
+    ) -> None:
         super().__init__()
         self.base = base
-        tensors = [*base.parameters(), *base.buffers()]
-        device = tensors[0].device if tensors else None
-        self.register_buffer("lora_a", torch.zeros(slots, rank, in_features, device=device), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(slots, out_features, rank, device=device), persistent=False)
+        self.widths = widths
+        self.register_buffer("lora_a", lora_a, persistent=False)
+        self.register_buffer("lora_b", lora_b, persistent=False)
+        self.register_buffer("token_slots", token_slots, persistent=False)  # shared by every product
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = self.base(x)
-        return y + torch.ops.compiled_engine.lora_delta(x, self.lora_a, self.lora_b).to(y.dtype)
+        delta = torch.ops.compiled_engine.lora_delta(x, self.lora_a, self.lora_b, self.token_slots, self.widths)
+        return y + delta.to(y.dtype)
 
 
 class LoRASlots:
     """The model's adapter slots: `load(slot, adapter)` writes an adapter into every product's
-    slot (zeros where it has no weights), `clear(slot)` empties one."""
+    slot (zeros where it has no weights), `clear(slot)` empties one, and `set_tokens` says which
+    slot each token of the next forward uses."""
 
-    def __init__(self, products: dict[tuple[int, str], LoRALinear], num_slots: int, max_rank: int) -> None:
+    def __init__(
+        self, products: dict[tuple[int, str], LoRALinear], num_slots: int, max_rank: int, token_slots: torch.Tensor
+    ) -> None:
         self.products = products
         self.num_slots = num_slots
         self.max_rank = max_rank
+        self.token_slots = token_slots
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
+        rank = self.max_rank
         with torch.no_grad():
             for key, product in self.products.items():
                 product.lora_a[slot].zero_()
                 product.lora_b[slot].zero_()
-                weights = adapter.weights.get(key)
-                if weights is not None:
-                    rank = weights.a.shape[0]
-                    product.lora_a[slot, :rank].copy_(weights.a)
-                    product.lora_b[slot, :, :rank].copy_(weights.b)
+                starts = [sum(product.widths[:i]) for i in range(len(product.widths))]
+                for piece in adapter.weights.get(key, ()):
+                    piece_rank = piece.a.shape[0]
+                    row, width = starts[piece.piece], product.widths[piece.piece]
+                    product.lora_a[slot, piece.piece * rank : piece.piece * rank + piece_rank].copy_(piece.a)
+                    product.lora_b[slot, :piece_rank, row : row + width].copy_(piece.b.T)
 
     def clear(self, slot: int) -> None:
         with torch.no_grad():
@@ -161,12 +178,27 @@ class LoRASlots:
                 product.lora_a[slot].zero_()
                 product.lora_b[slot].zero_()
 
+    def set_tokens(self, query_lens: list[int], seq_slots: list[int] | None, padded_tokens: int = 0) -> None:
+        """The next forward's tokens: sequence s runs `query_lens[s]` of them on slot
+        `seq_slots[s]` (-1 or None: the base model); tokens past the batch up to
+        `padded_tokens` (a CUDA graph's padding rows) use none."""
+        slots = seq_slots if seq_slots is not None else [-1] * len(query_lens)
+        per_token = [slot for count, slot in zip(query_lens, slots, strict=True) for _ in range(count)]
+        tokens = max(len(per_token), padded_tokens)
+        if tokens > self.token_slots.numel():
+            raise ValueError(f"a forward of {tokens} tokens exceeds the {self.token_slots.numel()} the LoRA slots hold")
+        per_token += [-1] * (tokens - len(per_token))
+        self.token_slots[:tokens].copy_(torch.tensor(per_token, dtype=torch.int64))
 
-def install_lora(model: Transformer, config: ModelConfig, num_slots: int, max_rank: int) -> LoRASlots:
-    """Wrap every decoder layer's products in LoRALinear with `num_slots` empty slots. A fused
-    product's slots hold its pieces' ranks side by side: up to pieces x `max_rank`."""
-    global _native_plan
-    _native_plan = native_lora_kernel()  # registered before anything traces the products
+
+def install_lora(
+    model: Transformer, config: ModelConfig, num_slots: int, max_rank: int, max_tokens: int, dtype: torch.dtype
+) -> LoRASlots:
+    """Wrap every decoder layer's products in LoRALinear with `num_slots` empty slots of
+    `max_rank` per piece, in `dtype` (the activations'), for forwards of up to `max_tokens`."""
+    native_lora_kernel()  # registered before anything traces the products
+    device = model.embed_tokens.weight.device
+    token_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
     shapes = product_shapes(config)
     products: dict[tuple[int, str], LoRALinear] = {}
     for index, layer in enumerate(model.layers):
@@ -174,9 +206,9 @@ def install_lora(model: Transformer, config: ModelConfig, num_slots: int, max_ra
             block_name, product_name = name.split(".")
             block = getattr(layer, block_name)
             in_features, widths = shapes[name]
-            wrapped = LoRALinear(
-                getattr(block, product_name), in_features, sum(widths), num_slots, len(widths) * max_rank
-            )
+            lora_a = torch.zeros(num_slots, len(widths) * max_rank, in_features, dtype=dtype, device=device)
+            lora_b = torch.zeros(num_slots, max_rank, sum(widths), dtype=dtype, device=device)
+            wrapped = LoRALinear(getattr(block, product_name), widths, lora_a, lora_b, token_slots)
             setattr(block, product_name, wrapped)
             products[(index, name)] = wrapped
-    return LoRASlots(products, num_slots, max_rank)
+    return LoRASlots(products, num_slots, max_rank, token_slots)

@@ -1,8 +1,12 @@
-// The CPU kernel of compiled_engine::lora_delta (lora/layers.py defines its schema), so that a
-// compiled graph calls it with no Python between: at every product of every layer, Python's
-// dispatch cost more than the product itself (docs/benchmarks.md). The runner hands it each
-// forward's runs of tokens once, through compiled_engine_lora::set_plan.
+// The CPU kernel of compiled_engine::lora_delta (lora/layers.py defines its schema and the slot
+// layout), so that a compiled graph calls it with no Python between: at every product of every
+// layer, Python's dispatch cost more than the product itself (docs/benchmarks.md).
+//
+// x [tokens, in]; a [slots, pieces * rank, in]; b [slots, rank, out] (B transposed), where output
+// column o of piece p takes piece p's rank rows of a x only; token_slots[t]: token t's slot, -1
+// for none; widths: the output columns of each piece.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -11,47 +15,31 @@
 
 namespace {
 
-// One forward's tokens by adapter slot: each slot's token rows, as one run [start, end) when they
-// are contiguous, else as an index for one gather and one scatter, so that each slot costs two
-// products whatever the order of the batch.
-struct SlotRows {
+// One slot's tokens in this forward: its runs [start, end) of neighbouring tokens.
+struct SlotTokens {
     int64_t slot;
-    int64_t start, end;  // the single run, when `index` is undefined
-    at::Tensor index;    // int64 rows, when the slot's tokens are not contiguous
-    int64_t max_row;
+    std::vector<std::pair<int64_t, int64_t>> runs;
+    int64_t count = 0;
 };
 
-std::vector<SlotRows> current_plan;
-
-void set_plan(const at::Tensor &runs) {
-    TORCH_CHECK(runs.dim() == 2 && runs.size(1) == 3 && runs.scalar_type() == at::kLong && runs.is_cpu(),
-                "compiled_engine_lora::set_plan: runs must be int64 [n, 3] on the CPU");
-    const at::Tensor contiguous = runs.contiguous();
-    const int64_t *p = contiguous.data_ptr<int64_t>();
-    std::vector<std::pair<int64_t, std::vector<std::pair<int64_t, int64_t>>>> by_slot;
-    for (int64_t i = 0; i < contiguous.size(0); i++) {
-        const int64_t start = p[3 * i], end = p[3 * i + 1], slot = p[3 * i + 2];
-        TORCH_CHECK(0 <= start && start < end && slot >= 0, "compiled_engine_lora::set_plan: run ", i,
-                    " [", start, ", ", end, ") on slot ", slot, " is not a run of tokens");
-        auto found = std::find_if(by_slot.begin(), by_slot.end(), [&](const auto &e) { return e.first == slot; });
-        if (found == by_slot.end()) {
-            by_slot.push_back({slot, {}});
-            found = by_slot.end() - 1;
+std::vector<SlotTokens> group_by_slot(const int64_t *slots, int64_t tokens, int64_t num_slots) {
+    std::vector<SlotTokens> groups;
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        TORCH_CHECK(slot < num_slots, "lora_delta: token ", t, " uses slot ", slot, " of ", num_slots);
+        auto found = std::find_if(groups.begin(), groups.end(), [&](const SlotTokens &g) { return g.slot == slot; });
+        if (found == groups.end()) {
+            groups.push_back({slot, {}, 0});
+            found = groups.end() - 1;
         }
-        found->second.push_back({start, end});
+        if (!found->runs.empty() && found->runs.back().second == t)
+            found->runs.back().second = t + 1;
+        else
+            found->runs.push_back({t, t + 1});
+        found->count++;
     }
-    current_plan.clear();
-    for (const auto &[slot, runs_of_slot] : by_slot) {
-        SlotRows rows{slot, runs_of_slot[0].first, runs_of_slot[0].second, at::Tensor(), 0};
-        for (const auto &run : runs_of_slot) rows.max_row = std::max(rows.max_row, run.second);
-        if (runs_of_slot.size() > 1) {
-            std::vector<int64_t> index;
-            for (const auto &[start, end] : runs_of_slot)
-                for (int64_t t = start; t < end; t++) index.push_back(t);
-            rows.index = at::tensor(index, at::kLong);
-        }
-        current_plan.push_back(rows);
-    }
+    return groups;
 }
 
 // sum_i p[i] * q[i], in eight partial sums so that the loop pipelines (and vectorizes).
@@ -65,48 +53,101 @@ float dot(const float *p, const float *q, int64_t n) {
     return total;
 }
 
-// A few contiguous rows (decode): both products as plain loops on this thread. At this size
-// at::mm's dispatch and threads cost several times the arithmetic.
-constexpr int64_t FEW_ROWS = 4;
+// Few tokens on a slot (decode): both products as plain loops, split over the threads (A by its
+// rows, B by output columns). At this size at::mm's dispatch and copies cost several times the
+// arithmetic. B's loop runs along its rows, y[o] += h[k] * bt[k][o], which vectorizes with no
+// horizontal sums.
+constexpr int64_t FEW_TOKENS = 4;
+constexpr int64_t GRAIN = 256;  // output columns a thread takes at least
 
-void few_rows_delta(const float *x, int64_t rows, int64_t in, const float *a, const float *b, int64_t rank,
-                    int64_t out, float *y) {
-    std::vector<float> hidden(rank);
-    for (int64_t r = 0; r < rows; r++) {
-        for (int64_t k = 0; k < rank; k++) hidden[k] = dot(a + k * in, x + r * in, in);
-        for (int64_t o = 0; o < out; o++) y[r * out + o] = dot(b + o * rank, hidden.data(), rank);
+void few_tokens_delta(const float *x, const std::vector<int64_t> &rows, int64_t in, const float *a_slot,
+                      const float *bt_slot, int64_t rank, const std::vector<int64_t> &widths, float *y, int64_t out) {
+    const int64_t pieces = static_cast<int64_t>(widths.size());
+    std::vector<int64_t> starts(pieces + 1, 0);
+    for (int64_t p = 0; p < pieces; p++) starts[p + 1] = starts[p] + widths[p];
+    std::vector<float> hidden(pieces * rank);
+    for (const int64_t r : rows) {
+        const float *xr = x + r * in;
+        [&](int64_t begin, int64_t end) {
+            for (int64_t k = begin; k < end; k++) hidden[k] = dot(a_slot + k * in, xr, in);
+        }(0, pieces * rank);
+        float *yr = y + r * out;
+        [&](int64_t begin, int64_t end) {
+            for (int64_t p = 0; p < pieces; p++) {
+                const int64_t lo = std::max(begin, starts[p]), hi = std::min(end, starts[p + 1]);
+                for (int64_t k = 0; k < rank && lo < hi; k++) {
+                    const float h = hidden[p * rank + k];
+                    const float *column = bt_slot + k * out;
+                    for (int64_t o = lo; o < hi; o++) yr[o] += h * column[o];
+                }
+            }
+        }(0, out);
     }
 }
 
-at::Tensor lora_delta(const at::Tensor &x, const at::Tensor &a, const at::Tensor &b) {
+// Many tokens: at::mm per piece, on the slot's tokens (a narrow of x, or one gather).
+void many_tokens_delta(const at::Tensor &x, const SlotTokens &group, const at::Tensor &a, const at::Tensor &b,
+                       int64_t rank, const std::vector<int64_t> &widths, at::Tensor &out) {
+    const bool contiguous = group.runs.size() == 1;
+    at::Tensor index, rows;
+    if (contiguous) {
+        rows = x.narrow(0, group.runs[0].first, group.count);
+    } else {
+        std::vector<int64_t> tokens;
+        for (const auto &[start, end] : group.runs)
+            for (int64_t t = start; t < end; t++) tokens.push_back(t);
+        index = at::tensor(tokens, at::kLong);
+        rows = x.index_select(0, index);
+    }
+    const at::Tensor hidden = at::mm(rows, a.select(0, group.slot).t());
+    at::Tensor result = contiguous ? out.narrow(0, group.runs[0].first, group.count)
+                                   : at::empty({group.count, out.size(1)}, out.options());
+    int64_t row = 0;
+    for (size_t p = 0; p < widths.size(); p++) {
+        at::Tensor target = result.narrow(1, row, widths[p]);
+        at::mm_out(target, hidden.narrow(1, static_cast<int64_t>(p) * rank, rank),
+                   b.select(0, group.slot).narrow(1, row, widths[p]));
+        row += widths[p];
+    }
+    if (!contiguous) out.index_copy_(0, index, result);
+}
+
+at::Tensor lora_delta(const at::Tensor &x, const at::Tensor &a, const at::Tensor &b, const at::Tensor &token_slots,
+                      at::IntArrayRef widths_ref) {
+    const std::vector<int64_t> widths(widths_ref.begin(), widths_ref.end());
+    int64_t out_rows = 0;
+    for (const int64_t w : widths) out_rows += w;
+    const int64_t tokens = x.size(0);
     TORCH_CHECK(x.dim() == 2 && a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0) && a.size(2) == x.size(1) &&
-                    b.size(2) == a.size(1),
-                "lora_delta: x [tokens, in], a [slots, rank, in] and b [slots, out, rank] do not fit");
-    at::Tensor out = at::zeros({x.size(0), b.size(1)}, x.options());
-    for (const SlotRows &rows : current_plan) {
-        TORCH_CHECK(rows.max_row <= x.size(0) && rows.slot < a.size(0), "lora_delta: tokens up to ", rows.max_row,
-                    " on slot ", rows.slot, " are outside this product's ", x.size(0), " tokens or ", a.size(0),
-                    " slots");
-        const at::Tensor a_slot = a.select(0, rows.slot).t(), b_slot = b.select(0, rows.slot).t();
-        const bool plain = x.scalar_type() == at::kFloat && a.scalar_type() == at::kFloat &&
-                           b.scalar_type() == at::kFloat && x.is_contiguous() && a.is_contiguous() && b.is_contiguous();
-        if (!rows.index.defined() && plain && rows.end - rows.start <= FEW_ROWS) {
-            const int64_t in = x.size(1), rank = a.size(1), width = b.size(1);
-            few_rows_delta(x.data_ptr<float>() + rows.start * in, rows.end - rows.start, in,
-                           a.data_ptr<float>() + rows.slot * rank * in, b.data_ptr<float>() + rows.slot * width * rank,
-                           rank, width, out.data_ptr<float>() + rows.start * width);
-        } else if (!rows.index.defined()) {
-            at::Tensor target = out.narrow(0, rows.start, rows.end - rows.start);
-            at::mm_out(target, at::mm(x.narrow(0, rows.start, rows.end - rows.start), a_slot), b_slot);
+                    a.size(1) == static_cast<int64_t>(widths.size()) * b.size(1) && b.size(2) == out_rows,
+                "lora_delta: x [tokens, in], a [slots, pieces * rank, in], b [slots, rank, out] and the pieces' "
+                "widths do not fit");
+    TORCH_CHECK(token_slots.dim() == 1 && token_slots.scalar_type() == at::kLong && token_slots.is_cpu() &&
+                    token_slots.size(0) >= tokens,
+                "lora_delta: token_slots must be int64 on the CPU with a slot for each of the ", tokens, " tokens");
+    at::Tensor out = at::zeros({tokens, out_rows}, x.options());
+    const at::Tensor slots = token_slots.narrow(0, 0, tokens).contiguous();
+    const std::vector<SlotTokens> groups = group_by_slot(slots.data_ptr<int64_t>(), tokens, a.size(0));
+    if (groups.empty()) return out;
+    const int64_t rank = b.size(1);
+    const bool plain = x.scalar_type() == at::kFloat && a.scalar_type() == at::kFloat &&
+                       b.scalar_type() == at::kFloat && x.is_contiguous() && a.is_contiguous() && b.is_contiguous();
+    for (const SlotTokens &group : groups) {
+        if (plain && group.count <= FEW_TOKENS) {
+            std::vector<int64_t> rows;
+            for (const auto &[start, end] : group.runs)
+                for (int64_t t = start; t < end; t++) rows.push_back(t);
+            const int64_t in = x.size(1);
+            few_tokens_delta(x.data_ptr<float>(), rows, in, a.data_ptr<float>() + group.slot * a.size(1) * in,
+                             b.data_ptr<float>() + group.slot * rank * out_rows, rank, widths, out.data_ptr<float>(),
+                             out_rows);
         } else {
-            out.index_copy_(0, rows.index, at::mm(at::mm(x.index_select(0, rows.index), a_slot), b_slot));
+            many_tokens_delta(x, group, a, b, rank, widths, out);
         }
     }
     return out;
 }
 
 }  // namespace
-
-TORCH_LIBRARY(compiled_engine_lora, m) { m.def("set_plan(Tensor runs) -> ()", set_plan); }
 
 TORCH_LIBRARY_IMPL(compiled_engine, CPU, m) { m.impl("lora_delta", lora_delta); }
