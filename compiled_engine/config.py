@@ -9,6 +9,7 @@ import torch
 
 from compiled_engine.cache.kv_cache import DEFAULT_PAGE_SIZE
 from compiled_engine.engine.sampler import SAMPLERS
+from compiled_engine.speculative.config import SpeculativeConfig
 
 ENFORCE_EAGER_ENV = "COMPILED_ENGINE_ENFORCE_EAGER"
 DEVICES = ("cpu", "cuda")
@@ -58,6 +59,9 @@ class EngineConfig(msgspec.Struct, frozen=True):
     max_loras: int = 4
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Speculative decoding (speculative/): the JSON of a SpeculativeConfig, as vLLM's
+    # --speculative-config, e.g. '{"method": "ngram", "num_speculative_tokens": 4}'; None: off.
+    speculative_config: str | None = None
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -68,6 +72,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
             raise ValueError(f"sampler must be {' or '.join(SAMPLERS)}, got {self.sampler!r}")
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError("LoRA adapters with tensor parallelism are not supported yet")
+        self.resolved_speculative()  # a bad speculative config fails here, before any work
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         for name in (
@@ -86,6 +91,9 @@ class EngineConfig(msgspec.Struct, frozen=True):
             raise ValueError(f"kv_cache_memory_gib must be positive, got {self.kv_cache_memory_gib}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    def resolved_speculative(self) -> SpeculativeConfig | None:
+        return None if self.speculative_config is None else SpeculativeConfig.parse(self.speculative_config)
 
     def resolved_device(self) -> torch.device:
         name = self.device or ("cuda" if torch.cuda.is_available() else "cpu")

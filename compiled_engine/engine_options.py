@@ -110,6 +110,13 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("max_lora_rank", "--max-lora-rank", "the largest adapter rank accepted, with --enable-lora"),
     EngineOption("max_cpu_loras", "--max-cpu-loras", "adapters kept loaded, with --enable-lora (default: --max-loras)"),
     EngineOption(
+        "speculative_config",
+        "--speculative-config",
+        'speculative decoding, as JSON: \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+        '"prompt_lookup_max": 5}\' (see docs/speculative.md)',
+        metavar="JSON",
+    ),
+    EngineOption(
         "compile_cache",
         "--no-compile-cache",
         "trace the compiled model at every start instead of loading the trace an earlier start saved",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +24,10 @@ class LLM:
     the fields of EngineConfig (device, dtype, max_num_seqs, max_num_batched_tokens, ...)."""
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        """`speculative_config` may be a dict, as in vLLM (EngineConfig holds its JSON)."""
+        speculative = engine_options.get("speculative_config")
+        if isinstance(speculative, dict):
+            engine_options["speculative_config"] = json.dumps(speculative)
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
 
     @property

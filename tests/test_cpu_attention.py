@@ -85,6 +85,17 @@ def test_mixed_batch_with_one_decode() -> None:
     _compare([5, 1], [5, 70], 4, 8, 2, 64)
 
 
+def test_short_queries_run_as_kernel_rows() -> None:
+    """Verified drafts (a few tokens after a long context), a short prompt, decodes and a long
+    prompt chunk in one batch: every sequence of up to SHORT_QUERY tokens runs in the kernel,
+    one row per token, each attending up to its own position."""
+    _compare([5, 1, 8, 3, 20], [300, 33, 8, 40, 60], 16, 9, 3, 64)
+    _compare([5, 2, 1], [700, 17, 1], 16, 9, 3, 64)  # short ones only: no torch plan at all
+    *_, cache, (metadata, _) = _batch([5, 2, 9], [700, 17, 30], 16, 9, 3, 64)
+    plan = CpuAttentionBackend(load_native_decode(), 9).prepare(metadata, cache)
+    assert plan.decode_seqs == {0, 1} and plan.prompts is not None  # nine tokens: the torch path
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_thread_counts_agree(threads: int) -> None:
     before = torch.get_num_threads()

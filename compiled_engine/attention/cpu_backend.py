@@ -1,9 +1,12 @@
 """The CPU backend: the torch backend with decode attention in a native kernel.
 
 Decoding sequences (one new token each) go through `native_decode` (stores their K/V, then
-attends over their pages in place: no gather of the pages, no mask, no SDPA call per layer);
-prompts and prompt chunks take the torch backend's SDPA path. The torch backend stays the
-reference this one is tested against.
+attends over their pages in place: no gather of the pages, no mask, no SDPA call per layer), and
+so do sequences of a few new tokens (`SHORT_QUERY`: a speculative draft being verified, a short
+prompt): each of their tokens is one row of the kernel, attending over the sequence's pages up to
+its own position. The kernel stores every row's K/V before any row attends, so a row sees the
+tokens before it in the same forward. Longer prompts and prompt chunks take the torch backend's
+SDPA path. The torch backend stays the reference this one is tested against.
 """
 
 from __future__ import annotations
@@ -23,12 +26,15 @@ from compiled_engine.attention.torch_backend import (
     write_kv,
 )
 
+SHORT_QUERY = 8  # new tokens of a sequence up to which its tokens run as rows of the native kernel
+
 
 @dataclass(frozen=True)
 class CpuPlan:
-    """One forward: the native kernel's checked plan for the decoding sequences (None when none
-    decode, or the cache is not fp32), with their token positions in a mixed batch (None when
-    every sequence decodes); the torch plan for the prompts (None when every sequence decodes)."""
+    """One forward: the native kernel's checked plan for the decoding and other short sequences
+    (None when there are none, or the cache is not fp32), with their tokens' rows in a mixed
+    batch (None when every sequence is short); the torch plan for the longer prompts (None when
+    there are none)."""
 
     native: DecodePlan | None
     decode_tokens: torch.Tensor | None
@@ -59,25 +65,37 @@ class CpuAttentionBackend(AttentionBackend[CpuPlan]):
                 layer_shape,
             )
             return CpuPlan(native, None, frozenset(), None)
-        decoding = metadata.decoding_seqs()
-        prompts = prepare_torch_plan(metadata, page_size, kv_cache.dtype, batch_decodes=False)
-        if not decoding:  # prompts only: exactly the torch backend
-            return CpuPlan(None, None, frozenset(), prompts)
         starts = metadata.query_start_loc_cpu
+        short = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] <= SHORT_QUERY]
+        everything = len(short) == metadata.num_seqs
+        prompts = None if everything else prepare_torch_plan(metadata, page_size, kv_cache.dtype, batch_decodes=False)
+        if not short:  # long prompts only: exactly the torch backend
+            return CpuPlan(None, None, frozenset(), prompts)
+        # One kernel row per token of a short sequence: its seq's table, and the keys up to itself.
+        rows: list[int] = []
+        seq_of_row: list[int] = []
+        lens: list[int] = []
+        for i in short:
+            end = metadata.seq_lens_cpu[i]
+            count = starts[i + 1] - starts[i]
+            rows.extend(range(starts[i], starts[i + 1]))
+            seq_of_row.extend([i] * count)
+            lens.extend(range(end - count + 1, end + 1))
         device = metadata.block_tables.device
-        seqs = torch.tensor(decoding, device=device)
-        tokens = torch.tensor([starts[i] for i in decoding], device=device)
+        tokens = None if everything else torch.tensor(rows, device=device)
         native = self.kernel.plan(
-            metadata.slot_mapping[tokens], metadata.block_tables[seqs], metadata.seq_lens[seqs],
-            max(metadata.seq_lens_cpu[i] for i in decoding), self.num_heads, layer_shape,
+            metadata.slot_mapping if tokens is None else metadata.slot_mapping[tokens],
+            metadata.block_tables[torch.tensor(seq_of_row, device=device)],
+            torch.tensor(lens, dtype=torch.int32, device=device),
+            max(lens), self.num_heads, layer_shape,
         )  # fmt: skip
-        return CpuPlan(native, tokens, frozenset(decoding), prompts)
+        return CpuPlan(native, tokens, frozenset(short), prompts)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, plan: CpuPlan, scale: float
     ) -> torch.Tensor:
         native, prompts = plan.native, plan.prompts
-        if prompts is None:  # decode only
+        if prompts is None:  # short sequences only
             assert native is not None
             return native.run(q, k, v, kv_cache, scale)
         if native is None:  # prompts only, or not fp32

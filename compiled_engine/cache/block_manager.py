@@ -106,6 +106,15 @@ class BlockManager:
                     self._evictable[page] = None
         block_table.clear()
 
+    def truncate(self, block_table: list[int], num_tokens: int) -> None:
+        """Drop the pages of `block_table` past the first `num_tokens` tokens (rejected draft
+        tokens' pages)."""
+        keep = self.pages_for_tokens(num_tokens)
+        if len(block_table) > keep:
+            tail = block_table[keep:]
+            del block_table[keep:]
+            self.free(tail)
+
     def share(self, pages: Sequence[int]) -> list[int]:
         """Take one more reference to each page (prefix-cache hits, forked prompts)."""
         for page in pages:

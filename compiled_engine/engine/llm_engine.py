@@ -29,6 +29,7 @@ from compiled_engine.model.source import resolve_model_dir
 from compiled_engine.parallel.launch import TensorParallelGroup
 from compiled_engine.parallel.shard import TPShard
 from compiled_engine.profiling import nvtx_range
+from compiled_engine.speculative.drafts import SpeculativeStats, propose_drafts, update_speculating
 from compiled_engine.tokenizer import Tokenizer
 
 SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads the seeds of a request's n completions
@@ -79,6 +80,8 @@ class LLMEngine:
             config.max_loras if self.lora is not None else None,
         )
         self.sampler = make_sampler(config.sampler, self.runner.device, config.seed)
+        self.speculative = config.resolved_speculative()
+        self.speculative_stats = SpeculativeStats()
         self._rng = random.Random(config.seed)
         self._requests: dict[str, _Request] = {}
         self._pending_aborts: set[str] = set()
@@ -182,6 +185,8 @@ class LLMEngine:
             self.tensor_parallel.check_alive()
         self._apply_aborts()
         with nvtx_range("schedule"):
+            if self.speculative is not None:
+                propose_drafts(self.speculative, self.scheduler.running, self.max_model_len)
             out = self.scheduler.schedule()
         if not out.is_empty:
             slots = None
@@ -190,9 +195,12 @@ class LLMEngine:
             logits = self.runner.run([(item.seq, item.num_tokens) for item in out.scheduled], slots)
             due = self.scheduler.advance(out)
             if due:
-                rows = {item.seq.seq_id: i for i, item in enumerate(out.scheduled)}
+                first_rows, row = {}, 0  # each sequence's first logits row: it has 1 + drafts
+                for item in out.scheduled:
+                    first_rows[item.seq.seq_id] = row
+                    row += 1 + len(item.seq.draft_token_ids)
                 with nvtx_range("sample"):
-                    self._sample(logits[[rows[seq.seq_id] for seq in due]], due)
+                    self._sample(logits, first_rows, due)
         with nvtx_range("detokenize"):
             return self._collect_outputs()
 
@@ -207,34 +215,69 @@ class LLMEngine:
             request.changed = True
         self._pending_aborts.clear()
 
-    def _sample(self, logits: torch.Tensor, due: list[Sequence]) -> None:
+    def _sample(self, logits: torch.Tensor, first_rows: dict[int, int], due: list[Sequence]) -> None:
+        """Sample every due sequence's rows at once: one, or 1 + its drafts, each as if the draft
+        tokens before it had been generated (speculative/drafts.py), then emit its tokens up to
+        the first that differs from its draft."""
+        rows: list[int] = []
         batch = SamplingBatch(
-            params=[seq.params for seq in due],
-            seeds=[seq.seed for seq in due],
-            positions=[len(seq.output_token_ids) for seq in due],
-            prompt_token_ids=[seq.prompt_token_ids for seq in due],
-            output_token_ids=[seq.output_token_ids for seq in due],
-            banned_token_ids=[seq.banned_token_ids() for seq in due],
+            params=[], seeds=[], positions=[], prompt_token_ids=[], output_token_ids=[], banned_token_ids=[]
         )
-        sampled = self.sampler(logits, batch)
+        for seq in due:
+            draft = seq.draft_token_ids
+            for ahead in range(len(draft) + 1):
+                rows.append(first_rows[seq.seq_id] + ahead)
+                batch.params.append(seq.params)
+                batch.seeds.append(seq.seed)
+                batch.positions.append(len(seq.output_token_ids) + ahead)
+                batch.prompt_token_ids.append(seq.prompt_token_ids)
+                batch.output_token_ids.append(seq.output_token_ids + draft[:ahead] if ahead else seq.output_token_ids)
+                batch.banned_token_ids.append(seq.banned_token_ids(ahead))
+        sampled = self.sampler(logits[rows], batch)
         now = time.perf_counter()
-        for seq, token, logprobs in zip(due, sampled.token_ids, sampled.logprobs, strict=True):
-            request = self._requests[seq.request_id]
-            request.changed = True
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            if request.logprobs is not None and logprobs is not None:
-                request.logprobs[seq.index].append(logprobs)
-            reason = seq.append_token(token)  # a stop token, or max_tokens
-            text = request.texts[seq.index]
-            stop_string = None if reason is FinishReason.STOP else text.add(token)
-            if stop_string is not None:
-                seq.stop_reason = stop_string
-                reason = FinishReason.STOP
-            if reason is not None:
-                if stop_string is None:
-                    text.flush()
-                self.scheduler.finish(seq, reason)
+        row = 0
+        for seq in due:
+            draft = list(seq.draft_token_ids)
+            accepted = 0
+            for ahead in range(len(draft) + 1):
+                token = sampled.token_ids[row + ahead]
+                finished = self._emit(seq, token, sampled.logprobs[row + ahead], now)
+                if ahead == len(draft) or token != draft[ahead]:
+                    break
+                accepted += 1
+                if finished:
+                    break
+            row += len(draft) + 1
+            if draft:
+                self.speculative_stats.record(len(draft), accepted)
+                seq.num_draft_tokens += len(draft)
+                seq.num_accepted_tokens += accepted
+                if not seq.is_finished:
+                    self.scheduler.accept_draft(seq, accepted)
+                    assert self.speculative is not None
+                    update_speculating(self.speculative, seq)
+
+    def _emit(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, now: float) -> bool:
+        """Append one sampled token to `seq`; True when that ended it (a stop token or string,
+        max_tokens)."""
+        request = self._requests[seq.request_id]
+        request.changed = True
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if request.logprobs is not None and logprobs is not None:
+            request.logprobs[seq.index].append(logprobs)
+        reason = seq.append_token(token)  # a stop token, or max_tokens
+        text = request.texts[seq.index]
+        stop_string = None if reason is FinishReason.STOP else text.add(token)
+        if stop_string is not None:
+            seq.stop_reason = stop_string
+            reason = FinishReason.STOP
+        if reason is None:
+            return False
+        if stop_string is None:
+            text.flush()
+        self.scheduler.finish(seq, reason)
+        return True
 
     def _collect_outputs(self) -> list[RequestOutput]:
         outputs = []
@@ -271,6 +314,8 @@ class LLMEngine:
             (s.first_token_time for s in request.seqs if s.first_token_time is not None), default=None
         )
         metrics.num_generated_tokens = max(len(s.output_token_ids) for s in request.seqs)
+        metrics.num_draft_tokens = sum(s.num_draft_tokens for s in request.seqs)
+        metrics.num_accepted_tokens = sum(s.num_accepted_tokens for s in request.seqs)
         if request.finished:
             metrics.finished_time = max(s.finished_time or 0.0 for s in request.seqs)
         return RequestOutput(

@@ -265,8 +265,9 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, lora_slots: dict[str, int] | None = None) -> torch.Tensor:
         """Run the new tokens of every sequence in `batch` (pages must already be allocated) and
-        return the logits after each sequence's last new token, fp32 [num_seqs, vocab]. The one
-        way to run a scheduled batch; tensor-parallel ranks receive the same step (`execute`)."""
+        return the logits after each sequence's last new token, fp32 [num_seqs, vocab]; a
+        sequence with draft tokens gets rows for its last 1 + drafts tokens instead. The one way
+        to run a scheduled batch; tensor-parallel ranks receive the same step (`execute`)."""
         with nvtx_range("prepare inputs"):
             inputs = StepInputs.from_batch(batch, lora_slots)
             if self.shard.size > 1:
@@ -291,7 +292,13 @@ class ModelRunner:
             hidden = self._hidden(input_ids, positions, self.kv_cache, metadata, inputs.lora_slots)
             if not logits:
                 return None
-            if not metadata.decode_only:  # each sequence's last new token
+            if inputs.logit_counts is not None:  # each sequence's last tokens (drafts verified)
+                ends = metadata.query_start_loc_cpu[1:]
+                rows = [
+                    row for end, count in zip(ends, inputs.logit_counts, strict=True) for row in range(end - count, end)
+                ]
+                hidden = hidden[torch.tensor(rows, device=hidden.device)]
+            elif not metadata.decode_only:  # each sequence's last new token
                 hidden = hidden[metadata.query_start_loc[1:].long() - 1]
             return self.forward.logits(hidden).float()
 

@@ -16,6 +16,9 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_generated_tokens: int = 0
+    # Speculative decoding: draft tokens this request's sequences verified, and of those accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def queue_time(self) -> float | None:

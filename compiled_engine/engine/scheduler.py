@@ -75,7 +75,8 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = min(seq.num_uncomputed_tokens + len(seq.draft_token_ids), budget)
+            del seq.draft_token_ids[max(num_new - seq.num_uncomputed_tokens, 0) :]  # the drafts that fit
             if not self._make_room(seq, num_new, chosen, out):
                 continue
             self.block_manager.grow(seq.block_table, seq.num_computed_tokens + num_new)
@@ -160,6 +161,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq.block_table)
         seq.page_keys = []
+        seq.draft_token_ids = []
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -167,17 +169,30 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def advance(self, out: SchedulerOutput) -> list[Sequence]:
-        """Record that the scheduled tokens were computed; the sequences now due a new token."""
+        """Record that the scheduled tokens were computed; the sequences now due a new token.
+        A sequence's draft tokens are not counted until `accept_draft` says how many stand."""
         due = []
         for item in out.scheduled:
             seq = item.seq
-            seq.num_computed_tokens += item.num_tokens
+            seq.num_computed_tokens += item.num_tokens - len(seq.draft_token_ids)
             self.block_manager.register_full_pages(
                 seq.block_table, seq.page_keys, seq.token_ids, seq.num_computed_tokens, seq.cache_salt
             )
             if seq.num_computed_tokens == seq.num_tokens:
                 due.append(seq)
         return due
+
+    def accept_draft(self, seq: Sequence, accepted: int) -> None:
+        """After verification: the first `accepted` draft tokens are now the sequence's own (its
+        output holds them), so their K/V stands; the rest is rolled back. Pages past what the
+        sequence now holds go back to the pool, and only full pages of its own tokens enter the
+        prefix cache."""
+        seq.num_computed_tokens += accepted
+        seq.draft_token_ids = []
+        self.block_manager.register_full_pages(
+            seq.block_table, seq.page_keys, seq.token_ids, seq.num_computed_tokens, seq.cache_salt
+        )
+        self.block_manager.truncate(seq.block_table, seq.num_tokens)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence in any state and return its pages."""
@@ -186,6 +201,7 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq.block_table)
+        seq.draft_token_ids = []
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finished_time = time.perf_counter()

@@ -44,6 +44,13 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the pages
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache at admission
     num_preemptions: int = 0
+    # Speculative decoding (speculative/): this step's draft tokens after the last one, verified
+    # in the same forward; how many draft tokens it was offered and accepted so far; and whether
+    # it still speculates (it stops when its acceptance stays low).
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    speculating: bool = True
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     # Timestamps (time.perf_counter()) for the request metrics.
@@ -76,9 +83,10 @@ class Sequence:
         eos = frozenset() if self.params.ignore_eos else self.eos_token_ids
         return eos | frozenset(self.params.stop_token_ids)
 
-    def banned_token_ids(self) -> list[int]:
-        """Tokens that may not be drawn yet: the stop ids until min_tokens is reached."""
-        if len(self.output_token_ids) >= self.params.min_tokens:
+    def banned_token_ids(self, ahead: int = 0) -> list[int]:
+        """Tokens that may not be drawn yet: the stop ids until min_tokens is reached (`ahead`:
+        for the token that many places past the next, as a draft's verification draws it)."""
+        if len(self.output_token_ids) + ahead >= self.params.min_tokens:
             return []
         return sorted(self.stop_token_ids())
 

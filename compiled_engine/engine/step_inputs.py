@@ -20,6 +20,9 @@ class StepInputs:
     seq_lens: list[int]
     block_tables: list[list[int]]
     lora_slots: list[int] | None = None  # each sequence's adapter slot, -1 for none; None: no adapters
+    # How many of each sequence's last tokens need logits: 1 + its draft tokens (speculative
+    # decoding verifies each); None: one each.
+    logit_counts: list[int] | None = None
 
     @property
     def decode_only(self) -> bool:
@@ -39,10 +42,16 @@ class StepInputs:
                 token_ids.extend(seq.output_token_ids[start - prompt_len : end - prompt_len])
             else:
                 token_ids.extend(seq.token_ids[start:end])
+            if end > seq.num_tokens:  # the draft tokens after the last one, to verify
+                token_ids.extend(seq.draft_token_ids[: end - seq.num_tokens])
             positions.extend(range(start, end))
             query_lens.append(num_new)
             seq_lens.append(end)
         slots = None
         if lora_slots is not None:
             slots = [-1 if seq.lora_name is None else lora_slots[seq.lora_name] for seq, _ in batch]
-        return cls(token_ids, positions, query_lens, seq_lens, [list(seq.block_table) for seq, _ in batch], slots)
+        counts = None
+        if any(seq.draft_token_ids for seq, _ in batch):
+            counts = [1 + len(seq.draft_token_ids) for seq, _ in batch]
+        tables = [list(seq.block_table) for seq, _ in batch]
+        return cls(token_ids, positions, query_lens, seq_lens, tables, slots, counts)

@@ -1,0 +1,73 @@
+"""Drafts for speculative decoding: which sequences get one this step, and the counts of how
+they fared.
+
+Verification needs no probabilities from the proposer. Each of a sequence's 1 + k rows (its last
+token and its k draft tokens) is sampled by the ordinary sampler, as if the draft tokens before
+it had been generated; draft token i stands while it equals the token sampled at its row, and
+the first row that differs gives the sequence its next token instead. Each emitted token is thus
+a draw from the target model given the tokens before it, exactly as without speculation (for an
+n-gram draft this is rejection sampling with a draft probability of 1). With the sampler's
+seeded hash noise it is more: the same tokens, token for token, as the same request without
+speculation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from compiled_engine.engine.sequence import Sequence
+from compiled_engine.speculative.config import SpeculativeConfig
+from compiled_engine.speculative.ngram import propose_ngram
+
+
+@dataclass
+class SpeculativeStats:
+    """Counts since the engine started."""
+
+    drafts: int = 0  # sequence-steps that verified a draft
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_at: list[int] = field(default_factory=list)  # [i]: drafts whose token i stood
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        self.drafts += 1
+        self.draft_tokens += num_draft
+        self.accepted_tokens += num_accepted
+        if len(self.accepted_at) < num_draft:
+            self.accepted_at.extend([0] * (num_draft - len(self.accepted_at)))
+        for i in range(num_accepted):
+            self.accepted_at[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verifying step gives a sequence on average: its accepted drafts plus one."""
+        return 1 + self.accepted_tokens / self.drafts if self.drafts else 0.0
+
+
+def propose_drafts(config: SpeculativeConfig, running: list[Sequence], max_model_len: int) -> None:
+    """Give each decoding sequence of `running` this step's draft (`draft_token_ids`), none when
+    the batch is above `disable_by_batch_size`, the sequence stopped speculating, or no room is
+    left before max_tokens or the context's end."""
+    if config.disable_by_batch_size is not None and len(running) > config.disable_by_batch_size:
+        return
+    for seq in running:
+        if seq.is_prefilling or not seq.speculating:
+            continue
+        # The step emits up to k + 1 tokens; the k drafts sit at positions up to num_tokens - 1 + k.
+        room = min(seq.params.max_tokens - len(seq.output_token_ids), max_model_len - seq.num_tokens) - 1
+        k = min(config.num_speculative_tokens, room)
+        if k > 0:
+            seq.draft_token_ids = propose_ngram(seq.token_ids, config.prompt_lookup_min, config.prompt_lookup_max, k)
+
+
+def update_speculating(config: SpeculativeConfig, seq: Sequence) -> None:
+    """A sequence whose drafts stay mostly rejected stops speculating."""
+    if (
+        seq.num_draft_tokens >= config.acceptance_probe
+        and seq.num_accepted_tokens < config.min_acceptance_rate * seq.num_draft_tokens
+    ):
+        seq.speculating = False
