@@ -5,6 +5,7 @@ accepted run end the output there; rejected drafts leave no pages behind."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from collections.abc import Callable
@@ -19,7 +20,14 @@ from compiled_engine.config import EngineConfig
 from compiled_engine.speculative.config import SpeculativeConfig
 from compiled_engine.speculative.ngram import propose_ngram
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+# No batch-size limit: the tests batch up to 40 speculating sequences.
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 2,
+    "prompt_lookup_max": 4,
+    "disable_by_batch_size": None,
+}
 # On the tiny random-weight model output hardly repeats: single-token lookups give drafts that
 # are almost always wrong (the rejection path).
 WRONG_DRAFTS = {**NGRAM, "prompt_lookup_min": 1}
@@ -254,3 +262,46 @@ def test_speculation_switches_off_above_the_batch_size_and_when_rejected(model_d
     picky = _llm(model_dir, {**WRONG_DRAFTS, "min_acceptance_rate": 1.0, "acceptance_probe": 4})
     [out] = picky.generate([TINY_PROMPTS[2]], GREEDY, use_tqdm=False)
     assert 4 <= out.metrics.num_draft_tokens < 8  # it stopped after the first rejections
+
+
+def test_the_server_speculates_with_the_same_output_and_reports_it(smol_plain: LLM, tmp_path: Path) -> None:
+    import httpx
+
+    from tests.server_process import running_server
+
+    expected = smol_plain.generate([LOOPS[0]], GREEDY, use_tqdm=False)[0].outputs[0].text
+    args = ["--kv-cache-memory-gib", "0.05", "--enforce-eager", "--speculative-config", json.dumps(NGRAM)]
+    with running_server(tmp_path, *args) as server:
+        body = {"prompt": LOOPS[0], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"] == expected
+        metrics = httpx.get(f"{server.url}/metrics").text
+    values = {
+        line.split()[0]: float(line.split()[1])
+        for line in metrics.splitlines()
+        if line.startswith("compiled_engine_spec")
+    }
+    assert values["compiled_engine_spec_decode_accepted_tokens_total"] > 0
+    assert (
+        values["compiled_engine_spec_decode_draft_tokens_total"]
+        >= values["compiled_engine_spec_decode_accepted_tokens_total"]
+    )
+    assert values['compiled_engine_spec_decode_accepted_tokens_per_position_total{position="0"}'] > 0
+    assert 1 < values["compiled_engine_spec_decode_mean_acceptance_length"] <= 5
+
+
+def test_bench_spec_reports_each_workload_on_against_off(default_model_dir: Path, tmp_path: Path) -> None:
+    from compiled_engine.bench.__main__ import main
+
+    out = tmp_path / "spec.json"
+    args = ["spec", "--enforce-eager", "--kv-cache-memory-gib", "0.05", "--num-requests", "1", "--concurrency", "2"]
+    assert main([*args, "--output-len", "12", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    results = report["results"]
+    for name in ("repetitive", "random", "concurrent"):
+        assert results[f"{name}_off"] > 0 and results[f"{name}_on"] > 0
+        assert results[f"{name}_ratio"] == pytest.approx(results[f"{name}_on"] / results[f"{name}_off"])
+    assert results["repetitive_draft_tokens"] > 0 and 0 < results["repetitive_acceptance_rate"] <= 1
+    assert json.loads(report["workload"]["speculative_config"])["method"] == "ngram"
+    assert main(["spec", "--num-requests", "0"]) != 0  # a bad count is refused before any work

@@ -1,4 +1,4 @@
-"""`python -m compiled_engine.bench latency|offline|serve|perplexity|lora`: our figures, a same-run baseline, a ceiling.
+"""`python -m compiled_engine.bench latency|offline|serve|perplexity|lora|spec`: our figures, a same-run baseline, a ceiling.
 
 python -m compiled_engine.bench latency --prompt-len 512 --output-len 128 --baseline hf --json out.json
 python -m compiled_engine.bench offline --num-seqs 32 --input-len 100 1024 --output-len 100 1024 --baseline hf
@@ -40,6 +40,7 @@ from compiled_engine.bench.perplexity import add_perplexity_command, bench_perpl
 from compiled_engine.bench.plots import PlotUnavailable, check_plotting, write_plot
 from compiled_engine.bench.runs import run_hf, run_hf_as_server, run_ours, weight_bytes
 from compiled_engine.bench.serving import run_load, summarize
+from compiled_engine.bench.speculative import bench_speculative_runs
 from compiled_engine.bench.workload import Workload, random_workload
 from compiled_engine.config import DTYPES
 from compiled_engine.engine.async_engine import AsyncEngine
@@ -123,7 +124,18 @@ def _parser() -> argparse.ArgumentParser:
     lora.add_argument("--seed", type=int, default=0)
     lora.add_argument("--json", type=Path, default=None, help="write every figure and the environment here")
     lora.set_defaults(plot=None)
+    spec = commands.add_parser("spec", help="speculative decoding on against off, in the same run")
+    add_engine_options(spec, exclude={"seed", "enable_prefix_caching"})
+    spec.add_argument("--num-requests", type=int, default=4, help="requests of each one-at-a-time workload")
+    spec.add_argument("--concurrency", type=int, default=16, help="repetitive requests run at once")
+    spec.add_argument("--output-len", type=int, default=128)
+    spec.add_argument("--seed", type=int, default=0)
+    spec.add_argument("--json", type=Path, default=None, help="write every figure and the environment here")
+    spec.set_defaults(plot=None)
     return parser
+
+
+DEFAULT_SPECULATIVE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -135,11 +147,12 @@ def _check_args(args: argparse.Namespace) -> None:
         if not 1 <= low <= high:
             raise ValueError(f"--{name.replace('_', '-')} MIN MAX needs 1 <= MIN <= MAX, got {low} {high}")
     engine_config_from_args(args)  # EngineConfig's own checks, before any work
-    for name in ("num_seqs", "num_prompts", "prompt_len", "output_len", "repeats", "hf_batch_size"):
+    for name in ("num_seqs", "num_prompts", "prompt_len", "output_len", "repeats", "hf_batch_size", "num_requests"):
         value = getattr(args, name, 1)
         if isinstance(value, int) and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    for value in getattr(args, "concurrency", None) or ():
+    concurrency = getattr(args, "concurrency", None)
+    for value in [concurrency] if isinstance(concurrency, int) else concurrency or ():
         if value < 1:
             raise ValueError(f"--concurrency values must be at least 1, got {value}")
     for rate in getattr(args, "request_rate", None) or ():
@@ -551,12 +564,54 @@ def bench_lora(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     }
 
 
+def bench_spec(args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    speculative = args.speculative_config or DEFAULT_SPECULATIVE
+    # prefix caching off: both engines compute every prompt
+    plain = _engine(args, enable_prefix_caching=False, speculative_config=None)
+    spec = _engine(args, enable_prefix_caching=False, speculative_config=speculative)
+    figures = bench_speculative_runs(plain, spec, args.num_requests, args.concurrency, args.output_len, args.seed)
+    table = Table(title=f"spec: {speculative}, output {args.output_len}")
+    for column in ("output tokens/s", "off", "on", "ratio", "acceptance", "mean length"):
+        table.add_column(column)
+    labels = {
+        "repetitive": "repetitive, one at a time",
+        "random": "random tokens, one at a time",
+        "concurrent": f"repetitive, {args.concurrency} at once",
+    }
+    for name, label in labels.items():
+        table.add_row(
+            label,
+            f"{figures[f'{name}_off']:.1f}",
+            f"{figures[f'{name}_on']:.1f}",
+            f"{figures[f'{name}_ratio']:.2f}x",
+            f"{figures[f'{name}_acceptance_rate']:.0%}",
+            f"{figures[f'{name}_mean_acceptance_length']:.2f}",
+        )
+    console.print(table)
+    console.print(f"accepted drafts by position: {figures['accepted_per_position']}")
+    workload = {
+        "speculative_config": speculative,
+        "num_requests": args.num_requests,
+        "concurrency": args.concurrency,
+        "output_len": args.output_len,
+        "seed": args.seed,
+    }
+    return {
+        "benchmark": "spec",
+        "workload": workload,
+        "results": figures,
+        "environment": environment(spec.runner.device, spec.runner.dtype, spec.model_dir),
+        "engine": _engine_info(spec),
+    }
+
+
 BENCHMARKS = {
     "latency": bench_latency,
     "offline": bench_offline,
     "serve": bench_serve,
     "perplexity": bench_perplexity,
     "lora": bench_lora,
+    "spec": bench_spec,
 }
 
 

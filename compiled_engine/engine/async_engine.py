@@ -30,6 +30,7 @@ from compiled_engine.engine.outputs import RequestOutput
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.errors import EngineDeadError, EngineOverloadedError, EngineShuttingDownError
 from compiled_engine.lora.manager import LoRARequest
+from compiled_engine.speculative.drafts import SpeculativeStats
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class EngineStats:
     prefix_hit_tokens: int
     lora_loaded: int = 0  # adapters the engine holds
     lora_resident: int = 0  # of those, in device slots
+    speculative: SpeculativeStats | None = None  # a copy of the engine's, when it speculates
 
 
 class AsyncEngine:
@@ -206,6 +208,7 @@ class AsyncEngine:
             prefix_hit_tokens=manager.stats.hit_tokens,
             lora_loaded=len(lora.adapters) if lora is not None else 0,
             lora_resident=lora.num_resident if lora is not None else 0,
+            speculative=None if self.engine.speculative is None else self.engine.speculative_stats.copy(),
         )
 
     # -- the loop thread ------------------------------------------------------------------------

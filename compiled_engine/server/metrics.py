@@ -52,6 +52,35 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily(
             "compiled_engine_lora_adapters_resident", "LoRA adapters in device slots", stats.lora_resident
         )
+        spec = stats.speculative
+        if spec is not None:
+            yield CounterMetricFamily(
+                "compiled_engine_spec_decode_drafts", "Sequence-steps that verified a draft", spec.drafts
+            )
+            yield CounterMetricFamily(
+                "compiled_engine_spec_decode_draft_tokens", "Draft tokens verified", spec.draft_tokens
+            )
+            yield CounterMetricFamily(
+                "compiled_engine_spec_decode_accepted_tokens", "Draft tokens accepted", spec.accepted_tokens
+            )
+            per_position = CounterMetricFamily(
+                "compiled_engine_spec_decode_accepted_tokens_per_position",
+                "Drafts whose token at this position was accepted",
+                labels=["position"],
+            )
+            for position, count in enumerate(spec.accepted_at):
+                per_position.add_metric([str(position)], count)
+            yield per_position
+            yield GaugeMetricFamily(
+                "compiled_engine_spec_decode_acceptance_rate",
+                "Accepted over verified draft tokens",
+                spec.acceptance_rate,
+            )
+            yield GaugeMetricFamily(
+                "compiled_engine_spec_decode_mean_acceptance_length",
+                "Tokens a verifying step gives a sequence on average (accepted drafts plus one)",
+                spec.mean_acceptance_length,
+            )
 
 
 class ServerMetrics:

@@ -24,8 +24,9 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     prompt_lookup_max: int = 5
     model: str | None = None  # draft_model: the draft's directory or Hub id (not supported yet)
     # No drafts in a step with more running sequences than this (None: no limit): a big batch
-    # already fills the products, and verifying k tokens a sequence then costs k times as much.
-    disable_by_batch_size: int | None = None
+    # already fills the products, and verifying k tokens a sequence then costs k times as much
+    # (16 repetitive requests at once ran at 0.72x with drafts on the CPU, docs/benchmarks.md).
+    disable_by_batch_size: int | None = 8
     # A sequence whose drafts are accepted less often than this, once it has been offered
     # `acceptance_probe` draft tokens, stops speculating (its drafts cost more than they bring).
     min_acceptance_rate: float = 0.1

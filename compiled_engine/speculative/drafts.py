@@ -38,6 +38,9 @@ class SpeculativeStats:
         for i in range(num_accepted):
             self.accepted_at[i] += 1
 
+    def copy(self) -> SpeculativeStats:
+        return SpeculativeStats(self.drafts, self.draft_tokens, self.accepted_tokens, list(self.accepted_at))
+
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
