@@ -253,6 +253,21 @@ def test_compiled_speculation_equals_eager_and_never_recompiles(model_dir: Path,
     assert counters["stats"]["unique_graphs"] == graphs, "verifying drafts recompiled"
 
 
+def test_each_step_drafts_afresh_and_not_above_the_batch_size() -> None:
+    from compiled_engine.engine.sequence import Sequence
+    from compiled_engine.speculative.drafts import propose_drafts
+
+    config = SpeculativeConfig.parse({**NGRAM, "disable_by_batch_size": 1})
+    params = SamplingParams(temperature=0, max_tokens=50)
+    seqs = [Sequence(i, [1, 2, 3, 1, 2], params) for i in range(2)]
+    for seq in seqs:
+        seq.num_computed_tokens = 4  # decoding: its last token not computed yet
+    propose_drafts(config, seqs[:1], 100)
+    assert seqs[0].draft_token_ids == [3, 1, 2, 3]
+    propose_drafts(config, seqs, 100)  # two running: above the limit
+    assert seqs[0].draft_token_ids == [] and seqs[1].draft_token_ids == []  # the kept draft is dropped
+
+
 def test_speculation_switches_off_above_the_batch_size_and_when_rejected(model_dir: Path) -> None:
     capped = _llm(model_dir, {**WRONG_DRAFTS, "disable_by_batch_size": 2})
     _ids(capped, TINY_PROMPTS, GREEDY)  # three at once: no drafts while all three run

@@ -54,11 +54,12 @@ class SpeculativeStats:
 def propose_drafts(config: SpeculativeConfig, running: list[Sequence], max_model_len: int) -> None:
     """Give each decoding sequence of `running` this step's draft (`draft_token_ids`), none when
     the batch is above `disable_by_batch_size`, the sequence stopped speculating, or no room is
-    left before max_tokens or the context's end."""
-    if config.disable_by_batch_size is not None and len(running) > config.disable_by_batch_size:
-        return
+    left before max_tokens or the context's end. A draft a sequence kept from a step that did not
+    schedule it is dropped: every step's drafts are this step's."""
+    off = config.disable_by_batch_size is not None and len(running) > config.disable_by_batch_size
     for seq in running:
-        if seq.is_prefilling or not seq.speculating:
+        seq.draft_token_ids = []
+        if off or seq.is_prefilling or not seq.speculating:
             continue
         # The step emits up to k + 1 tokens; the k drafts sit at positions up to num_tokens - 1 + k.
         room = min(seq.params.max_tokens - len(seq.output_token_ids), max_model_len - seq.num_tokens) - 1
