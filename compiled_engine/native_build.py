@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared")
 OPENMP = ("-fopenmp",)
+CXX_FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared")  # operator libraries: kernels live there too
 
 
 class KernelBuildError(RuntimeError):
@@ -106,7 +107,7 @@ class TorchOperatorLibrary:
 
         cc, cxx = compiler(), _cxx_compiler()
         c_text = self.c_source.read_text() if self.c_source is not None else ""
-        parts = [self.cpp_source.read_text(), c_text, cc, cxx, _version(cc), _version(cxx)]
+        parts = [self.cpp_source.read_text(), c_text, cc, cxx, _version(cc), _version(cxx), " ".join(CXX_FLAGS)]
         parts += [torch.__version__, str(torch._C._GLIBCXX_USE_CXX11_ABI), " ".join(_torch_includes())]
         path = _cached_path(self.cpp_source.stem, parts)
         if not path.exists():
@@ -125,7 +126,7 @@ class TorchOperatorLibrary:
             objects = [str(kernel)] if self.c_source is not None else []
             commands = [
                 [
-                    cxx, "-O2", "-std=c++17", "-fPIC", "-shared", abi,
+                    cxx, *CXX_FLAGS, abi,
                     *(f"-I{p}" for p in _torch_includes()),
                     str(self.cpp_source), *objects, "-o", str(partial),
                     f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu", *OPENMP,

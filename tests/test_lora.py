@@ -384,6 +384,25 @@ def test_the_native_lora_kernel_equals_the_python_kernel() -> None:
         torch.ops.compiled_engine.lora_delta(x, a, b, slots[:10], widths)
 
 
+@pytest.mark.parametrize("in_features", [80, 83])
+def test_the_native_few_token_loops_equal_the_python_kernel(in_features: int) -> None:
+    """Decode-sized calls at widths that take every branch of the vector loops: whole blocks of
+    32 and 8 inputs and a scalar tail (83), 16-column blocks and tails, and the threads' split of
+    the columns falling inside a piece."""
+    from compiled_engine.lora import layers
+
+    assert layers.native_lora_kernel()
+    generator = torch.Generator().manual_seed(1)
+    widths = [40, 19, 8]
+    x = torch.randn(5, in_features, generator=generator)
+    a = torch.randn(3, 3 * 4, in_features, generator=generator)
+    b = torch.randn(3, 4, sum(widths), generator=generator)
+    slots = torch.tensor([1, -1, 0, 1, 2])
+    native = torch.ops.compiled_engine.lora_delta(x, a, b, slots, widths)
+    torch.testing.assert_close(native, reference_lora_delta(x, a, b, slots, widths))
+    assert native[1].abs().max() == 0 and native[0].abs().min() > 0
+
+
 def test_the_graph_kernel_equals_the_python_kernel() -> None:
     """`dense_lora_delta` (CUDA's kernel: no host work, so graphs capture it) against the
     reference, on the CPU."""

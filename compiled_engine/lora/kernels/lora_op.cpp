@@ -13,6 +13,13 @@
 #include <utility>
 #include <vector>
 
+#ifdef _OPENMP
+#include <omp.h>
+#else  // one thread
+inline int omp_get_num_threads() { return 1; }
+inline int omp_get_thread_num() { return 0; }
+#endif
+
 namespace {
 
 // One slot's tokens in this forward: its runs [start, end) of neighbouring tokens.
@@ -42,46 +49,85 @@ std::vector<SlotTokens> group_by_slot(const int64_t *slots, int64_t tokens, int6
     return groups;
 }
 
-// sum_i p[i] * q[i], in eight partial sums so that the loop pipelines (and vectorizes).
+typedef float vec __attribute__((vector_size(32)));
+typedef float vec_u __attribute__((vector_size(32), aligned(4)));
+inline vec load(const float *p) { return *(const vec_u *)p; }
+inline void store(float *p, vec v) { *(vec_u *)p = v; }
+inline vec splat(float v) { return (vec){v, v, v, v, v, v, v, v}; }
+inline float hsum(vec v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+// sum_i p[i] * q[i] in four independent vector sums, so that the multiply-adds pipeline.
 float dot(const float *p, const float *q, int64_t n) {
-    float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    vec s0 = splat(0), s1 = splat(0), s2 = splat(0), s3 = splat(0);
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++) part[j] += p[i + j] * q[i + j];
-    float total = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+    for (; i + 32 <= n; i += 32) {
+        s0 += load(p + i) * load(q + i);
+        s1 += load(p + i + 8) * load(q + i + 8);
+        s2 += load(p + i + 16) * load(q + i + 16);
+        s3 += load(p + i + 24) * load(q + i + 24);
+    }
+    for (; i + 8 <= n; i += 8) s0 += load(p + i) * load(q + i);
+    float total = hsum((s0 + s1) + (s2 + s3));
     for (; i < n; i++) total += p[i] * q[i];
     return total;
 }
 
-// Few tokens on a slot (decode): both products as plain loops, split over the threads (A by its
-// rows, B by output columns). At this size at::mm's dispatch and copies cost several times the
-// arithmetic. B's loop runs along its rows, y[o] += h[k] * bt[k][o], which vectorizes with no
-// horizontal sums.
-constexpr int64_t FEW_TOKENS = 4;
-constexpr int64_t GRAIN = 256;  // output columns a thread takes at least
+// y[lo, hi) += h . bt[:, lo, hi): the rank rows of B (transposed) weighted by the hidden values,
+// sixteen output columns at a time held in registers across the rank.
+void add_columns(const float *h, const float *bt, int64_t rank, int64_t out, int64_t lo, int64_t hi, float *y) {
+    int64_t o = lo;
+    for (; o + 16 <= hi; o += 16) {
+        vec c0 = load(y + o), c1 = load(y + o + 8);
+        for (int64_t k = 0; k < rank; k++) {
+            const vec hk = splat(h[k]);
+            c0 += hk * load(bt + k * out + o);
+            c1 += hk * load(bt + k * out + o + 8);
+        }
+        store(y + o, c0);
+        store(y + o + 8, c1);
+    }
+    for (; o < hi; o++) {
+        float c = y[o];
+        for (int64_t k = 0; k < rank; k++) c += h[k] * bt[k * out + o];
+        y[o] = c;
+    }
+}
 
-void few_tokens_delta(const float *x, const std::vector<int64_t> &rows, int64_t in, const float *a_slot,
-                      const float *bt_slot, int64_t rank, const std::vector<int64_t> &widths, float *y, int64_t out) {
-    const int64_t pieces = static_cast<int64_t>(widths.size());
+// Tokens on slots with few tokens each (decode): both products as loops over the rows, in one
+// parallel region: the threads split A's rows, meet, then split the output columns. At this size
+// at::mm's dispatch costs several times the arithmetic, and the region's one fork and one barrier
+// cost less than the second core brings (the loops are bound by reading A and B).
+constexpr int64_t FEW_TOKENS = 4;
+
+void few_tokens_delta(const float *x, const std::vector<std::pair<int64_t, int64_t>> &rows, int64_t in,
+                      const float *a, const float *bt, int64_t rank, const std::vector<int64_t> &widths, float *y,
+                      int64_t out) {
+    const int64_t pieces = static_cast<int64_t>(widths.size()), piece_ranks = pieces * rank;
+    const int64_t count = static_cast<int64_t>(rows.size());
     std::vector<int64_t> starts(pieces + 1, 0);
     for (int64_t p = 0; p < pieces; p++) starts[p + 1] = starts[p] + widths[p];
-    std::vector<float> hidden(pieces * rank);
-    for (const int64_t r : rows) {
-        const float *xr = x + r * in;
-        [&](int64_t begin, int64_t end) {
-            for (int64_t k = begin; k < end; k++) hidden[k] = dot(a_slot + k * in, xr, in);
-        }(0, pieces * rank);
-        float *yr = y + r * out;
-        [&](int64_t begin, int64_t end) {
+    std::vector<float> hidden(count * piece_ranks);
+    const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, out / 64)));
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t k0 = piece_ranks * me / team, k1 = piece_ranks * (me + 1) / team;
+        for (int64_t r = 0; r < count; r++) {
+            const float *a_slot = a + rows[r].second * piece_ranks * in, *xr = x + rows[r].first * in;
+            for (int64_t k = k0; k < k1; k++) hidden[r * piece_ranks + k] = dot(a_slot + k * in, xr, in);
+        }
+#pragma omp barrier
+        const int64_t blocks = (out + 15) / 16;  // columns split in whole vectors
+        const int64_t o0 = std::min(out, blocks * me / team * 16), o1 = std::min(out, blocks * (me + 1) / team * 16);
+        for (int64_t r = 0; r < count; r++) {
+            const float *bt_slot = bt + rows[r].second * rank * out;
             for (int64_t p = 0; p < pieces; p++) {
-                const int64_t lo = std::max(begin, starts[p]), hi = std::min(end, starts[p + 1]);
-                for (int64_t k = 0; k < rank && lo < hi; k++) {
-                    const float h = hidden[p * rank + k];
-                    const float *column = bt_slot + k * out;
-                    for (int64_t o = lo; o < hi; o++) yr[o] += h * column[o];
-                }
+                const int64_t lo = std::max(o0, starts[p]), hi = std::min(o1, starts[p + 1]);
+                if (lo < hi)
+                    add_columns(hidden.data() + r * piece_ranks + p * rank, bt_slot, rank, out, lo, hi,
+                                y + rows[r].first * out);
             }
-        }(0, out);
+        }
     }
 }
 
@@ -125,26 +171,25 @@ at::Tensor lora_delta(const at::Tensor &x, const at::Tensor &a, const at::Tensor
     TORCH_CHECK(token_slots.dim() == 1 && token_slots.scalar_type() == at::kLong && token_slots.is_cpu() &&
                     token_slots.size(0) >= tokens,
                 "lora_delta: token_slots must be int64 on the CPU with a slot for each of the ", tokens, " tokens");
+    TORCH_CHECK(token_slots.is_contiguous(), "lora_delta: token_slots must be contiguous");
     at::Tensor out = at::zeros({tokens, out_rows}, x.options());
-    const at::Tensor slots = token_slots.narrow(0, 0, tokens).contiguous();
-    const std::vector<SlotTokens> groups = group_by_slot(slots.data_ptr<int64_t>(), tokens, a.size(0));
+    const std::vector<SlotTokens> groups = group_by_slot(token_slots.data_ptr<int64_t>(), tokens, a.size(0));
     if (groups.empty()) return out;
     const int64_t rank = b.size(1);
     const bool plain = x.scalar_type() == at::kFloat && a.scalar_type() == at::kFloat &&
                        b.scalar_type() == at::kFloat && x.is_contiguous() && a.is_contiguous() && b.is_contiguous();
+    std::vector<std::pair<int64_t, int64_t>> few;  // (token, slot) of the slots with few tokens
     for (const SlotTokens &group : groups) {
         if (plain && group.count <= FEW_TOKENS) {
-            std::vector<int64_t> rows;
             for (const auto &[start, end] : group.runs)
-                for (int64_t t = start; t < end; t++) rows.push_back(t);
-            const int64_t in = x.size(1);
-            few_tokens_delta(x.data_ptr<float>(), rows, in, a.data_ptr<float>() + group.slot * a.size(1) * in,
-                             b.data_ptr<float>() + group.slot * rank * out_rows, rank, widths, out.data_ptr<float>(),
-                             out_rows);
+                for (int64_t t = start; t < end; t++) few.push_back({t, group.slot});
         } else {
             many_tokens_delta(x, group, a, b, rank, widths, out);
         }
     }
+    if (!few.empty())
+        few_tokens_delta(x.data_ptr<float>(), few, x.size(1), a.data_ptr<float>(), b.data_ptr<float>(), rank, widths,
+                         out.data_ptr<float>(), out_rows);
     return out;
 }
 
