@@ -349,18 +349,19 @@ def test_bench_lora_reports_each_figure_against_the_base_model(lora_setup: dict[
     assert 0 < results["load_seconds"] < 60
 
 
-def _slot_tensors(tokens: int = 17) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-    """x, a and b of 3 slots as the slots hold them: two pieces of rank 6, 30 and 10 rows wide."""
+def _slot_tensors(tokens: int = 77) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """x, a and b of 4 slots as the slots hold them: two pieces of rank 6, 30 and 10 rows wide."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, 24, generator=generator)
-    a = torch.randn(3, 2 * 6, 24, generator=generator)
-    b = torch.randn(3, 6, 30 + 10, generator=generator)
+    a = torch.randn(4, 2 * 6, 24, generator=generator)
+    b = torch.randn(4, 6, 30 + 10, generator=generator)
     return x, a, b, [30, 10]
 
 
-# slot 2 in two runs (gathered), slot 0 one token (the few-token loops), slot 1 six (at::mm);
-# two tokens past the batch's 17, as a CUDA graph's padding rows are
-MIXED_SLOTS = [2, 2, -1, -1, -1, -1, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, -1, -1]
+# slot 2 in two runs of 36 tokens in all (gathered, at::addmm), slot 3 in one run of 33 (at::addmm
+# on a narrow), slot 0 one token and slot 1 three (the few-token loops); two tokens past the
+# batch's 77, as a CUDA graph's padding rows are
+MIXED_SLOTS = [2, 2, -1, -1, -1, -1, 0] + [2] * 34 + [1, 1, 1] + [3] * 33 + [-1, -1]
 
 
 def test_the_native_lora_kernel_equals_the_python_kernel() -> None:
@@ -376,12 +377,53 @@ def test_the_native_lora_kernel_equals_the_python_kernel() -> None:
     assert native[2:6].abs().max() == 0 and native[:2].abs().max() > 0
     # each piece's rows take its own rank rows of a only
     torch.testing.assert_close(reference[0, 30:], (x[0] @ a[2, 6:].T) @ b[2, :, 30:])
-    none = torch.full((17,), -1)
+    none = torch.full((77,), -1)
     assert torch.ops.compiled_engine.lora_delta(x, a, b, none, widths).abs().max() == 0
-    with pytest.raises(RuntimeError, match="uses slot 3 of 3"):
-        torch.ops.compiled_engine.lora_delta(x, a, b, torch.full((17,), 3), widths)
-    with pytest.raises(RuntimeError, match="a slot for each of the 17 tokens"):
+    with pytest.raises(RuntimeError, match="uses slot 4 of 4"):
+        torch.ops.compiled_engine.lora_delta(x, a, b, torch.full((77,), 4), widths)
+    with pytest.raises(RuntimeError, match="a slot for each of the 77 tokens"):
         torch.ops.compiled_engine.lora_delta(x, a, b, slots[:10], widths)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_the_fused_quantized_lora_product_equals_its_reference(fmt: str) -> None:
+    """`quantized_lora_linear_f32` (the quantized product and the delta in one native call, what
+    a GGUF model's adapters run) against dequantize-then-matmul plus the Python delta, on the
+    decode path and on the many-token paths, and through a LoRALinear that picks it."""
+    from compiled_engine.lora import layers
+    from compiled_engine.quantization.modules import QuantizedLinear
+    from compiled_engine.quantization.quantize import quantize
+
+    assert layers.native_lora_kernel()
+    x, a, b, widths = _slot_tensors()
+    weight = quantize(torch.randn(sum(widths), 64, generator=torch.Generator().manual_seed(2)), fmt, 32)
+    x = torch.randn(x.shape[0], 64, generator=torch.Generator().manual_seed(3))
+    a = torch.randn(a.shape[0], a.shape[1], 64, generator=torch.Generator().manual_seed(4))
+    bias = torch.randn(sum(widths))
+    base = QuantizedLinear(weight, bias)
+    assert base.native is not None
+    slots = torch.tensor(MIXED_SLOTS)
+    product = layers.LoRALinear(base, widths, a, b, slots)
+    assert product.fused
+    for rows in (slice(6, 7), slice(0, x.shape[0])):  # one token (decode), then every path
+        args = (
+            x[rows],
+            base.data,
+            base.scales,
+            base.offsets,
+            base.bias,
+            base.group_size,
+            32,
+            a,
+            b,
+            slots[rows],
+            widths,
+        )
+        native = torch.ops.compiled_engine.quantized_lora_linear_f32(*args)
+        reference = layers.reference_quantized_lora_linear(*args)
+        torch.testing.assert_close(native, reference, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(product(x), native)  # the module reads the slots from its buffer
+    assert (native - base(x)).abs().max() > 1  # the delta is there
 
 
 @pytest.mark.parametrize("in_features", [80, 83])

@@ -35,6 +35,8 @@ from compiled_engine.lora.adapter import PRODUCTS, LoRAAdapter, product_shapes
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.llama import Transformer
 from compiled_engine.native_build import KernelBuildError, TorchOperatorLibrary
+from compiled_engine.quantization.modules import QuantizedLinear
+from compiled_engine.quantization.ops import KERNEL_MAX_ROWS, reference_linear
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +100,55 @@ def dense_lora_delta(
 
 
 torch.library.impl("compiled_engine::lora_delta", "CompositeExplicitAutograd")(reference_lora_delta)
+
+torch.library.define(
+    "compiled_engine::quantized_lora_linear_f32",
+    "(Tensor x, Tensor data, Tensor scales, Tensor? offsets, Tensor? bias, int group_size, int max_kernel_rows, "
+    "Tensor a, Tensor b, Tensor token_slots, int[] widths) -> Tensor",
+)
+
+
+def reference_quantized_lora_linear(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    group_size: int,
+    max_kernel_rows: int,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    token_slots: torch.Tensor,
+    widths: Sequence[int],
+) -> torch.Tensor:
+    """A quantized product plus its adapters' delta, in one operator: the native kernel runs both
+    in one call (the product through `quantized_linear_f32`); this is its slow twin."""
+    base = reference_linear(x, data, scales, offsets, bias, group_size)
+    return base + reference_lora_delta(x, a, b, token_slots, widths)
+
+
+torch.library.impl("compiled_engine::quantized_lora_linear_f32", "CompositeExplicitAutograd")(
+    reference_quantized_lora_linear
+)
+
+
+@torch.library.register_fake("compiled_engine::quantized_lora_linear_f32")
+def _quantized_lora_linear_fake(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    group_size: int,
+    max_kernel_rows: int,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    token_slots: torch.Tensor,
+    widths: Sequence[int],
+) -> torch.Tensor:
+    return x.new_empty(x.shape[0], data.shape[0])
+
+
 torch.library.impl("compiled_engine::lora_delta", "CUDA")(dense_lora_delta)
 
 
@@ -124,7 +175,9 @@ def native_lora_kernel() -> bool:
 
 
 class LoRALinear(nn.Module):
-    """A product with adapter slots: base(x) plus each token's adapter delta."""
+    """A product with adapter slots: base(x) plus each token's adapter delta. A quantized base
+    product with its native operator runs with the delta as one operator call
+    (`quantized_lora_linear_f32`) when the LoRA kernel is native too."""
 
     lora_a: torch.Tensor
     lora_b: torch.Tensor
@@ -139,9 +192,17 @@ class LoRALinear(nn.Module):
         self.register_buffer("lora_a", lora_a, persistent=False)
         self.register_buffer("lora_b", lora_b, persistent=False)
         self.register_buffer("token_slots", token_slots, persistent=False)  # shared by every product
+        self.fused = isinstance(base, QuantizedLinear) and base.native is not None and native_lora_kernel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y: torch.Tensor = self.base(x)
+        base = self.base
+        if self.fused and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu":
+            assert isinstance(base, QuantizedLinear)
+            return torch.ops.compiled_engine.quantized_lora_linear_f32(
+                x, base.data, base.scales, base.offsets, base.bias, base.group_size, KERNEL_MAX_ROWS,
+                self.lora_a, self.lora_b, self.token_slots, self.widths,
+            )  # fmt: skip
+        y: torch.Tensor = base(x)
         delta = torch.ops.compiled_engine.lora_delta(x, self.lora_a, self.lora_b, self.token_slots, self.widths)
         return y + delta.to(y.dtype)
 

@@ -7,9 +7,11 @@
 // for none; widths: the output columns of each piece.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -97,7 +99,7 @@ void add_columns(const float *h, const float *bt, int64_t rank, int64_t out, int
 // parallel region: the threads split A's rows, meet, then split the output columns. At this size
 // at::mm's dispatch costs several times the arithmetic, and the region's one fork and one barrier
 // cost less than the second core brings (the loops are bound by reading A and B).
-constexpr int64_t FEW_TOKENS = 4;
+constexpr int64_t FEW_TOKENS = 32;
 
 void few_tokens_delta(const float *x, const std::vector<std::pair<int64_t, int64_t>> &rows, int64_t in,
                       const float *a, const float *bt, int64_t rank, const std::vector<int64_t> &widths, float *y,
@@ -131,7 +133,8 @@ void few_tokens_delta(const float *x, const std::vector<std::pair<int64_t, int64
     }
 }
 
-// Many tokens: at::mm per piece, on the slot's tokens (a narrow of x, or one gather).
+// Many tokens: at::addmm per piece, on the slot's tokens (a narrow of x, or one gather and one
+// scatter-add).
 void many_tokens_delta(const at::Tensor &x, const SlotTokens &group, const at::Tensor &a, const at::Tensor &b,
                        int64_t rank, const std::vector<int64_t> &widths, at::Tensor &out) {
     const bool contiguous = group.runs.size() == 1;
@@ -147,37 +150,37 @@ void many_tokens_delta(const at::Tensor &x, const SlotTokens &group, const at::T
     }
     const at::Tensor hidden = at::mm(rows, a.select(0, group.slot).t());
     at::Tensor result = contiguous ? out.narrow(0, group.runs[0].first, group.count)
-                                   : at::empty({group.count, out.size(1)}, out.options());
+                                   : at::zeros({group.count, out.size(1)}, out.options());
     int64_t row = 0;
     for (size_t p = 0; p < widths.size(); p++) {
-        at::Tensor target = result.narrow(1, row, widths[p]);
-        at::mm_out(target, hidden.narrow(1, static_cast<int64_t>(p) * rank, rank),
-                   b.select(0, group.slot).narrow(1, row, widths[p]));
+        result.narrow(1, row, widths[p])
+            .addmm_(hidden.narrow(1, static_cast<int64_t>(p) * rank, rank),
+                    b.select(0, group.slot).narrow(1, row, widths[p]));
         row += widths[p];
     }
-    if (!contiguous) out.index_copy_(0, index, result);
+    if (!contiguous) out.index_add_(0, index, result);
 }
 
-at::Tensor lora_delta(const at::Tensor &x, const at::Tensor &a, const at::Tensor &b, const at::Tensor &token_slots,
-                      at::IntArrayRef widths_ref) {
-    const std::vector<int64_t> widths(widths_ref.begin(), widths_ref.end());
+// out [tokens, out] += each token's delta (the operators below differ only in what out holds first).
+void add_lora_delta(at::Tensor &out, const at::Tensor &x, const at::Tensor &a, const at::Tensor &b,
+                    const at::Tensor &token_slots, const std::vector<int64_t> &widths) {
     int64_t out_rows = 0;
     for (const int64_t w : widths) out_rows += w;
     const int64_t tokens = x.size(0);
     TORCH_CHECK(x.dim() == 2 && a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0) && a.size(2) == x.size(1) &&
-                    a.size(1) == static_cast<int64_t>(widths.size()) * b.size(1) && b.size(2) == out_rows,
+                    a.size(1) == static_cast<int64_t>(widths.size()) * b.size(1) && b.size(2) == out_rows &&
+                    out.size(0) == tokens && out.size(1) == out_rows,
                 "lora_delta: x [tokens, in], a [slots, pieces * rank, in], b [slots, rank, out] and the pieces' "
                 "widths do not fit");
     TORCH_CHECK(token_slots.dim() == 1 && token_slots.scalar_type() == at::kLong && token_slots.is_cpu() &&
-                    token_slots.size(0) >= tokens,
+                    token_slots.is_contiguous() && token_slots.size(0) >= tokens,
                 "lora_delta: token_slots must be int64 on the CPU with a slot for each of the ", tokens, " tokens");
-    TORCH_CHECK(token_slots.is_contiguous(), "lora_delta: token_slots must be contiguous");
-    at::Tensor out = at::zeros({tokens, out_rows}, x.options());
     const std::vector<SlotTokens> groups = group_by_slot(token_slots.data_ptr<int64_t>(), tokens, a.size(0));
-    if (groups.empty()) return out;
+    if (groups.empty()) return;
     const int64_t rank = b.size(1);
     const bool plain = x.scalar_type() == at::kFloat && a.scalar_type() == at::kFloat &&
-                       b.scalar_type() == at::kFloat && x.is_contiguous() && a.is_contiguous() && b.is_contiguous();
+                       b.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && x.is_contiguous() &&
+                       a.is_contiguous() && b.is_contiguous() && out.is_contiguous();
     std::vector<std::pair<int64_t, int64_t>> few;  // (token, slot) of the slots with few tokens
     for (const SlotTokens &group : groups) {
         if (plain && group.count <= FEW_TOKENS) {
@@ -190,9 +193,37 @@ at::Tensor lora_delta(const at::Tensor &x, const at::Tensor &a, const at::Tensor
     if (!few.empty())
         few_tokens_delta(x.data_ptr<float>(), few, x.size(1), a.data_ptr<float>(), b.data_ptr<float>(), rank, widths,
                          out.data_ptr<float>(), out_rows);
+}
+
+at::Tensor lora_delta(const at::Tensor &x, const at::Tensor &a, const at::Tensor &b, const at::Tensor &token_slots,
+                      at::IntArrayRef widths) {
+    int64_t out_rows = 0;
+    for (const int64_t w : widths) out_rows += w;
+    at::Tensor out = at::zeros({x.size(0), out_rows}, x.options());
+    add_lora_delta(out, x, a, b, token_slots, std::vector<int64_t>(widths.begin(), widths.end()));
     return out;
+}
+
+// The quantized product and its adapters' delta in one call: compiled_engine::quantized_linear_f32
+// (quantization/kernels/quant_op.cpp, found through the dispatcher), then the delta added into its
+// output. One operator call a product instead of two, and no zeroed delta and no sum to write.
+at::Tensor quantized_lora_linear_f32(const at::Tensor &x, const at::Tensor &data, const at::Tensor &scales,
+                                     const std::optional<at::Tensor> &offsets, const std::optional<at::Tensor> &bias,
+                                     int64_t group_size, int64_t max_kernel_rows, const at::Tensor &a,
+                                     const at::Tensor &b, const at::Tensor &token_slots, at::IntArrayRef widths) {
+    static const auto quantized_linear =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("compiled_engine::quantized_linear_f32", "")
+            .typed<at::Tensor(const at::Tensor &, const at::Tensor &, const at::Tensor &,
+                              const std::optional<at::Tensor> &, const std::optional<at::Tensor> &, int64_t, int64_t)>();
+    at::Tensor y = quantized_linear.call(x, data, scales, offsets, bias, group_size, max_kernel_rows);
+    add_lora_delta(y, x, a, b, token_slots, std::vector<int64_t>(widths.begin(), widths.end()));
+    return y;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(compiled_engine, CPU, m) { m.impl("lora_delta", lora_delta); }
+TORCH_LIBRARY_IMPL(compiled_engine, CPU, m) {
+    m.impl("lora_delta", lora_delta);
+    m.impl("quantized_lora_linear_f32", quantized_lora_linear_f32);
+}
