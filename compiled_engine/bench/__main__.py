@@ -122,6 +122,9 @@ def _parser() -> argparse.ArgumentParser:
     lora.add_argument("--prompt-len", type=int, default=128)
     lora.add_argument("--output-len", type=int, default=64)
     lora.add_argument("--seed", type=int, default=0)
+    lora.add_argument(
+        "--rounds", type=_at_least_one, default=3, help="alternated measurements of each figure (medians)"
+    )
     lora.add_argument("--json", type=Path, default=None, help="write every figure and the environment here")
     lora.set_defaults(plot=None)
     spec = commands.add_parser("spec", help="speculative decoding on against off, in the same run")
@@ -167,6 +170,13 @@ def _progress(console: Console, description: str, total: int) -> Iterator[Callab
     with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task(description, total=total)
         yield lambda n: progress.advance(task, n)
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _engine(args: argparse.Namespace, **overrides: Any) -> LLMEngine:
@@ -523,10 +533,19 @@ def bench_lora(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         args, enable_prefix_caching=False, enable_lora=True, max_loras=args.num_adapters, max_lora_rank=args.lora_rank
     )
     figures = bench_lora_runs(
-        plain, lora, args.lora_rank, args.num_adapters, args.batch, args.prompt_len, args.output_len, args.seed
+        plain,
+        lora,
+        args.lora_rank,
+        args.num_adapters,
+        args.batch,
+        args.prompt_len,
+        args.output_len,
+        args.seed,
+        args.rounds,
     )
     table = Table(
         title=f"lora: rank {args.lora_rank}, all seven products, prompt {args.prompt_len}, output {args.output_len}"
+        f" (medians of {args.rounds} alternated rounds)"
     )
     for column in ("", "base model", "with adapters", "ratio"):
         table.add_column(column)
@@ -554,6 +573,7 @@ def bench_lora(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
         "seed": args.seed,
+        "rounds": args.rounds,
     }
     return {
         "benchmark": "lora",

@@ -2,9 +2,10 @@
 
 Random PEFT-format adapters (every one of the seven products, `--lora-rank`) are written to a
 scratch directory, so the workload needs neither PEFT nor a download. Three figures, each against
-the same workload on the base model: batch-1 decode with one adapter; a batch that spreads its
-requests over `--num-adapters` distinct adapters; and the time to load one adapter, as a runtime
-load does (read, check, lay out; the first step then writes it into a slot).
+the same workload on the base model: batch-1 decode with one adapter (the two engines' steps
+taken in turn); a batch that spreads its requests over `--num-adapters` distinct adapters; and
+the time to load one adapter, as a runtime load does (read, check, lay out; the first step then
+writes it into a slot).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from safetensors.torch import save_file
 from compiled_engine.bench.runs import run_ours
 from compiled_engine.bench.workload import random_workload
 from compiled_engine.engine.llm_engine import LLMEngine
+from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.lora.adapter import CONFIG_NAME, TARGETS, WEIGHTS_NAME, product_shapes
 from compiled_engine.lora.manager import LoRARequest
 from compiled_engine.model.config import ModelConfig
@@ -45,8 +47,24 @@ def write_random_adapter(directory: Path, config: ModelConfig, rank: int, seed: 
     return directory
 
 
-def _decode_tokens_per_s(engine: LLMEngine, run: dict[str, Any]) -> float:
-    return 1 / statistics.median(run["tpot_s"])
+def alternated_decode_tokens_per_s(
+    runs: list[tuple[LLMEngine, LoRARequest | None]], prompt: list[int], output_len: int
+) -> list[float]:
+    """Batch-1 decode speed of each (engine, adapter), one request each, their steps taken in
+    turn (one step of each, then again) so that the machine's drift falls on all alike: one
+    over the median time of a decode step, in tokens/s."""
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    for engine, lora_request in runs:
+        engine.add_request(prompt, params, lora_request=lora_request)
+        engine.step()  # the prefill
+    steps: list[list[float]] = [[] for _ in runs]
+    while any(engine.has_unfinished_requests() for engine, _ in runs):
+        for times, (engine, _) in zip(steps, runs, strict=True):
+            if engine.has_unfinished_requests():
+                started = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - started)
+    return [1 / statistics.median(times) for times in steps]
 
 
 def bench_lora_runs(
@@ -58,9 +76,12 @@ def bench_lora_runs(
     prompt_len: int,
     output_len: int,
     seed: int,
+    rounds: int = 3,
 ) -> dict[str, Any]:
     """The figures of `bench lora`: `plain` runs the base model without adapter slots, `lora`
-    the same model with them."""
+    the same model with them. Each figure is measured `rounds` times, the two engines alternated
+    within a round, so that the machine's drift falls on both; figures are medians over the
+    rounds, and ratios the medians of each round's ratio."""
     config = lora.runner.model_config
     vocab = config.vocab_size
     with tempfile.TemporaryDirectory() as scratch:
@@ -76,19 +97,27 @@ def bench_lora_runs(
         for engine in (plain, lora):
             run_ours(engine, warm_up)
         run_ours(lora, warm_up, loras=requests[:1])
-        figures = {
-            "base_batch1": _decode_tokens_per_s(plain, run_ours(plain, one)),
-            "slots_batch1_base_request": _decode_tokens_per_s(lora, run_ours(lora, one)),
-            "adapter_batch1": _decode_tokens_per_s(lora, run_ours(lora, one, loras=requests[:1])),
-        }
         spread = [requests[i % num_adapters] for i in range(batch)]
-        base_many = run_ours(plain, many)
-        lora_many = run_ours(lora, many, loras=spread)
-        figures["base_batch_output_tokens_per_s"] = many.output_tokens / base_many["seconds"]
-        figures["adapters_batch_output_tokens_per_s"] = many.output_tokens / lora_many["seconds"]
-    return {
-        "load_seconds": load_s,
-        **figures,
-        "ratio_batch1": figures["adapter_batch1"] / figures["base_batch1"],
-        "ratio_batch": figures["adapters_batch_output_tokens_per_s"] / figures["base_batch_output_tokens_per_s"],
-    }
+        measured: dict[str, list[float]] = {}
+        for _ in range(rounds):
+            base, adapter = alternated_decode_tokens_per_s(
+                [(plain, None), (lora, requests[0])], one.prompts[0], output_len
+            )
+            round_figures = {
+                "base_batch1": base,
+                "adapter_batch1": adapter,
+                "slots_batch1_base_request": alternated_decode_tokens_per_s([(lora, None)], one.prompts[0], output_len)[
+                    0
+                ],
+                "base_batch_output_tokens_per_s": many.output_tokens / run_ours(plain, many)["seconds"],
+                "adapters_batch_output_tokens_per_s": many.output_tokens
+                / run_ours(lora, many, loras=spread)["seconds"],
+            }
+            round_figures["ratio_batch1"] = round_figures["adapter_batch1"] / round_figures["base_batch1"]
+            round_figures["ratio_batch"] = (
+                round_figures["adapters_batch_output_tokens_per_s"] / round_figures["base_batch_output_tokens_per_s"]
+            )
+            for key, value in round_figures.items():
+                measured.setdefault(key, []).append(value)
+    figures = {key: statistics.median(values) for key, values in measured.items()}
+    return {"load_seconds": load_s, "rounds": rounds, **figures, "per_round": measured}

@@ -14,17 +14,22 @@ graphs take them as inputs and never recompile when adapters load or the batch's
 Which slot each token of a forward uses is one more buffer, `token_slots` (-1: the base model),
 written by the runner before each forward and shared by every product. The operator is thus a
 function of its inputs, and a CUDA graph replays it with the slots of the batch in that static
-buffer. Kernels: on the CPU a C++ one (`kernels/lora_op.cpp`) that multiplies each slot's tokens
-in two small products (contiguous runs, or one gather), never a per-token gather of whole adapter
-matrices; on CUDA `dense_lora_delta`, two products over every slot with the other slots' columns
-masked to zero, which needs no host decision and so captures into a graph. Both are tested
-against `reference_lora_delta`.
+buffer. Kernels: on the CPU a C++ one (`kernels/lora_op.cpp`): up to 32 tokens a slot (decode)
+run as vector loops on every thread, more (prefill) as two small products per slot on its tokens
+(contiguous runs, or one gather), never a per-token gather of whole adapter matrices; on CUDA
+`dense_lora_delta`, two products over every slot with the other slots' columns masked to zero,
+which needs no host decision and so captures into a graph. Both are tested against
+`reference_lora_delta`. A quantized product (a GGUF model's) runs with its delta as one native
+operator, `quantized_lora_linear_f32`, which saves an operator call, a zeroed delta and a sum per
+product.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -174,25 +179,60 @@ def native_lora_kernel() -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class StoreView:
+    """Where one product's slots sit in its layer's flat store: elements [start, start + their
+    count), viewed as `shape`. Every layer lays its products out alike, so the layers' compiled
+    code is one."""
+
+    start: int
+    shape: tuple[int, ...]
+
+    def of(self, store: torch.Tensor) -> torch.Tensor:
+        return store[self.start : self.start + math.prod(self.shape)].view(self.shape)
+
+
 class LoRALinear(nn.Module):
     """A product with adapter slots: base(x) plus each token's adapter delta. A quantized base
     product with its native operator runs with the delta as one operator call
-    (`quantized_lora_linear_f32`) when the LoRA kernel is native too."""
+    (`quantized_lora_linear_f32`) when the LoRA kernel is native too.
 
-    lora_a: torch.Tensor
-    lora_b: torch.Tensor
+    The slots (`lora_a`, `lora_b`) are views of two flat stores shared by the layer's products,
+    so that a compiled forward takes two tensors a layer for them, not eight (each input of a
+    compiled graph costs its call a few microseconds)."""
+
+    a_store: torch.Tensor
+    b_store: torch.Tensor
     token_slots: torch.Tensor
 
     def __init__(
-        self, base: nn.Module, widths: list[int], lora_a: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor
+        self,
+        base: nn.Module,
+        widths: list[int],
+        a_store: torch.Tensor,
+        a_view: StoreView,
+        b_store: torch.Tensor,
+        b_view: StoreView,
+        token_slots: torch.Tensor,
     ) -> None:
         super().__init__()
         self.base = base
         self.widths = widths
-        self.register_buffer("lora_a", lora_a, persistent=False)
-        self.register_buffer("lora_b", lora_b, persistent=False)
+        self.a_view, self.b_view = a_view, b_view
+        self.register_buffer("a_store", a_store, persistent=False)  # shared by the layer's products
+        self.register_buffer("b_store", b_store, persistent=False)
         self.register_buffer("token_slots", token_slots, persistent=False)  # shared by every product
         self.fused = isinstance(base, QuantizedLinear) and base.native is not None and native_lora_kernel()
+
+    @property
+    def lora_a(self) -> torch.Tensor:
+        """[slots, pieces x rank, in]"""
+        return self.a_view.of(self.a_store)
+
+    @property
+    def lora_b(self) -> torch.Tensor:
+        """[slots, rank, out], B transposed"""
+        return self.b_view.of(self.b_store)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = self.base
@@ -261,15 +301,26 @@ def install_lora(
     device = model.embed_tokens.weight.device
     token_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
     shapes = product_shapes(config)
+    a_views: dict[str, StoreView] = {}
+    b_views: dict[str, StoreView] = {}
+    a_size = b_size = 0
+    for name in PRODUCTS:
+        in_features, widths = shapes[name]
+        a_views[name] = StoreView(a_size, (num_slots, len(widths) * max_rank, in_features))
+        b_views[name] = StoreView(b_size, (num_slots, max_rank, sum(widths)))
+        a_size += math.prod(a_views[name].shape)
+        b_size += math.prod(b_views[name].shape)
     products: dict[tuple[int, str], LoRALinear] = {}
     for index, layer in enumerate(model.layers):
+        a_store = torch.zeros(a_size, dtype=dtype, device=device)
+        b_store = torch.zeros(b_size, dtype=dtype, device=device)
         for name in PRODUCTS:
             block_name, product_name = name.split(".")
             block = getattr(layer, block_name)
-            in_features, widths = shapes[name]
-            lora_a = torch.zeros(num_slots, len(widths) * max_rank, in_features, dtype=dtype, device=device)
-            lora_b = torch.zeros(num_slots, max_rank, sum(widths), dtype=dtype, device=device)
-            wrapped = LoRALinear(getattr(block, product_name), widths, lora_a, lora_b, token_slots)
+            wrapped = LoRALinear(
+                getattr(block, product_name), shapes[name][1], a_store, a_views[name], b_store, b_views[name],
+                token_slots,
+            )  # fmt: skip
             setattr(block, product_name, wrapped)
             products[(index, name)] = wrapped
     return LoRASlots(products, num_slots, max_rank, token_slots)

@@ -95,10 +95,12 @@ void add_columns(const float *h, const float *bt, int64_t rank, int64_t out, int
     }
 }
 
-// Tokens on slots with few tokens each (decode): both products as loops over the rows, in one
-// parallel region: the threads split A's rows, meet, then split the output columns. At this size
-// at::mm's dispatch costs several times the arithmetic, and the region's one fork and one barrier
-// cost less than the second core brings (the loops are bound by reading A and B).
+// Tokens on slots with at most FEW_TOKENS tokens each (decode batches): both products as loops
+// over the rows, in one parallel region: the threads split A's rows, meet, then split the output
+// columns. A slot's tokens are neighbours in `rows`, so its A and B stay in cache between them.
+// At this size at::mm's calls cost more than the arithmetic (a batch of 32 decodes over 4
+// adapters paid about 1 ms a product, docs/benchmarks.md), and the region's one fork and one
+// barrier cost less than the second core brings (one token's loops are bound by reading A and B).
 constexpr int64_t FEW_TOKENS = 32;
 
 void few_tokens_delta(const float *x, const std::vector<std::pair<int64_t, int64_t>> &rows, int64_t in,
