@@ -411,7 +411,8 @@ def test_the_fused_quantized_lora_product_equals_its_reference(fmt: str) -> None
     a_view, b_view = layers.StoreView(0, tuple(a.shape)), layers.StoreView(0, tuple(b.shape))
     product = layers.LoRALinear(base, widths, a.flatten(), a_view, b.flatten(), b_view, slots)
     assert product.fused
-    for rows in (slice(6, 7), slice(0, x.shape[0])):  # one token (decode), then every path
+    # one token, then a decode-sized batch (the few-token loops), then every path
+    for rows in (slice(6, 7), slice(0, 20), slice(0, x.shape[0])):
         args = (
             x[rows],
             base.data,
