@@ -100,23 +100,20 @@ def bench_lora_runs(
         spread = [requests[i % num_adapters] for i in range(batch)]
         measured: dict[str, list[float]] = {}
         for _ in range(rounds):
-            base, adapter = alternated_decode_tokens_per_s(
-                [(plain, None), (lora, requests[0])], one.prompts[0], output_len
-            )
+            prompt = one.prompts[0]
+            base, adapter = alternated_decode_tokens_per_s([(plain, None), (lora, requests[0])], prompt, output_len)
+            (slots_base,) = alternated_decode_tokens_per_s([(lora, None)], prompt, output_len)
+            base_many = run_ours(plain, many)["seconds"]
+            lora_many = run_ours(lora, many, loras=spread)["seconds"]
             round_figures = {
                 "base_batch1": base,
                 "adapter_batch1": adapter,
-                "slots_batch1_base_request": alternated_decode_tokens_per_s([(lora, None)], one.prompts[0], output_len)[
-                    0
-                ],
-                "base_batch_output_tokens_per_s": many.output_tokens / run_ours(plain, many)["seconds"],
-                "adapters_batch_output_tokens_per_s": many.output_tokens
-                / run_ours(lora, many, loras=spread)["seconds"],
+                "slots_batch1_base_request": slots_base,
+                "base_batch_output_tokens_per_s": many.output_tokens / base_many,
+                "adapters_batch_output_tokens_per_s": many.output_tokens / lora_many,
+                "ratio_batch1": adapter / base,
+                "ratio_batch": base_many / lora_many,  # output tokens/s, adapters over base
             }
-            round_figures["ratio_batch1"] = round_figures["adapter_batch1"] / round_figures["base_batch1"]
-            round_figures["ratio_batch"] = (
-                round_figures["adapters_batch_output_tokens_per_s"] / round_figures["base_batch_output_tokens_per_s"]
-            )
             for key, value in round_figures.items():
                 measured.setdefault(key, []).append(value)
     figures = {key: statistics.median(values) for key, values in measured.items()}

@@ -106,6 +106,16 @@ def dense_lora_delta(
 
 torch.library.impl("compiled_engine::lora_delta", "CompositeExplicitAutograd")(reference_lora_delta)
 
+torch.library.impl("compiled_engine::lora_delta", "CUDA")(dense_lora_delta)
+
+
+@torch.library.register_fake("compiled_engine::lora_delta")
+def _lora_delta_fake(
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor, widths: Sequence[int]
+) -> torch.Tensor:
+    return x.new_empty(x.shape[0], b.shape[2])
+
+
 torch.library.define(
     "compiled_engine::quantized_lora_linear_f32",
     "(Tensor x, Tensor data, Tensor scales, Tensor? offsets, Tensor? bias, int group_size, int max_kernel_rows, "
@@ -152,16 +162,6 @@ def _quantized_lora_linear_fake(
     widths: Sequence[int],
 ) -> torch.Tensor:
     return x.new_empty(x.shape[0], data.shape[0])
-
-
-torch.library.impl("compiled_engine::lora_delta", "CUDA")(dense_lora_delta)
-
-
-@torch.library.register_fake("compiled_engine::lora_delta")
-def _lora_delta_fake(
-    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor, widths: Sequence[int]
-) -> torch.Tensor:
-    return x.new_empty(x.shape[0], b.shape[2])
 
 
 NATIVE_KERNEL = TorchOperatorLibrary(Path(__file__).with_name("kernels") / "lora_op.cpp", None, "native LoRA operator")
