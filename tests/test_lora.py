@@ -408,9 +408,13 @@ def test_the_fused_quantized_lora_product_equals_its_reference(fmt: str) -> None
     base = QuantizedLinear(weight, bias)
     assert base.native is not None
     slots = torch.tensor(MIXED_SLOTS)
-    a_view, b_view = layers.StoreView(0, tuple(a.shape)), layers.StoreView(0, tuple(b.shape))
-    product = layers.LoRALinear(base, widths, a.flatten(), a_view, b.flatten(), b_view, slots)
+    # the slots sit inside larger stores, as a layer's products' do: other products' values around
+    a_store = torch.cat([torch.randn(7), a.flatten(), torch.randn(5)])
+    b_store = torch.cat([torch.randn(11), b.flatten(), torch.randn(3)])
+    a_view, b_view = layers.StoreView(7, tuple(a.shape)), layers.StoreView(11, tuple(b.shape))
+    product = layers.LoRALinear(base, widths, a_store, a_view, b_store, b_view, slots)
     assert product.fused
+    num_slots, rank = b.shape[0], b.shape[1]
     # one token, then a decode-sized batch (the few-token loops), then every path
     for rows in (slice(6, 7), slice(0, 20), slice(0, x.shape[0])):
         args = (
@@ -421,9 +425,13 @@ def test_the_fused_quantized_lora_product_equals_its_reference(fmt: str) -> None
             base.bias,
             base.group_size,
             32,
-            a,
-            b,
+            a_store,
+            b_store,
             slots[rows],
+            7,
+            11,
+            num_slots,
+            rank,
             widths,
         )
         native = torch.ops.compiled_engine.quantized_lora_linear_f32(*args)
@@ -431,6 +439,10 @@ def test_the_fused_quantized_lora_product_equals_its_reference(fmt: str) -> None
         torch.testing.assert_close(native, reference, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(product(x), native)  # the module reads the slots from its buffer
     assert (native - base(x)).abs().max() > 1  # the delta is there
+    delta = layers.reference_lora_delta(x, a, b, slots, widths)  # the twin reads the same slots
+    torch.testing.assert_close(layers.reference_quantized_lora_linear(*args), base(x) + delta, rtol=1e-4, atol=1e-4)
+    with pytest.raises(RuntimeError, match="do not fit the stores"):
+        torch.ops.compiled_engine.quantized_lora_linear_f32(*args[:10], 13, 11, num_slots, rank, widths)
 
 
 @pytest.mark.parametrize("in_features", [80, 83])

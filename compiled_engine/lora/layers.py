@@ -60,6 +60,19 @@ def token_runs(token_slots: Sequence[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+@dataclass(frozen=True)
+class StoreView:
+    """Where one product's slots sit in its layer's flat store: elements [start, start + their
+    count), viewed as `shape`. Every layer lays its products out alike, so the layers' compiled
+    code is one."""
+
+    start: int
+    shape: tuple[int, ...]
+
+    def of(self, store: torch.Tensor) -> torch.Tensor:
+        return store[self.start : self.start + math.prod(self.shape)].view(self.shape)
+
+
 torch.library.define(
     "compiled_engine::lora_delta", "(Tensor x, Tensor a, Tensor b, Tensor token_slots, int[] widths) -> Tensor"
 )
@@ -119,7 +132,8 @@ def _lora_delta_fake(
 torch.library.define(
     "compiled_engine::quantized_lora_linear_f32",
     "(Tensor x, Tensor data, Tensor scales, Tensor? offsets, Tensor? bias, int group_size, int max_kernel_rows, "
-    "Tensor a, Tensor b, Tensor token_slots, int[] widths) -> Tensor",
+    "Tensor a_store, Tensor b_store, Tensor token_slots, int a_start, int b_start, int slots, int rank, int[] widths) "
+    "-> Tensor",
 )
 
 
@@ -131,14 +145,22 @@ def reference_quantized_lora_linear(
     bias: torch.Tensor | None,
     group_size: int,
     max_kernel_rows: int,
-    a: torch.Tensor,
-    b: torch.Tensor,
+    a_store: torch.Tensor,
+    b_store: torch.Tensor,
     token_slots: torch.Tensor,
+    a_start: int,
+    b_start: int,
+    slots: int,
+    rank: int,
     widths: Sequence[int],
 ) -> torch.Tensor:
     """A quantized product plus its adapters' delta, in one operator: the native kernel runs both
-    in one call (the product through `quantized_linear_f32`); this is its slow twin."""
+    in one call (the product through `quantized_linear_f32`); this is its slow twin. The slots
+    are read from the layer's flat stores: `a` [slots, pieces x rank, in] from element
+    `a_start` of `a_store`, `b` [slots, rank, out] from `b_start` of `b_store`."""
     base = reference_linear(x, data, scales, offsets, bias, group_size)
+    a = StoreView(a_start, (slots, len(widths) * rank, x.shape[1])).of(a_store)
+    b = StoreView(b_start, (slots, rank, base.shape[1])).of(b_store)
     return base + reference_lora_delta(x, a, b, token_slots, widths)
 
 
@@ -156,9 +178,13 @@ def _quantized_lora_linear_fake(
     bias: torch.Tensor | None,
     group_size: int,
     max_kernel_rows: int,
-    a: torch.Tensor,
-    b: torch.Tensor,
+    a_store: torch.Tensor,
+    b_store: torch.Tensor,
     token_slots: torch.Tensor,
+    a_start: int,
+    b_start: int,
+    slots: int,
+    rank: int,
     widths: Sequence[int],
 ) -> torch.Tensor:
     return x.new_empty(x.shape[0], data.shape[0])
@@ -177,19 +203,6 @@ def native_lora_kernel() -> bool:
         logger.warning("LoRA products run through Python (slower per call), because %s", error)
         return False
     return True
-
-
-@dataclass(frozen=True)
-class StoreView:
-    """Where one product's slots sit in its layer's flat store: elements [start, start + their
-    count), viewed as `shape`. Every layer lays its products out alike, so the layers' compiled
-    code is one."""
-
-    start: int
-    shape: tuple[int, ...]
-
-    def of(self, store: torch.Tensor) -> torch.Tensor:
-        return store[self.start : self.start + math.prod(self.shape)].view(self.shape)
 
 
 class LoRALinear(nn.Module):
@@ -238,9 +251,11 @@ class LoRALinear(nn.Module):
         base = self.base
         if self.fused and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu":
             assert isinstance(base, QuantizedLinear)
+            slots, piece_ranks, _ = self.a_view.shape
             return torch.ops.compiled_engine.quantized_lora_linear_f32(
                 x, base.data, base.scales, base.offsets, base.bias, base.group_size, KERNEL_MAX_ROWS,
-                self.lora_a, self.lora_b, self.token_slots, self.widths,
+                self.a_store, self.b_store, self.token_slots, self.a_view.start, self.b_view.start,
+                slots, piece_ranks // len(self.widths), self.widths,
             )  # fmt: skip
         y: torch.Tensor = base(x)
         delta = torch.ops.compiled_engine.lora_delta(x, self.lora_a, self.lora_b, self.token_slots, self.widths)

@@ -209,16 +209,30 @@ at::Tensor lora_delta(const at::Tensor &x, const at::Tensor &a, const at::Tensor
 // The quantized product and its adapters' delta in one call: compiled_engine::quantized_linear_f32
 // (quantization/kernels/quant_op.cpp, found through the dispatcher), then the delta added into its
 // output. One operator call a product instead of two, and no zeroed delta and no sum to write.
+// The slots come as the layer's flat stores and where this product's part starts in each
+// (a [slots, pieces * rank, in] from a_start, b [slots, rank, out] from b_start), so that a
+// compiled graph passes its inputs as they are: a view made in the graph's Python costs more
+// than the product's delta for one token (docs/benchmarks.md).
 at::Tensor quantized_lora_linear_f32(const at::Tensor &x, const at::Tensor &data, const at::Tensor &scales,
                                      const std::optional<at::Tensor> &offsets, const std::optional<at::Tensor> &bias,
-                                     int64_t group_size, int64_t max_kernel_rows, const at::Tensor &a,
-                                     const at::Tensor &b, const at::Tensor &token_slots, at::IntArrayRef widths) {
+                                     int64_t group_size, int64_t max_kernel_rows, const at::Tensor &a_store,
+                                     const at::Tensor &b_store, const at::Tensor &token_slots, int64_t a_start,
+                                     int64_t b_start, int64_t slots, int64_t rank, at::IntArrayRef widths) {
     static const auto quantized_linear =
         c10::Dispatcher::singleton()
             .findSchemaOrThrow("compiled_engine::quantized_linear_f32", "")
             .typed<at::Tensor(const at::Tensor &, const at::Tensor &, const at::Tensor &,
                               const std::optional<at::Tensor> &, const std::optional<at::Tensor> &, int64_t, int64_t)>();
     at::Tensor y = quantized_linear.call(x, data, scales, offsets, bias, group_size, max_kernel_rows);
+    const int64_t in = x.size(1), out = y.size(1), pieces = static_cast<int64_t>(widths.size());
+    TORCH_CHECK(a_store.dim() == 1 && b_store.dim() == 1 && a_store.is_contiguous() && b_store.is_contiguous() &&
+                    a_start >= 0 && b_start >= 0 && slots > 0 && rank > 0 &&
+                    a_start + slots * pieces * rank * in <= a_store.numel() &&
+                    b_start + slots * rank * out <= b_store.numel(),
+                "quantized_lora_linear_f32: the slots [", slots, ", ", pieces, " x ", rank, ", ", in, "] from ",
+                a_start, " and [", slots, ", ", rank, ", ", out, "] from ", b_start, " do not fit the stores");
+    const at::Tensor a = a_store.as_strided({slots, pieces * rank, in}, {pieces * rank * in, in, 1}, a_start);
+    const at::Tensor b = b_store.as_strided({slots, rank, out}, {rank * out, out, 1}, b_start);
     add_lora_delta(y, x, a, b, token_slots, std::vector<int64_t>(widths.begin(), widths.end()));
     return y;
 }
