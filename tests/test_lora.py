@@ -408,9 +408,10 @@ def test_the_fused_quantized_lora_product_equals_its_reference(fmt: str) -> None
     base = QuantizedLinear(weight, bias)
     assert base.native is not None
     slots = torch.tensor(MIXED_SLOTS)
-    # the slots sit inside larger stores, as a layer's products' do: other products' values around
-    a_store = torch.cat([torch.randn(7), a.flatten(), torch.randn(5)])
-    b_store = torch.cat([torch.randn(11), b.flatten(), torch.randn(3)])
+    # the slots sit inside larger stores, as a layer's products' do: other products' values
+    # around; the stores are themselves views that start inside their storage
+    a_store = torch.cat([torch.randn(9), a.flatten(), torch.randn(5)])[2:]
+    b_store = torch.cat([torch.randn(14), b.flatten(), torch.randn(3)])[3:]
     a_view, b_view = layers.StoreView(7, tuple(a.shape)), layers.StoreView(11, tuple(b.shape))
     product = layers.LoRALinear(base, widths, a_store, a_view, b_store, b_view, slots)
     assert product.fused

@@ -231,8 +231,10 @@ at::Tensor quantized_lora_linear_f32(const at::Tensor &x, const at::Tensor &data
                     b_start + slots * rank * out <= b_store.numel(),
                 "quantized_lora_linear_f32: the slots [", slots, ", ", pieces, " x ", rank, ", ", in, "] from ",
                 a_start, " and [", slots, ", ", rank, ", ", out, "] from ", b_start, " do not fit the stores");
-    const at::Tensor a = a_store.as_strided({slots, pieces * rank, in}, {pieces * rank * in, in, 1}, a_start);
-    const at::Tensor b = b_store.as_strided({slots, rank, out}, {rank * out, out, 1}, b_start);
+    // as_strided's offset counts from the storage's start, not from the store's first element
+    const at::Tensor a = a_store.as_strided({slots, pieces * rank, in}, {pieces * rank * in, in, 1},
+                                            a_store.storage_offset() + a_start);
+    const at::Tensor b = b_store.as_strided({slots, rank, out}, {rank * out, out, 1}, b_store.storage_offset() + b_start);
     add_lora_delta(y, x, a, b, token_slots, std::vector<int64_t>(widths.begin(), widths.end()));
     return y;
 }
