@@ -251,11 +251,11 @@ class LoRALinear(nn.Module):
         base = self.base
         if self.fused and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu":
             assert isinstance(base, QuantizedLinear)
-            slots, piece_ranks, _ = self.a_view.shape
+            slots, rank, _ = self.b_view.shape
             return torch.ops.compiled_engine.quantized_lora_linear_f32(
                 x, base.data, base.scales, base.offsets, base.bias, base.group_size, KERNEL_MAX_ROWS,
                 self.a_store, self.b_store, self.token_slots, self.a_view.start, self.b_view.start,
-                slots, piece_ranks // len(self.widths), self.widths,
+                slots, rank, self.widths,
             )  # fmt: skip
         y: torch.Tensor = base(x)
         delta = torch.ops.compiled_engine.lora_delta(x, self.lora_a, self.lora_b, self.token_slots, self.widths)
