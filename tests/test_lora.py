@@ -446,6 +446,46 @@ def test_the_fused_quantized_lora_product_equals_its_reference(fmt: str) -> None
         torch.ops.compiled_engine.quantized_lora_linear_f32(*args[:10], 13, 11, num_slots, rank, widths)
 
 
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_decode_sized_fused_product_shares_one_parallel_region_and_equals_its_reference(
+    fmt: str, threads: int
+) -> None:
+    """Up to 32 tokens, `quantized_lora_linear_f32` runs the product's strips and the slots' rank
+    rows in one parallel region (each thread a partial output, added after one barrier). Rank 10
+    splits into runs of four rows and single rows on every thread count here; three pieces whose
+    borders fall inside the product's 16-row strips; tokens on several slots, on none, and all on
+    the base model."""
+    from compiled_engine.lora import layers
+    from compiled_engine.quantization.modules import QuantizedLinear
+    from compiled_engine.quantization.quantize import quantize
+
+    assert layers.native_lora_kernel()
+    generator = torch.Generator().manual_seed(5)
+    widths, rank, num_slots, in_features = [40, 9, 23], 10, 3, 96
+    base = QuantizedLinear(quantize(torch.randn(sum(widths), in_features, generator=generator), fmt, 32), None)
+    a = torch.randn(num_slots * len(widths) * rank * in_features, generator=generator)
+    b = torch.randn(num_slots * rank * sum(widths), generator=generator)
+    x = torch.randn(32, in_features, generator=generator)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for slots in ([1], [-1], [2, 0, -1, 2, 1, 1, -1, 0] * 4, [-1] * 5, [0] * 32):
+            token_slots = torch.tensor([*slots, 2, 2])  # a graph's padding rows past the batch
+            args = (x[: len(slots)], base.data, base.scales, base.offsets, None, 32, 32, a, b, token_slots, 0, 0)
+            args += (num_slots, rank, widths)
+            native = torch.ops.compiled_engine.quantized_lora_linear_f32(*args)
+            reference = layers.reference_quantized_lora_linear(*args)
+            torch.testing.assert_close(native, reference, rtol=1e-4, atol=1e-4)
+            on_slots = torch.tensor(slots) >= 0
+            if on_slots.any():  # the delta is there, on the adapters' tokens only
+                plain = base(x[: len(slots)])
+                assert (native - plain)[on_slots].abs().min(dim=1).values.min() > 0
+                torch.testing.assert_close(native[~on_slots], plain[~on_slots], rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("in_features", [80, 83])
 def test_the_native_few_token_loops_equal_the_python_kernel(in_features: int) -> None:
     """Decode-sized calls at widths that take every branch of the vector loops: whole blocks of

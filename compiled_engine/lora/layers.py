@@ -21,7 +21,8 @@ run as vector loops on every thread, more (prefill) as two small products per sl
 which needs no host decision and so captures into a graph. Both are tested against
 `reference_lora_delta`. A quantized product (a GGUF model's) runs with its delta as one native
 operator, `quantized_lora_linear_f32`, which saves an operator call, a zeroed delta and a sum per
-product.
+product; up to 32 tokens it runs the product's strips and the slots' rank rows in one parallel
+region, each thread reading its share of A and B front to back.
 """
 
 from __future__ import annotations
@@ -190,7 +191,13 @@ def _quantized_lora_linear_fake(
     return x.new_empty(x.shape[0], data.shape[0])
 
 
-NATIVE_KERNEL = TorchOperatorLibrary(Path(__file__).with_name("kernels") / "lora_op.cpp", None, "native LoRA operator")
+# The quantized products' C kernels are linked in too: a decode-sized product and its delta run in
+# one parallel region (kernels/lora_op.cpp).
+NATIVE_KERNEL = TorchOperatorLibrary(
+    Path(__file__).with_name("kernels") / "lora_op.cpp",
+    Path(__file__).parents[1] / "quantization" / "kernels" / "quant_matmul.c",
+    "native LoRA operator",
+)
 
 
 @cache

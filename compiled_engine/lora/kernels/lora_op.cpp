@@ -22,6 +22,21 @@ inline int omp_get_num_threads() { return 1; }
 inline int omp_get_thread_num() { return 0; }
 #endif
 
+// The quantized products' strips (quantization/kernels/quant_matmul.c, linked into this library),
+// so that a product and its delta share one parallel region.
+extern "C" {
+void int4_matmul_strips_f32(const float *x, int64_t rows, int64_t in, const uint8_t *data, const float *scales,
+                            const float *offsets, int64_t out, int64_t group, const float *bias, float *y,
+                            const float *sums, int64_t first, int64_t last);
+void int8_matmul_strips_f32(const float *x, int64_t rows, int64_t in, const int8_t *data, const float *scales,
+                            int64_t out, int64_t group, const float *bias, float *y, int64_t first, int64_t last);
+int64_t quant_strips(int64_t out);
+int64_t quant_strip_rows(void);
+int int4_shape_status(int64_t rows, int64_t in, int64_t out, int64_t group);
+int int8_shape_status(int64_t rows, int64_t in, int64_t out, int64_t group);
+void int4_group_sums_f32(const float *x, int64_t rows, int64_t in, int64_t group, float *sums);
+}
+
 namespace {
 
 // One slot's tokens in this forward: its runs [start, end) of neighbouring tokens.
@@ -206,6 +221,122 @@ at::Tensor lora_delta(const at::Tensor &x, const at::Tensor &a, const at::Tensor
     return out;
 }
 
+// partial[lo, hi) += sum_j h[j] * rows[j][lo, hi) over four rows of B (transposed) at once, so
+// that the partial output is loaded and stored once for four of them.
+void add_four_rows(float *partial, const float *h, const float *const rows[4], int64_t lo, int64_t hi) {
+    const vec h0 = splat(h[0]), h1 = splat(h[1]), h2 = splat(h[2]), h3 = splat(h[3]);
+    int64_t o = lo;
+    for (; o + 8 <= hi; o += 8)
+        store(partial + o, load(partial + o) + ((h0 * load(rows[0] + o) + h1 * load(rows[1] + o)) +
+                                                (h2 * load(rows[2] + o) + h3 * load(rows[3] + o))));
+    for (; o < hi; o++)
+        partial[o] += (h[0] * rows[0][o] + h[1] * rows[1][o]) + (h[2] * rows[2][o] + h[3] * rows[3][o]);
+}
+
+void add_row(float *partial, float h, const float *row, int64_t lo, int64_t hi) {
+    const vec hv = splat(h);
+    int64_t o = lo;
+    for (; o + 8 <= hi; o += 8) store(partial + o, load(partial + o) + hv * load(row + o));
+    for (; o < hi; o++) partial[o] += h * row[o];
+}
+
+// The rank rows [k0, k1) of one slot's adapter for its tokens `tokens`, added into `partial`
+// [tokens of x, out]: A's rows of every piece against x (each row read once, for every token),
+// then the same rows of B, each read front to back.
+void slot_rank_rows(const float *x, int64_t in, const std::vector<int64_t> &tokens, const float *a, const float *bt,
+                    int64_t rank, const std::vector<int64_t> &starts, int64_t k0, int64_t k1, int64_t out,
+                    float *hidden, float *partial) {
+    const int64_t pieces = static_cast<int64_t>(starts.size()) - 1, count = k1 - k0;
+    const int64_t n = static_cast<int64_t>(tokens.size());
+    for (int64_t p = 0; p < pieces; p++)
+        for (int64_t k = k0; k < k1; k++) {
+            const float *row = a + (p * rank + k) * in;
+            for (int64_t t = 0; t < n; t++) hidden[(t * pieces + p) * count + (k - k0)] = dot(row, x + tokens[t] * in, in);
+        }
+    int64_t k = k0;
+    for (; k + 4 <= k1; k += 4) {
+        const float *const rows[4] = {bt + k * out, bt + (k + 1) * out, bt + (k + 2) * out, bt + (k + 3) * out};
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t p = 0; p < pieces; p++)
+                add_four_rows(partial + tokens[t] * out, hidden + (t * pieces + p) * count + (k - k0), rows, starts[p],
+                              starts[p + 1]);
+    }
+    for (; k < k1; k++)
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t p = 0; p < pieces; p++)
+                add_row(partial + tokens[t] * out, hidden[(t * pieces + p) * count + (k - k0)], bt + k * out, starts[p],
+                        starts[p + 1]);
+}
+
+// The quantized product of a decode-sized batch and its adapters' delta in one parallel region,
+// with one barrier: each thread computes its share of the product's strips and its share of every
+// slot's rank rows, into a partial output of its own (so the threads read A and B as contiguous
+// runs and never wait on each other between the product and the delta); after the barrier each
+// thread adds the partials into the strips it computed. Two regions (product, then delta) cost a
+// fork, a join and a barrier more per product (docs/benchmarks.md). False: not this path's shapes.
+bool fused_few_tokens(const at::Tensor &x, const at::Tensor &data, const at::Tensor &scales,
+                      const std::optional<at::Tensor> &offsets, const std::optional<at::Tensor> &bias,
+                      int64_t group_size, const float *a, const float *bt, int64_t slots, int64_t rank,
+                      const std::vector<int64_t> &widths, const at::Tensor &token_slots, at::Tensor &y) {
+    const bool int4 = offsets.has_value();
+    const int64_t rows = x.size(0), in = x.size(1), out = data.size(0);
+    if (int4 ? int4_shape_status(rows, in, out, group_size) : int8_shape_status(rows, in, out, group_size))
+        return false;
+    const std::vector<SlotTokens> groups = group_by_slot(token_slots.data_ptr<int64_t>(), rows, slots);
+    std::vector<std::vector<int64_t>> group_tokens;
+    for (const SlotTokens &group : groups) {
+        std::vector<int64_t> tokens;
+        for (const auto &[start, end] : group.runs)
+            for (int64_t t = start; t < end; t++) tokens.push_back(t);
+        group_tokens.push_back(std::move(tokens));
+    }
+    std::vector<int64_t> starts(widths.size() + 1, 0);
+    for (size_t p = 0; p < widths.size(); p++) starts[p + 1] = starts[p] + widths[p];
+    const int64_t pieces = static_cast<int64_t>(widths.size()), strips = quant_strips(out), strip = quant_strip_rows();
+    const int threads = std::max(1, at::get_num_threads());
+    const int64_t groups_in = in / group_size;
+    // scratch: int4 group sums, then per thread a partial output [rows, out] and hidden values
+    const int64_t sums_size = int4 ? rows * groups_in : 0, partial_size = groups.empty() ? 0 : rows * out;
+    const int64_t hidden_size = rows * pieces * rank;
+    thread_local std::vector<float> scratch;
+    scratch.resize(sums_size + threads * (partial_size + hidden_size));
+    float *sums = scratch.data(), *per_thread = scratch.data() + sums_size;
+    if (int4) int4_group_sums_f32(x.data_ptr<float>(), rows, in, group_size, sums);
+    const float *xp = x.data_ptr<float>(), *bias_ptr = bias ? bias->data_ptr<float>() : nullptr;
+    float *yp = y.data_ptr<float>();
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t s0 = strips * me / team, s1 = strips * (me + 1) / team;
+        if (int4)
+            int4_matmul_strips_f32(xp, rows, in, data.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+                                   offsets->data_ptr<float>(), out, group_size, bias_ptr, yp, sums, s0, s1);
+        else
+            int8_matmul_strips_f32(xp, rows, in, data.data_ptr<int8_t>(), scales.data_ptr<float>(), out, group_size,
+                                   bias_ptr, yp, s0, s1);
+        if (!groups.empty()) {
+            float *partial = per_thread + me * (partial_size + hidden_size), *hidden = partial + partial_size;
+            for (const std::vector<int64_t> &tokens : group_tokens)
+                for (const int64_t t : tokens) std::fill(partial + t * out, partial + (t + 1) * out, 0.0f);
+            const int64_t k0 = rank * me / team, k1 = rank * (me + 1) / team;
+            for (size_t g = 0; g < groups.size() && k0 < k1; g++) {
+                const int64_t slot = groups[g].slot;
+                slot_rank_rows(xp, in, group_tokens[g], a + slot * pieces * rank * in, bt + slot * rank * out, rank,
+                               starts, k0, k1, out, hidden, partial);
+            }
+#pragma omp barrier
+            const int64_t o0 = std::min(out, s0 * strip), o1 = std::min(out, s1 * strip);
+            for (const std::vector<int64_t> &tokens : group_tokens)
+                for (const int64_t t : tokens)
+                    for (int64_t m = 0; m < team; m++) {
+                        const float *src = per_thread + m * (partial_size + hidden_size) + t * out;
+                        if (rank * m / team < rank * (m + 1) / team) add_row(yp + t * out, 1.0f, src, o0, o1);
+                    }
+        }
+    }
+    return true;
+}
+
 // The quantized product and its adapters' delta in one call: compiled_engine::quantized_linear_f32
 // (quantization/kernels/quant_op.cpp, found through the dispatcher), then the delta added into its
 // output. One operator call a product instead of two, and no zeroed delta and no sum to write.
@@ -218,24 +349,40 @@ at::Tensor quantized_lora_linear_f32(const at::Tensor &x, const at::Tensor &data
                                      int64_t group_size, int64_t max_kernel_rows, const at::Tensor &a_store,
                                      const at::Tensor &b_store, const at::Tensor &token_slots, int64_t a_start,
                                      int64_t b_start, int64_t slots, int64_t rank, at::IntArrayRef widths) {
-    static const auto quantized_linear =
-        c10::Dispatcher::singleton()
-            .findSchemaOrThrow("compiled_engine::quantized_linear_f32", "")
-            .typed<at::Tensor(const at::Tensor &, const at::Tensor &, const at::Tensor &,
-                              const std::optional<at::Tensor> &, const std::optional<at::Tensor> &, int64_t, int64_t)>();
-    at::Tensor y = quantized_linear.call(x, data, scales, offsets, bias, group_size, max_kernel_rows);
-    const int64_t in = x.size(1), out = y.size(1), pieces = static_cast<int64_t>(widths.size());
+    const int64_t in = x.size(1), pieces = static_cast<int64_t>(widths.size()), out = data.size(0);
     TORCH_CHECK(a_store.dim() == 1 && b_store.dim() == 1 && a_store.is_contiguous() && b_store.is_contiguous() &&
                     a_start >= 0 && b_start >= 0 && slots > 0 && rank > 0 &&
                     a_start + slots * pieces * rank * in <= a_store.numel() &&
                     b_start + slots * rank * out <= b_store.numel(),
                 "quantized_lora_linear_f32: the slots [", slots, ", ", pieces, " x ", rank, ", ", in, "] from ",
                 a_start, " and [", slots, ", ", rank, ", ", out, "] from ", b_start, " do not fit the stores");
+    const std::vector<int64_t> piece_widths(widths.begin(), widths.end());
+    int64_t width_sum = 0;
+    for (const int64_t w : piece_widths) width_sum += w;
+    const bool int4 = offsets.has_value();
+    const auto plain_f32 = [](const at::Tensor &t) { return t.scalar_type() == at::kFloat && t.is_contiguous() && t.is_cpu(); };
+    if (x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= std::min(max_kernel_rows, FEW_TOKENS) && plain_f32(x) &&
+        x.size(1) == data.size(1) * (int4 ? 2 : 1) && data.is_contiguous() &&
+        data.scalar_type() == (int4 ? at::kByte : at::kChar) && plain_f32(scales) && (!int4 || plain_f32(*offsets)) &&
+        (!bias || (plain_f32(*bias) && bias->numel() == out)) && plain_f32(a_store) && plain_f32(b_store) &&
+        width_sum == out && token_slots.dim() == 1 && token_slots.scalar_type() == at::kLong &&
+        token_slots.is_cpu() && token_slots.is_contiguous() && token_slots.size(0) >= x.size(0)) {
+        at::Tensor y = at::empty({x.size(0), out}, x.options());
+        if (fused_few_tokens(x, data, scales, offsets, bias, group_size, a_store.data_ptr<float>() + a_start,
+                             b_store.data_ptr<float>() + b_start, slots, rank, piece_widths, token_slots, y))
+            return y;
+    }
+    static const auto quantized_linear =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("compiled_engine::quantized_linear_f32", "")
+            .typed<at::Tensor(const at::Tensor &, const at::Tensor &, const at::Tensor &,
+                              const std::optional<at::Tensor> &, const std::optional<at::Tensor> &, int64_t, int64_t)>();
+    at::Tensor y = quantized_linear.call(x, data, scales, offsets, bias, group_size, max_kernel_rows);
     // as_strided's offset counts from the storage's start, not from the store's first element
     const at::Tensor a = a_store.as_strided({slots, pieces * rank, in}, {pieces * rank * in, in, 1},
                                             a_store.storage_offset() + a_start);
     const at::Tensor b = b_store.as_strided({slots, rank, out}, {rank * out, out, 1}, b_store.storage_offset() + b_start);
-    add_lora_delta(y, x, a, b, token_slots, std::vector<int64_t>(widths.begin(), widths.end()));
+    add_lora_delta(y, x, a, b, token_slots, piece_widths);
     return y;
 }
 

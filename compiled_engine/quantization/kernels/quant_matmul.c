@@ -149,16 +149,15 @@ INLINE void int8_row(const float *xs, int64_t n, int64_t in, const int8_t *q, co
     for (int64_t r = 0; r < n; r++) out[r] = hsum(total[r]);
 }
 
-int int4_matmul_f32(const float *x, int64_t rows, int64_t in, const uint8_t *data, const float *scales,
-                    const float *offsets, int64_t out, int64_t group, const float *bias, float *y, int threads) {
-    if (rows < 1 || out < 1 || group < 32 || group % 32 != 0 || in % group != 0) return 1;
+/* Output rows [first * STRIP, last * STRIP) of the int4 product (whole strips; the last may be
+ * short), on the calling thread: the unit of work of int4_matmul_f32, exposed so that a caller
+ * running its own parallel region (the LoRA operator) can take its share. `sums` as group_sums
+ * gives them. Shapes are the caller's to check (int4_matmul_f32 does). */
+void int4_matmul_strips_f32(const float *x, int64_t rows, int64_t in, const uint8_t *data, const float *scales,
+                            const float *offsets, int64_t out, int64_t group, const float *bias, float *y,
+                            const float *sums, int64_t first, int64_t last) {
     int64_t groups = in / group;
-    float *sums = malloc(sizeof(float) * rows * groups);
-    if (!sums) return 2;
-    group_sums(x, rows, in, group, sums);
-    int64_t strips = (out + STRIP - 1) / STRIP;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t s = 0; s < strips; s++) {
+    for (int64_t s = first; s < last; s++) {
         float part[TILE];
         int64_t end = s * STRIP + STRIP < out ? s * STRIP + STRIP : out;
         for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
@@ -187,17 +186,13 @@ int int4_matmul_f32(const float *x, int64_t rows, int64_t in, const uint8_t *dat
             }
         }
     }
-    free(sums);
-    return 0;
 }
 
-int int8_matmul_f32(const float *x, int64_t rows, int64_t in, const int8_t *data, const float *scales, int64_t out,
-                    int64_t group, const float *bias, float *y, int threads) {
-    if (rows < 1 || out < 1 || group < LANES || group % LANES != 0 || in % group != 0) return 1;
+/* The int8 product's strips [first, last), as int4_matmul_strips_f32. */
+void int8_matmul_strips_f32(const float *x, int64_t rows, int64_t in, const int8_t *data, const float *scales,
+                            int64_t out, int64_t group, const float *bias, float *y, int64_t first, int64_t last) {
     int64_t groups = in / group;
-    int64_t strips = (out + STRIP - 1) / STRIP;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t s = 0; s < strips; s++) {
+    for (int64_t s = first; s < last; s++) {
         float part[TILE];
         int64_t end = s * STRIP + STRIP < out ? s * STRIP + STRIP : out;
         for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
@@ -224,6 +219,47 @@ int int8_matmul_f32(const float *x, int64_t rows, int64_t in, const int8_t *data
             }
         }
     }
+}
+
+/* The strips of `out` output rows (the unit the threads share), and whether the kernels take a
+ * product of that shape: 0, or the nonzero status the products return. */
+int64_t quant_strips(int64_t out) { return (out + STRIP - 1) / STRIP; }
+int64_t quant_strip_rows(void) { return STRIP; }
+
+int int4_shape_status(int64_t rows, int64_t in, int64_t out, int64_t group) {
+    return rows < 1 || out < 1 || group < 32 || group % 32 != 0 || in % group != 0;
+}
+
+int int8_shape_status(int64_t rows, int64_t in, int64_t out, int64_t group) {
+    return rows < 1 || out < 1 || group < LANES || group % LANES != 0 || in % group != 0;
+}
+
+/* sums [rows, in / group] for int4_matmul_strips_f32. */
+void int4_group_sums_f32(const float *x, int64_t rows, int64_t in, int64_t group, float *sums) {
+    group_sums(x, rows, in, group, sums);
+}
+
+int int4_matmul_f32(const float *x, int64_t rows, int64_t in, const uint8_t *data, const float *scales,
+                    const float *offsets, int64_t out, int64_t group, const float *bias, float *y, int threads) {
+    if (int4_shape_status(rows, in, out, group)) return 1;
+    int64_t groups = in / group;
+    float *sums = malloc(sizeof(float) * rows * groups);
+    if (!sums) return 2;
+    group_sums(x, rows, in, group, sums);
+    int64_t strips = quant_strips(out);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t s = 0; s < strips; s++)
+        int4_matmul_strips_f32(x, rows, in, data, scales, offsets, out, group, bias, y, sums, s, s + 1);
+    free(sums);
+    return 0;
+}
+
+int int8_matmul_f32(const float *x, int64_t rows, int64_t in, const int8_t *data, const float *scales, int64_t out,
+                    int64_t group, const float *bias, float *y, int threads) {
+    if (int8_shape_status(rows, in, out, group)) return 1;
+    int64_t strips = quant_strips(out);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t s = 0; s < strips; s++) int8_matmul_strips_f32(x, rows, in, data, scales, out, group, bias, y, s, s + 1);
     return 0;
 }
 
