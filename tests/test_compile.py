@@ -8,6 +8,7 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -28,7 +29,7 @@ from compiled_engine.engine.compilation import (
 )
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.model_runner import ModelRunner
-from compiled_engine.engine.precompiled import PrecompiledFunction, artifact_dir, model_signature
+from compiled_engine.engine.precompiled import PrecompiledFunction, artifact_dir, call_signature, model_signature
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.engine.step_inputs import StepInputs
 from compiled_engine.prompts import DEFAULT_PROMPTS
@@ -354,6 +355,35 @@ def test_a_call_the_saved_guards_refuse_runs_through_plain_torch_compile(
     unsaved = PrecompiledFunction(_scale_and_shift, None)
     torch.testing.assert_close(unsaved(x), x * 2 + 1)
     assert unsaved.source == "traced"
+
+
+def test_saved_guards_are_evaluated_once_per_call_signature(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guards read every weight's metadata at each call (about 1 ms a decode step), so a call
+    whose signature they already accepted skips them; a new shape, dtype or grad mode is checked,
+    and a refused signature is never remembered."""
+    path = tmp_path / "fn.bin"
+    PrecompiledFunction(_scale_and_shift, path, dynamic_dims=((0, 0),))(torch.ones(4))
+    torch._dynamo.reset()
+    loading = PrecompiledFunction(_scale_and_shift, path, dynamic_dims=((0, 0),))
+    x = torch.arange(6.0)
+    torch.testing.assert_close(loading(x), x * 2 + 1)
+    checks: list[tuple[Any, ...]] = []
+    check = loading.saved.guard_check
+    monkeypatch.setattr(loading.saved, "guard_check", lambda *args: checks.append(args) or check(*args))
+    for _ in range(3):
+        torch.testing.assert_close(loading(x + 1), x * 2 + 3)  # a new tensor, the same signature
+    assert checks == []
+    torch.testing.assert_close(loading(torch.arange(7.0)), torch.arange(7.0) * 2 + 1)  # another length
+    with torch.no_grad():
+        loading(x)
+    assert len(checks) == 2
+    loading(torch.arange(7.0))
+    assert len(checks) == 2
+    doubles = torch.arange(6, dtype=torch.float64)  # only the dtype differs from x
+    for _ in range(2):  # refused each time, so checked each time, and traced
+        torch.testing.assert_close(loading(doubles), doubles * 2 + 1)
+    assert len(checks) == 4
+    assert call_signature((x, [1, 2])) is None  # an unhashable argument: always checked
 
 
 def test_saved_traces_are_keyed_by_the_model_and_its_configuration(tiny_model_factory: Callable[..., Path]) -> None:

@@ -7,9 +7,14 @@ function ahead of time with torch's `aot_compile` at its first call, saves the r
 bytecode, the guards and Inductor's compiled graph) in a directory keyed by everything the trace
 depends on (`artifact_dir`), and at later starts loads it instead of tracing.
 
-What runs is always checked: each call evaluates the saved guards (input shapes, dtypes, the
+What runs is always checked: a call evaluates the saved guards (input shapes, dtypes, the
 model's constants) on its arguments, and a call they refuse runs the same function through plain
-`torch.compile` instead, which traces it as before. A file that does not load (another torch, a
+`torch.compile` instead, which traces it as before. The guards are evaluated once per call
+signature (`call_signature`: the same module objects, tensors of the same dtype, device, shape and
+strides, the same grad and inference modes and thread count): on a decode step they read every
+weight tensor's metadata, cold in the caches after the weights streamed through, and cost about
+1 ms a step (docs/benchmarks.md). What else they check, the model's own tensors and constants,
+does not change while the engine serves (adapters are written into their slots in place). A file that does not load (another torch, a
 damaged file) is compiled again and replaced, with a log line saying why. With no directory the
 entry is plain `torch.compile`: the slow twin the saved path is tested against.
 """
@@ -78,6 +83,36 @@ _LOADING_OPTIONS = {"cpp.vec_isa_ok": True}
 DynamicDims = tuple[tuple[int, int], ...]  # (argument index, dimension) pairs that vary between calls
 
 
+MAX_CHECKED_SIGNATURES = 4096
+
+
+def call_signature(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """What a call's guards depend on that can differ from call to call: each tensor argument's
+    dtype, device, shape, strides, grad and inference flags; each module argument itself (alive
+    as long as the entry's model); every other argument's value; and the global state Dynamo
+    guards (grad and inference modes, the default dtype, the thread count). None when an argument
+    has no hashable value: such calls are always checked."""
+    parts: list[Any] = [
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        torch.get_default_dtype(),
+        torch.get_num_threads(),
+    ]
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            parts.append((arg.dtype, arg.device, arg.shape, arg.stride(), arg.requires_grad, arg.is_inference()))
+        elif isinstance(arg, nn.Module):
+            parts.append(id(arg))
+        else:
+            parts.append((type(arg), arg))
+    signature = tuple(parts)
+    try:
+        hash(signature)
+    except TypeError:
+        return None
+    return signature
+
+
 class PrecompiledFunction:
     """`fn` under `torch.compile(fullgraph=True)`, its trace saved as `path` by the first call and
     loaded from there by the first call of a later start. `dynamic_dims` are the argument
@@ -101,13 +136,21 @@ class PrecompiledFunction:
         self.seconds = 0.0  # spent loading or compiling it ahead of time (not the first call's run)
         self._prepared = False
         self._refused = False
+        self._checked: set[tuple[Any, ...]] = set()  # call signatures the saved guards accepted
 
     def __call__(self, *args: Any) -> Any:
         if not self._prepared:
             self._prepare(args)
         saved = self.saved
         if saved is not None:
+            signature = call_signature(args)
+            if signature is not None and signature in self._checked:
+                return saved.fn(*args)
             if saved.guard_check(*args):
+                if signature is not None:
+                    if len(self._checked) >= MAX_CHECKED_SIGNATURES:  # token counts of many-token steps
+                        self._checked.clear()
+                    self._checked.add(signature)
                 return saved.fn(*args)
             self._log_refusal(args)
         self._mark_dynamic(args)
