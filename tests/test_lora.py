@@ -130,6 +130,28 @@ def test_adapters_alone_and_mixed_in_one_batch_match_peft(lora_setup: dict[str, 
     assert counters["stats"]["unique_graphs"] == graphs, "loading adapters or mixing them recompiled"
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_speculative_decoding_with_adapters_matches_peft(lora_setup: dict[str, Any], compiled: bool) -> None:
+    """Prompt-lookup drafts verified with each sequence's adapter: a verify step is a
+    many-token forward in which every token reads its sequence's slot. Greedy ids stay PEFT's,
+    alone and in a batch that mixes two adapters with the base model, and the drafts are
+    accepted (the random model's greedy output loops, so prompt lookup finds them)."""
+    llm = _lora_llm(
+        lora_setup,
+        enforce_eager=not compiled,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+    )
+    first = LoRARequest("first", str(lora_setup["first"]))
+    second = LoRARequest("second", str(lora_setup["second"]))
+    expected = lora_setup["expected"]
+    assert _greedy(llm, [first]) == [expected["first"]]
+    assert _greedy(llm, [first, None, second]) == [expected["first"], expected[None], expected["second"]]
+    stats = llm.engine.speculative_stats
+    assert stats.accepted_tokens > 0 and stats.draft_tokens > stats.accepted_tokens  # accepted and rejected
+    manager = llm.engine.block_manager
+    assert manager.num_free_pages == manager.num_pages and not llm.engine.lora.in_use
+
+
 @pytest.mark.gpu
 def test_adapters_in_cuda_graphs_match_peft_and_eager(lora_setup: dict[str, Any]) -> None:
     """Decode replays CUDA graphs with each row's slot in the graphs' static buffer: the same
