@@ -54,12 +54,37 @@ def _child(queue: Any, config: EngineConfig, prompts: list[list[int]], max_token
         queue.put(("error", f"{type(exc).__name__}: {exc}"))
 
 
+def _drafts_child(queue: Any, config: EngineConfig, prompts: list[list[int]], max_tokens: int) -> None:
+    """`_child`, plus the draft and accepted token counts of the engine's speculation."""
+    try:
+        engine = LLMEngine(config)
+        try:
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            ids = [engine.add_request(p, params) for p in prompts]
+            done: dict[str, list[int]] = {}
+            for _ in range(100 * max_tokens * len(prompts)):  # a cap, so that a regression fails
+                if not engine.has_unfinished_requests():
+                    break
+                done.update({out.request_id: out.outputs[0].token_ids for out in engine.step() if out.finished})
+            stats = engine.speculative_stats
+            assert stats is not None
+            queue.put(("ok", ([done[i] for i in ids], stats.draft_tokens, stats.accepted_tokens)))
+        finally:
+            engine.shutdown()
+    except BaseException as exc:  # hand any failure to the test
+        queue.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
 def _in_child(
-    config: EngineConfig, prompts: list[list[int]], max_tokens: int, timeout_s: float = 600
-) -> list[tuple[list[int], list[float]]]:
+    config: EngineConfig,
+    prompts: list[list[int]],
+    max_tokens: int,
+    timeout_s: float = 600,
+    target: Callable[..., None] = _child,
+) -> Any:
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    child = context.Process(target=_child, args=(queue, config, prompts, max_tokens))
+    child = context.Process(target=target, args=(queue, config, prompts, max_tokens))
     child.start()
     try:
         status, value = queue.get(timeout=timeout_s)
@@ -68,7 +93,7 @@ def _in_child(
         if child.is_alive():
             child.kill()
     assert status == "ok", value
-    return value  # type: ignore[no-any-return]
+    return value
 
 
 def _assert_same(tp: list[tuple[list[int], list[float]]], single: list[tuple[list[int], list[float]]]) -> None:
@@ -104,6 +129,24 @@ def test_compiled_tp_matches_eager_single_process(tiny_model_factory: Callable[.
         EngineConfig(**{**_fields(base), "tensor_parallel_size": 2, "enforce_eager": False}), PROMPTS, 6
     )
     _assert_same(compiled, _generate(base, PROMPTS, 6))
+
+
+def test_speculative_decoding_under_tp_keeps_the_single_process_greedy_ids(
+    tiny_model_factory: Callable[..., Path],
+) -> None:
+    """Prompt-lookup drafts verified on two ranks: every rank runs the same verify steps and the
+    same rollbacks, and the greedy ids stay those of one process without speculation. The random
+    model rejects every draft here, so this covers verify steps and rollbacks; accepted runs are
+    the same forwards with fewer rollbacks."""
+    model_dir = str(tiny_model_factory("llama"))
+    base = EngineConfig(model=model_dir, kv_cache_memory_gib=0.01, enforce_eager=True, max_num_batched_tokens=8)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], *PROMPTS]  # the first gives drafts from its own prompt
+    single = [ids for ids, _ in _generate(base, prompts, 40)]
+    speculative = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    config = EngineConfig(**{**_fields(base), "tensor_parallel_size": 2, "speculative_config": speculative})
+    ids, drafted, accepted = _in_child(config, prompts, 40, target=_drafts_child)
+    assert ids == single
+    assert drafted > accepted, (drafted, accepted)  # drafts verified and rolled back
 
 
 def test_default_model_tp3_matches_tp1(default_model_dir: Path) -> None:
