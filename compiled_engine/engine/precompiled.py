@@ -14,9 +14,10 @@ signature (`call_signature`: the same module objects, tensors of the same dtype,
 strides, the same grad and inference modes and thread count): on a decode step they read every
 weight tensor's metadata, cold in the caches after the weights streamed through, and cost about
 1 ms a step (docs/benchmarks.md). What else they check, the model's own tensors and constants,
-does not change while the engine serves (adapters are written into their slots in place). A file that does not load (another torch, a
-damaged file) is compiled again and replaced, with a log line saying why. With no directory the
-entry is plain `torch.compile`: the slow twin the saved path is tested against.
+does not change while the engine serves (adapters are written into their slots in place). A file
+that does not load (another torch, a damaged file) is compiled again and replaced, with a log
+line saying why. With no directory the entry is plain `torch.compile`: the slow twin the saved
+path is tested against.
 """
 
 from __future__ import annotations
