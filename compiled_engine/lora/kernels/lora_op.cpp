@@ -66,6 +66,22 @@ std::vector<SlotTokens> group_by_slot(const int64_t *slots, int64_t tokens, int6
     return groups;
 }
 
+// The group's tokens, in order.
+std::vector<int64_t> tokens_of(const SlotTokens &group) {
+    std::vector<int64_t> tokens;
+    tokens.reserve(group.count);
+    for (const auto &[start, end] : group.runs)
+        for (int64_t t = start; t < end; t++) tokens.push_back(t);
+    return tokens;
+}
+
+// Where each piece's output columns start, and their end: starts[p] .. starts[p + 1].
+std::vector<int64_t> piece_starts(const std::vector<int64_t> &widths) {
+    std::vector<int64_t> starts(widths.size() + 1, 0);
+    for (size_t p = 0; p < widths.size(); p++) starts[p + 1] = starts[p] + widths[p];
+    return starts;
+}
+
 typedef float vec __attribute__((vector_size(32)));
 typedef float vec_u __attribute__((vector_size(32), aligned(4)));
 inline vec load(const float *p) { return *(const vec_u *)p; }
@@ -123,8 +139,7 @@ void few_tokens_delta(const float *x, const std::vector<std::pair<int64_t, int64
                       int64_t out) {
     const int64_t pieces = static_cast<int64_t>(widths.size()), piece_ranks = pieces * rank;
     const int64_t count = static_cast<int64_t>(rows.size());
-    std::vector<int64_t> starts(pieces + 1, 0);
-    for (int64_t p = 0; p < pieces; p++) starts[p + 1] = starts[p] + widths[p];
+    const std::vector<int64_t> starts = piece_starts(widths);
     std::vector<float> hidden(count * piece_ranks);
     const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, out / 64)));
 #pragma omp parallel num_threads(threads)
@@ -159,10 +174,7 @@ void many_tokens_delta(const at::Tensor &x, const SlotTokens &group, const at::T
     if (contiguous) {
         rows = x.narrow(0, group.runs[0].first, group.count);
     } else {
-        std::vector<int64_t> tokens;
-        for (const auto &[start, end] : group.runs)
-            for (int64_t t = start; t < end; t++) tokens.push_back(t);
-        index = at::tensor(tokens, at::kLong);
+        index = at::tensor(tokens_of(group), at::kLong);
         rows = x.index_select(0, index);
     }
     const at::Tensor hidden = at::mm(rows, a.select(0, group.slot).t());
@@ -201,8 +213,7 @@ void add_lora_delta(at::Tensor &out, const at::Tensor &x, const at::Tensor &a, c
     std::vector<std::pair<int64_t, int64_t>> few;  // (token, slot) of the slots with few tokens
     for (const SlotTokens &group : groups) {
         if (plain && group.count <= FEW_TOKENS) {
-            for (const auto &[start, end] : group.runs)
-                for (int64_t t = start; t < end; t++) few.push_back({t, group.slot});
+            for (const int64_t t : tokens_of(group)) few.push_back({t, group.slot});
         } else {
             many_tokens_delta(x, group, a, b, rank, widths, out);
         }
@@ -284,14 +295,8 @@ bool fused_few_tokens(const at::Tensor &x, const at::Tensor &data, const at::Ten
         return false;
     const std::vector<SlotTokens> groups = group_by_slot(token_slots.data_ptr<int64_t>(), rows, slots);
     std::vector<std::vector<int64_t>> group_tokens;
-    for (const SlotTokens &group : groups) {
-        std::vector<int64_t> tokens;
-        for (const auto &[start, end] : group.runs)
-            for (int64_t t = start; t < end; t++) tokens.push_back(t);
-        group_tokens.push_back(std::move(tokens));
-    }
-    std::vector<int64_t> starts(widths.size() + 1, 0);
-    for (size_t p = 0; p < widths.size(); p++) starts[p + 1] = starts[p] + widths[p];
+    for (const SlotTokens &group : groups) group_tokens.push_back(tokens_of(group));
+    const std::vector<int64_t> starts = piece_starts(widths);
     const int64_t pieces = static_cast<int64_t>(widths.size()), strips = quant_strips(out), strip = quant_strip_rows();
     const int threads = std::max(1, at::get_num_threads());
     const int64_t groups_in = in / group_size;
@@ -337,7 +342,8 @@ bool fused_few_tokens(const at::Tensor &x, const at::Tensor &data, const at::Ten
     return true;
 }
 
-// The quantized product and its adapters' delta in one call: compiled_engine::quantized_linear_f32
+// The quantized product and its adapters' delta in one call: up to 32 tokens in one parallel
+// region (fused_few_tokens); more through compiled_engine::quantized_linear_f32
 // (quantization/kernels/quant_op.cpp, found through the dispatcher), then the delta added into its
 // output. One operator call a product instead of two, and no zeroed delta and no sum to write.
 // The slots come as the layer's flat stores and where this product's part starts in each
