@@ -2,7 +2,8 @@
 engines of the default model (one without adapter slots, one with), one request each, their
 decode steps taken in turn; medians of the step times and the adapter's extra milliseconds.
 Runs against whatever checkout is imported, so two commits can be compared in alternate runs
-(`PYTHONPATH=<other checkout>`).
+(`PYTHONPATH=<other checkout>`). The steps are taken as `bench lora` takes them
+(`alternated_decode_tokens_per_s`); the figure is the median over rounds of each round's median step.
 
     .venv/bin/python perf/lora_decode_steps.py
     .venv/bin/python perf/lora_decode_steps.py --rank 8 --rounds 5
@@ -13,10 +14,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
-from compiled_engine.bench.lora import write_random_adapter
+from compiled_engine.bench.lora import alternated_decode_tokens_per_s, write_random_adapter
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.sampling_params import SamplingParams
@@ -36,25 +36,14 @@ def main() -> None:
     prompt = [100 + i % 1000 for i in range(args.prompt_len)]
     with tempfile.TemporaryDirectory() as scratch:
         adapter = write_random_adapter(Path(scratch) / "a0", lora.runner.model_config, args.rank, seed=0)
-        request = LoRARequest("a0", str(adapter))
-        runs = [(plain, None), (lora, request)]
+        runs = [(plain, None), (lora, LoRARequest("a0", str(adapter)))]
         for engine, lora_request in runs:  # warm: the adapter into its slot, the first steps
             engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=4), lora_request=lora_request)
             while engine.has_unfinished_requests():
                 engine.step()
-        times: list[list[float]] = [[], []]
-        params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-        for _ in range(args.rounds):
-            for engine, lora_request in runs:
-                engine.add_request(prompt, params, lora_request=lora_request)
-                engine.step()  # the prefill
-            while any(engine.has_unfinished_requests() for engine, _ in runs):
-                for steps, (engine, _) in zip(times, runs, strict=True):
-                    if engine.has_unfinished_requests():
-                        started = time.perf_counter()
-                        engine.step()
-                        steps.append(time.perf_counter() - started)
-    base, adapted = (statistics.median(steps) * 1000 for steps in times)
+        # the bench's own alternation; each round's median step, then the median of the rounds
+        rounds = [alternated_decode_tokens_per_s(runs, prompt, args.output_len) for _ in range(args.rounds)]
+    base, adapted = (statistics.median(1000 / figures[i] for figures in rounds) for i in (0, 1))
     print(
         f"rank {args.rank}: base {base:.2f} ms a step, with the adapter {adapted:.2f} ms "
         f"(+{adapted - base:.2f} ms), ratio {base / adapted:.3f}x"
