@@ -136,6 +136,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
+    def vocab(self) -> dict[str, int]:
+        """Every token's text and id, added tokens included."""
+        return dict(self._tok.get_vocab(with_added_tokens=True))
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         encoding = self._tok.encode(text, add_special_tokens=add_special_tokens)
         ids: list[int] = encoding.ids

@@ -29,7 +29,9 @@ from compiled_engine.model.source import resolve_model_dir
 from compiled_engine.parallel.launch import TensorParallelGroup
 from compiled_engine.parallel.shard import TPShard
 from compiled_engine.profiling import nvtx_range
+from compiled_engine.speculative.draft_model import DraftModel, plan_draft_model
 from compiled_engine.speculative.drafts import SpeculativeStats, propose_drafts, update_speculating
+from compiled_engine.speculative.rejection import rejection_sample
 from compiled_engine.tokenizer import Tokenizer
 
 SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads the seeds of a request's n completions
@@ -55,14 +57,29 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_dir = resolve_model_dir(config.model)
+        self.speculative = config.resolved_speculative()
+        draft_plan = None
+        if self.speculative is not None and self.speculative.model is not None:
+            # A draft that cannot draft for this model fails here, before any weight is read.
+            draft_dir = resolve_model_dir(self.speculative.model)
+            target = ModelConfig.from_model_dir(self.model_dir)
+            draft_plan = plan_draft_model(draft_dir, self.model_dir, target, config, config.resolved_dtype())
+        shared_pool = None if draft_plan is None else draft_plan.shared_pool
         self.tensor_parallel: TensorParallelGroup | None = None
         if config.tensor_parallel_size > 1:
             # Uneven head counts fail here, before any process starts or weight is read.
             TPShard(0, config.tensor_parallel_size).check(ModelConfig.from_model_dir(self.model_dir))
             self.tensor_parallel = TensorParallelGroup.start(self.model_dir, config)
-            self.runner = ModelRunner(self.model_dir, config, self.tensor_parallel.shard, self.tensor_parallel.mesh)
+            shard, mesh = self.tensor_parallel.shard, self.tensor_parallel.mesh
+            self.runner = ModelRunner(self.model_dir, config, shard, mesh, shared_pool)
         else:
-            self.runner = ModelRunner(self.model_dir, config)
+            self.runner = ModelRunner(self.model_dir, config, shared_pool=shared_pool)
+        # The draft model, on this rank alone, keeps its K/V under the runner's page ids.
+        self.draft = (
+            None
+            if draft_plan is None
+            else DraftModel(draft_plan, config, self.runner.num_pages, self.runner.max_model_len)
+        )
         has_tokenizer = (self.model_dir / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer(self.model_dir) if has_tokenizer else None
         self.eos_token_ids = (
@@ -80,7 +97,6 @@ class LLMEngine:
             config.max_loras if self.lora is not None else None,
         )
         self.sampler = make_sampler(config.sampler, self.runner.device, config.seed)
-        self.speculative = config.resolved_speculative()
         self.speculative_stats = SpeculativeStats()
         self._rng = random.Random(config.seed)
         self._requests: dict[str, _Request] = {}
@@ -192,6 +208,11 @@ class LLMEngine:
             slots = None
             if self.lora is not None:
                 slots = self.lora.slots_for(s.seq.lora_name for s in out.scheduled if s.seq.lora_name is not None)
+            draft_probs: dict[int, torch.Tensor] = {}
+            if self.draft is not None:
+                with nvtx_range("draft"):
+                    speculating = [item.seq for item in out.scheduled if item.seq.draft_token_ids]
+                    draft_probs = self.draft.propose(speculating, self.scheduler.running)
             logits = self.runner.run([(item.seq, item.num_tokens) for item in out.scheduled], slots)
             due = self.scheduler.advance(out)
             if due:
@@ -200,7 +221,7 @@ class LLMEngine:
                     first_rows[item.seq.seq_id] = row
                     row += 1 + len(item.seq.draft_token_ids)
                 with nvtx_range("sample"):
-                    self._sample(logits, first_rows, due)
+                    self._sample(logits, first_rows, due, draft_probs)
         with nvtx_range("detokenize"):
             return self._collect_outputs()
 
@@ -215,10 +236,18 @@ class LLMEngine:
             request.changed = True
         self._pending_aborts.clear()
 
-    def _sample(self, logits: torch.Tensor, first_rows: dict[int, int], due: list[Sequence]) -> None:
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        first_rows: dict[int, int],
+        due: list[Sequence],
+        draft_probs: dict[int, torch.Tensor],
+    ) -> None:
         """Sample every due sequence's rows at once: one, or 1 + its drafts, each as if the draft
         tokens before it had been generated (speculative/drafts.py), then emit its tokens up to
-        the first that differs from its draft."""
+        the first that differs from its draft. A sampled sequence whose draft came from a draft
+        model (`draft_probs`: the draft's distributions) is verified by rejection sampling
+        instead (speculative/rejection.py)."""
         rows: list[int] = []
         batch = SamplingBatch(
             params=[], seeds=[], positions=[], prompt_token_ids=[], output_token_ids=[], banned_token_ids=[]
@@ -233,21 +262,32 @@ class LLMEngine:
                 batch.prompt_token_ids.append(seq.prompt_token_ids)
                 batch.output_token_ids.append(seq.output_token_ids + draft[:ahead] if ahead else seq.output_token_ids)
                 batch.banned_token_ids.append(seq.banned_token_ids(ahead))
-        sampled = self.sampler(logits[rows], batch)
+        verified = logits[rows]
+        sampled = self.sampler(verified, batch)
         now = time.perf_counter()
         row = 0
         for seq in due:
             draft = list(seq.draft_token_ids)
+            span = range(row, row + len(draft) + 1)
+            tokens = [sampled.token_ids[i] for i in span]
+            logprobs = [sampled.logprobs[i] for i in span]
+            if seq.seq_id in draft_probs:
+                target = self.sampler.filtered_logits(verified[row : span.stop], batch.rows(row, span.stop))
+                chosen = rejection_sample(target, draft_probs[seq.seq_id], draft, seq.seed, batch.positions[row])
+                tokens = chosen + tokens[len(chosen) :]
+                logprobs = [
+                    _relabel(found, token, verified[i]) for found, token, i in zip(logprobs, chosen, span, strict=False)
+                ]
             accepted = 0
             for ahead in range(len(draft) + 1):
-                token = sampled.token_ids[row + ahead]
-                finished = self._emit(seq, token, sampled.logprobs[row + ahead], now)
+                token = tokens[ahead]
+                finished = self._emit(seq, token, logprobs[ahead], now)
                 if ahead == len(draft) or token != draft[ahead]:
                     break
                 accepted += 1
                 if finished:
                     break
-            row += len(draft) + 1
+            row = span.stop
             if draft:
                 self.speculative_stats.record(len(draft), accepted)
                 seq.num_draft_tokens += len(draft)
@@ -327,3 +367,11 @@ class LLMEngine:
             num_cached_tokens=first.num_cached_tokens,
             metrics=metrics,
         )
+
+
+def _relabel(found: TokenLogprobs | None, token: int, logits: torch.Tensor) -> TokenLogprobs | None:
+    """The logprobs entry of `token` at a row whose sampler drew another (the top ones stand)."""
+    if found is None or found.token_id == token:
+        return found
+    logprob = float(torch.log_softmax(logits.float(), dim=-1)[token])
+    return TokenLogprobs(token, logprob, found.top_token_ids, found.top_logprobs)

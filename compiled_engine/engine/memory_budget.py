@@ -17,10 +17,13 @@ logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
 
 
-def kv_budget_bytes(config: EngineConfig, device: torch.device, measure_cuda: Callable[[], tuple[int, int]]) -> int:
+def kv_budget_bytes(
+    config: EngineConfig, device: torch.device, measure_cuda: Callable[[], tuple[int, int]], reserved_bytes: int = 0
+) -> int:
     """`measure_cuda()` runs the largest forward and captures the largest decode graph once
     against a scratch cache, returning (activation bytes, graph pool bytes); only called on CUDA
-    without an explicit budget."""
+    without an explicit budget. `reserved_bytes`: device memory something loaded later takes (a
+    draft model's weights), kept out of the CUDA budget."""
     if config.kv_cache_memory_gib is not None:
         return int(config.kv_cache_memory_gib * (1 << 30))
     if device.type != "cuda":
@@ -32,10 +35,11 @@ def kv_budget_bytes(config: EngineConfig, device: torch.device, measure_cuda: Ca
     activations, graph_pool = measure_cuda()
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(device).total_memory
-    budget = int(config.gpu_memory_utilization * total) - weights - activations - graph_pool
+    budget = int(config.gpu_memory_utilization * total) - weights - activations - graph_pool - reserved_bytes
     logger.info(
-        "GPU memory: %.1f GiB total x %.2f; weights %.2f GiB, activations %.2f GiB, CUDA graphs %.2f GiB; KV cache gets %.2f GiB",
-        total / 2**30, config.gpu_memory_utilization, weights / 2**30, activations / 2**30, graph_pool / 2**30, budget / 2**30,
+        "GPU memory: %.1f GiB total x %.2f; weights %.2f GiB, activations %.2f GiB, CUDA graphs %.2f GiB, reserved %.2f GiB; KV cache gets %.2f GiB",
+        total / 2**30, config.gpu_memory_utilization, weights / 2**30, activations / 2**30, graph_pool / 2**30,
+        reserved_bytes / 2**30, budget / 2**30,
     )  # fmt: skip
     if budget <= 0:
         raise ModelConfigError(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +45,28 @@ logger = logging.getLogger(__name__)
 WARM_UP_TOKENS = 16
 
 
+@dataclass(frozen=True)
+class SharedPool:
+    """A second model that keeps its K/V under the same page ids (a draft model): each page
+    costs `bytes_per_page` more, and its weights take `reserved_bytes` of the CUDA budget."""
+
+    bytes_per_page: int = 0
+    reserved_bytes: int = 0
+
+
 class ModelRunner:
     def __init__(
-        self, model_dir: Path, config: EngineConfig, shard: TPShard = NO_SHARD, mesh: DeviceMesh | None = None
+        self,
+        model_dir: Path,
+        config: EngineConfig,
+        shard: TPShard = NO_SHARD,
+        mesh: DeviceMesh | None = None,
+        shared_pool: SharedPool | None = None,
     ) -> None:
-        """`shard` and `mesh`: this rank's part of a tensor-parallel model (parallel/)."""
+        """`shard` and `mesh`: this rank's part of a tensor-parallel model (parallel/).
+        `shared_pool`: what a second model under the same page ids adds (a draft model)."""
         self.shard = shard
+        self.shared_pool = shared_pool or SharedPool()
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
         self.model_config = ModelConfig.from_model_dir(model_dir)
@@ -143,9 +160,11 @@ class ModelRunner:
     def _size_kv_pool(self, config: EngineConfig) -> int:
         """The pages the scheduler may hand out; lowers max_model_len (with a warning) to what
         they hold, unless the user set it, in which case it must fit."""
-        num_pages = config.num_pages or self.kv_spec.pages_for_budget(
-            kv_budget_bytes(config, self.device, lambda: self._measure_cuda(config))
-        )
+        num_pages = config.num_pages
+        if num_pages is None:
+            extra = self.shared_pool
+            budget = kv_budget_bytes(config, self.device, lambda: self._measure_cuda(config), extra.reserved_bytes)
+            num_pages = budget // (self.kv_spec.bytes_per_page + extra.bytes_per_page)
         capacity = num_pages * self.page_size
         if capacity < self.max_model_len:
             if config.max_model_len is not None:

@@ -47,6 +47,17 @@ class SamplingBatch:
     output_token_ids: list[list[int]]
     banned_token_ids: list[list[int]]
 
+    def rows(self, start: int, stop: int) -> SamplingBatch:
+        """Rows [start, stop) alone."""
+        return SamplingBatch(
+            self.params[start:stop],
+            self.seeds[start:stop],
+            self.positions[start:stop],
+            self.prompt_token_ids[start:stop],
+            self.output_token_ids[start:stop],
+            self.banned_token_ids[start:stop],
+        )
+
 
 @dataclass
 class SamplerOutput:
@@ -72,6 +83,14 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> to
     # 23 bits plus a half step are exact in fp32, so u lies strictly inside (0, 1) and log never sees 0 or 1.
     u = ((h >> 9).to(torch.float32) + 0.5) * 2.0**-23
     return -torch.log(-torch.log(u))
+
+
+def hash_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One Uniform(0, 1) value per row, fp32 [rows], from the same counter-based hash as
+    `gumbel_noise` (pass a seed of another stream to make it independent of that noise)."""
+    key = _mix32(_mix32(_mix32(seeds & _MASK32) ^ (seeds >> 32)) ^ (positions & _MASK32))
+    h = _mix32(key ^ _GOLDEN)
+    return ((h >> 9).to(torch.float32) + 0.5) * 2.0**-23
 
 
 def _row_index(pairs: list[tuple[int, list[int]]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,10 +243,31 @@ class Sampler:
             draws = fi.sampling_from_logits(logits, generator=generator)
         return draws.to(torch.int64)
 
-    @staticmethod
+    def filtered_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The logits each row is drawn from, fp32 [rows, vocab]: after the bans and penalties,
+        and for sampled rows after temperature, top-k, top-p and min-p (filtered tokens are -inf).
+        A greedy row's choice is their argmax; a sampled row's distribution is their softmax
+        (what speculative decoding's rejection sampling compares)."""
+        logits = self._apply_penalties(logits.float(), batch)
+        sampled_rows = [i for i, p in enumerate(batch.params) if not p.greedy]
+        if sampled_rows:
+            logits = logits.clone()
+            logits[sampled_rows] = self._filter(logits[sampled_rows], [batch.params[i] for i in sampled_rows])
+        return logits
+
+    @classmethod
     def _sample(
-        logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]
+        cls, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]
     ) -> torch.Tensor:
+        device, vocab = logits.device, logits.shape[-1]
+        logits = cls._filter(logits, params)
+        seed_t = torch.tensor(seeds, dtype=torch.int64, device=device)
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=device)
+        return (logits + gumbel_noise(seed_t, pos_t, vocab)).argmax(dim=-1)
+
+    @staticmethod
+    def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Temperature, then top-k, top-p (of what top-k left) and min-p: filtered tokens -inf."""
         device, vocab = logits.device, logits.shape[-1]
         logits = logits / _column([p.temperature for p in params], device)
         neg_inf = torch.tensor(float("-inf"), device=device)
@@ -251,7 +291,4 @@ class Sampler:
             log_min_p = torch.log(_column([p.min_p for p in params], device))
             floor = logits.max(dim=-1, keepdim=True).values + log_min_p
             logits = logits.masked_fill(logits < floor, float("-inf"))
-
-        seed_t = torch.tensor(seeds, dtype=torch.int64, device=device)
-        pos_t = torch.tensor(positions, dtype=torch.int64, device=device)
-        return (logits + gumbel_noise(seed_t, pos_t, vocab)).argmax(dim=-1)
+        return logits

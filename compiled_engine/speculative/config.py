@@ -1,8 +1,9 @@
 """SpeculativeConfig: how the engine proposes tokens to verify, in vLLM's shape.
 
 `--speculative-config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
-"prompt_lookup_max": 5}'` on the command line, `LLM(speculative_config={...})` offline. The
-engine keeps it as that JSON text (EngineConfig.speculative_config) and reads it once, here.
+"prompt_lookup_max": 5}'` or `'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 3}'`
+on the command line, `LLM(speculative_config={...})` offline. The engine keeps it as that JSON
+text (EngineConfig.speculative_config) and reads it once, here.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -22,7 +23,9 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     # prompt_lookup_min, that occurred before proposes the tokens that followed it.
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
-    model: str | None = None  # draft_model: the draft's directory or Hub id (not supported yet)
+    # draft_model: the draft's directory, GGUF file or Hub id; a smaller model with the target's
+    # vocabulary (speculative/draft_model.py).
+    model: str | None = None
     # No drafts in a step with more running sequences than this (None: no limit): a big batch
     # already fills the products, and verifying k tokens a sequence then costs k times as much
     # (16 repetitive requests at once ran at 0.72x with drafts on the CPU, docs/benchmarks.md).
@@ -37,6 +40,10 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
             raise ValueError(
                 f"speculative method {self.method!r} is not supported (yet); the methods are {', '.join(METHODS)}"
             )
+        if self.method == "draft_model" and not self.model:
+            raise ValueError('the draft_model method needs "model": the draft model\'s directory or GGUF file')
+        if self.method != "draft_model" and self.model is not None:
+            raise ValueError(f'"model" is for the draft_model method, not {self.method!r}')
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

@@ -51,11 +51,18 @@ class SpeculativeStats:
         return 1 + self.accepted_tokens / self.drafts if self.drafts else 0.0
 
 
+PENDING = -1  # a draft place reserved before scheduling, filled by the draft model after it
+
+
 def propose_drafts(config: SpeculativeConfig, running: list[Sequence], max_model_len: int) -> None:
     """Give each decoding sequence of `running` this step's draft (`draft_token_ids`), none when
     the batch is above `disable_by_batch_size`, the sequence stopped speculating, or no room is
     left before max_tokens or the context's end. A draft a sequence kept from a step that did not
-    schedule it is dropped: every step's drafts are this step's."""
+    schedule it is dropped: every step's drafts are this step's.
+
+    The n-gram draft is known now. A draft model's is not: its k places are reserved (`PENDING`)
+    so that the scheduler sizes the step and the pages for them, and the draft model fills the
+    places it kept (speculative/draft_model.py) before the verifying forward."""
     off = config.disable_by_batch_size is not None and len(running) > config.disable_by_batch_size
     for seq in running:
         seq.draft_token_ids = []
@@ -64,8 +71,12 @@ def propose_drafts(config: SpeculativeConfig, running: list[Sequence], max_model
         # The step emits up to k + 1 tokens; the k drafts sit at positions up to num_tokens - 1 + k.
         room = min(seq.params.max_tokens - len(seq.output_token_ids), max_model_len - seq.num_tokens) - 1
         k = min(config.num_speculative_tokens, room)
-        if k > 0:
+        if k <= 0:
+            continue
+        if config.method == "ngram":
             seq.draft_token_ids = propose_ngram(seq.token_ids, config.prompt_lookup_min, config.prompt_lookup_max, k)
+        else:
+            seq.draft_token_ids = [PENDING] * k
 
 
 def update_speculating(config: SpeculativeConfig, seq: Sequence) -> None:
