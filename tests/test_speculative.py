@@ -48,7 +48,8 @@ def test_ngram_drafts_follow_the_latest_earlier_occurrence_of_the_longest_suffix
     ("config", "message"),
     [
         ('{"method": "eagle"}', "method 'eagle' is not supported"),
-        ('{"method": "draft_model", "model": "x"}', "method 'draft_model' is not supported"),
+        ('{"method": "draft_model"}', 'draft_model method needs "model"'),
+        ('{"method": "ngram", "model": "x"}', '"model" is for the draft_model method'),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be at least 1"),
         (
             '{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
@@ -69,6 +70,38 @@ def test_the_config_reads_vllms_shape() -> None:
         '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 6}'
     )
     assert (config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == (3, 1, 6)
+    draft = SpeculativeConfig.parse({"method": "draft_model", "model": "/models/draft", "num_speculative_tokens": 2})
+    assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "/models/draft", 2)
+
+
+def _chi_square_critical(df: int, z: float = 3.09) -> float:
+    """The chi-square quantile with `df` degrees of freedom at the standard normal quantile `z`
+    (3.09: the 0.1% upper tail), by Wilson and Hilferty's approximation."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_rejection_sampling_emits_the_target_distribution_whatever_the_draft() -> None:
+    """A draft distribution q far from the target's p, over six tokens: the first emitted token
+    (the draft's, accepted with probability min(1, p/q), or a draw from max(p - q, 0)) follows p
+    (chi-square goodness of fit at the 0.1% level over 6000 seeds), and the draft is accepted
+    as often as the sum of min(p, q) says."""
+    from compiled_engine.speculative.rejection import rejection_sample
+
+    p = torch.tensor([[0.40, 0.25, 0.15, 0.10, 0.06, 0.04], [0.1, 0.1, 0.2, 0.2, 0.2, 0.2]])
+    q = torch.tensor([[0.05, 0.10, 0.15, 0.20, 0.20, 0.30]])
+    draws = 6000
+    generator = torch.Generator().manual_seed(0)
+    drafted = torch.multinomial(q[0], draws, replacement=True, generator=generator).tolist()
+    first: Counter[int] = Counter()
+    accepted = 0
+    for seed, token in enumerate(drafted):
+        emitted = rejection_sample(p.log(), q, [token], seed, 0)
+        first[emitted[0]] += 1
+        accepted += len(emitted) == 2
+    statistic = sum((first[t] - draws * float(p[0, t])) ** 2 / (draws * float(p[0, t])) for t in range(6))
+    assert statistic < _chi_square_critical(5), f"chi-square {statistic:.1f}: {dict(first)}"
+    rate = float(torch.minimum(p[0], q[0]).sum())  # 0.55
+    assert abs(accepted / draws - rate) < 4 * math.sqrt(rate * (1 - rate) / draws)
 
 
 @pytest.fixture(scope="module")
@@ -199,8 +232,7 @@ def test_the_sampled_distribution_is_the_target_distribution(smol_plain: LLM, sm
     statistic = sum((a - b) ** 2 / (a + b) for a, b in cells)  # equal sample sizes
     df = len(cells) - 1
     assert df >= 2, "too few distinct tokens to test"
-    z = 3.09  # the 0.1% upper quantile of the standard normal
-    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    critical = _chi_square_critical(df)
     assert statistic < critical, f"chi-square {statistic:.1f} above {critical:.1f} with {df} degrees of freedom"
 
 
@@ -320,3 +352,159 @@ def test_bench_spec_reports_each_workload_on_against_off(default_model_dir: Path
     assert results["repetitive_draft_tokens"] > 0 and 0 < results["repetitive_acceptance_rate"] <= 1
     assert json.loads(report["workload"]["speculative_config"])["method"] == "ngram"
     assert main(["spec", "--num-requests", "0"]) != 0  # a bad count is refused before any work
+
+
+# -- draft_model: a second model drafts, under the target's page ids --------------------------
+
+
+def _draft(model: Path, **options: Any) -> dict[str, Any]:
+    return {
+        "method": "draft_model",
+        "model": str(model),
+        "num_speculative_tokens": 3,
+        "disable_by_batch_size": None,
+        **options,
+    }
+
+
+@pytest.fixture(scope="module")
+def wrong_draft(model_dir: Path, tiny_model_factory: Callable[..., Path]) -> LLM:
+    """Another random model of the same shape: its drafts are almost always rejected."""
+    return _llm(model_dir, _draft(tiny_model_factory("llama", seed=1)))
+
+
+@pytest.fixture(scope="module")
+def self_draft(model_dir: Path) -> LLM:
+    """The target drafting for itself: its greedy drafts are accepted."""
+    return _llm(model_dir, _draft(model_dir))
+
+
+@pytest.fixture(scope="module")
+def near_draft_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The target's weights plus noise: a draft that is right often, but not always."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path_factory.mktemp("near_draft")
+    for source in model_dir.iterdir():
+        if source.suffix != ".safetensors":
+            (path / source.name).write_bytes(source.read_bytes())
+    generator = torch.Generator().manual_seed(7)
+    for source in model_dir.glob("*.safetensors"):
+        tensors = load_file(source)
+        noisy = {
+            name: t + 0.03 * torch.randn(t.shape, generator=generator) if t.dim() > 1 else t
+            for name, t in tensors.items()
+        }
+        save_file(noisy, path / source.name, metadata={"format": "pt"})
+    return path
+
+
+def test_a_draft_model_keeps_greedy_output_alone_and_batched(plain: LLM, wrong_draft: LLM, self_draft: LLM) -> None:
+    expected = _ids(plain, TINY_PROMPTS, GREEDY)
+    for llm in (wrong_draft, self_draft):
+        assert _ids(llm, TINY_PROMPTS, GREEDY) == expected
+        assert [_ids(llm, [prompt], GREEDY)[0] for prompt in TINY_PROMPTS] == expected
+        _pool_is_whole(llm)
+    wrong, right = wrong_draft.engine.speculative_stats, self_draft.engine.speculative_stats
+    assert wrong.draft_tokens > 5 * wrong.accepted_tokens  # the rejection path
+    assert right.accepted_tokens > 0.9 * right.draft_tokens  # whole runs accepted
+    assert right.accepted_at[0] >= right.accepted_at[2] > 0 and right.mean_acceptance_length > 3
+
+
+def test_a_draft_models_sampled_rows_keep_the_target_distribution(
+    plain: LLM, model_dir: Path, near_draft_dir: Path
+) -> None:
+    """The tokens at output position 2, drawn after drafts accepted or replaced by rejection
+    sampling, follow the distribution of plain sampling (two-sample chi-square at 0.1%)."""
+    near = _llm(model_dir, _draft(near_draft_dir))
+    draws, at_once, prompt = 400, 50, TINY_PROMPTS[2]
+
+    def sample(llm: LLM, first_seed: int) -> Counter[int]:
+        found: Counter[int] = Counter()
+        for start in range(0, draws, at_once):
+            seeds = range(first_seed + start, first_seed + start + at_once)
+            params = [SamplingParams(temperature=1.0, top_k=6, seed=s, max_tokens=4, ignore_eos=True) for s in seeds]
+            found.update(ids[2] for ids in _ids(llm, [prompt] * at_once, params))
+        return found
+
+    ours, theirs = sample(near, 0), sample(plain, 50_000)
+    stats = near.engine.speculative_stats
+    assert 0.2 * stats.draft_tokens < stats.accepted_tokens < 0.95 * stats.draft_tokens, stats  # both paths ran
+    cells = [(ours[t], theirs[t]) for t in ours.keys() | theirs.keys()]
+    big = [(a, b) for a, b in cells if a + b >= 10]
+    rest = (draws - sum(a for a, _ in big), draws - sum(b for _, b in big))
+    cells = [cell for cell in [*big, rest] if sum(cell) > 0]
+    statistic = sum((a - b) ** 2 / (a + b) for a, b in cells)
+    df = len(cells) - 1
+    assert df >= 2, "too few distinct tokens to test"
+    assert statistic < _chi_square_critical(df), f"chi-square {statistic:.1f} with {df} degrees of freedom"
+    [out] = near.generate([prompt], SamplingParams(temperature=1.0, seed=3, max_tokens=8, logprobs=2), use_tqdm=False)
+    logprobs = out.outputs[0].logprobs
+    assert logprobs is not None
+    for token, entry in zip(out.outputs[0].token_ids, logprobs, strict=True):
+        assert entry.token_id == token  # a replaced draw reports its own token
+        if token in entry.top_token_ids:
+            assert entry.logprob == pytest.approx(entry.top_logprobs[entry.top_token_ids.index(token)], abs=1e-5)
+    _pool_is_whole(near)
+
+
+def test_a_draft_model_stops_inside_an_accepted_run(plain: LLM, self_draft: LLM) -> None:
+    full = _ids(plain, [TINY_PROMPTS[2]], GREEDY)[0]
+    for max_tokens in (2, 3, 5):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        assert _ids(self_draft, [TINY_PROMPTS[2]], params) == [full[:max_tokens]]
+    stop = full[6]
+    params = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=(stop,), ignore_eos=True)
+    [got] = self_draft.generate([TINY_PROMPTS[2]], params, use_tqdm=False)
+    assert got.outputs[0].token_ids == full[: full.index(stop) + 1] and got.outputs[0].stop_reason == stop
+    _pool_is_whole(self_draft)
+
+
+@pytest.mark.parametrize("draft", ["self", "wrong"])
+def test_a_draft_model_through_preemption_and_aborts_leaves_no_pages_behind(
+    draft: str, model_dir: Path, plain: LLM, tiny_model_factory: Callable[..., Path]
+) -> None:
+    draft_dir = model_dir if draft == "self" else tiny_model_factory("llama", seed=1)
+    small = _llm(model_dir, _draft(draft_dir), num_pages=24)  # six sequences of ~50 tokens preempt
+    prompts = [TINY_PROMPTS[i % 3] for i in range(6)]
+    assert _ids(small, prompts, GREEDY) == _ids(plain, prompts, GREEDY)
+    assert small.engine.scheduler.num_preemptions > 0 and small.engine.speculative_stats.draft_tokens > 0
+    _pool_is_whole(small)
+    engine = small.engine
+    ids = [engine.add_request(prompt, GREEDY) for prompt in prompts[:3]]
+    for _ in range(4):
+        engine.step()
+    for request_id in ids:
+        engine.abort_request(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    _pool_is_whole(small)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"vocab_size": 256}, r"vocabulary \(256 tokens.*differs from the target's \(320 tokens\)"),
+        ({"max_position_embeddings": 64}, r"context \(64 tokens\) is shorter than the target's max_model_len \(256\)"),
+    ],
+)
+def test_a_draft_model_that_cannot_draft_for_the_target_is_refused_at_start(
+    overrides: dict[str, Any], message: str, model_dir: Path, tiny_model_factory: Callable[..., Path]
+) -> None:
+    from compiled_engine.errors import ModelConfigError
+
+    with pytest.raises(ModelConfigError, match=message):
+        _llm(model_dir, _draft(tiny_model_factory("llama", seed=1, **overrides)))
+
+
+def test_a_compiled_draft_model_equals_eager_and_never_recompiles(model_dir: Path, plain: LLM) -> None:
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = _llm(model_dir, _draft(model_dir), enforce_eager=False, compile_cache=False)
+    graphs = counters["stats"]["unique_graphs"]
+    assert _ids(compiled, TINY_PROMPTS, GREEDY) == _ids(plain, TINY_PROMPTS, GREEDY)
+    assert _ids(compiled, [TINY_PROMPTS[0]], GREEDY) == _ids(plain, [TINY_PROMPTS[0]], GREEDY)
+    assert compiled.engine.speculative_stats.accepted_tokens > 0
+    assert counters["stats"]["unique_graphs"] == graphs, "drafting or verifying recompiled"

@@ -269,22 +269,25 @@ class LLMEngine:
         for seq in due:
             draft = list(seq.draft_token_ids)
             span = range(row, row + len(draft) + 1)
-            tokens = [sampled.token_ids[i] for i in span]
             logprobs = [sampled.logprobs[i] for i in span]
             if seq.seq_id in draft_probs:
                 target = self.sampler.filtered_logits(verified[row : span.stop], batch.rows(row, span.stop))
-                chosen = rejection_sample(target, draft_probs[seq.seq_id], draft, seq.seed, batch.positions[row])
-                tokens = chosen + tokens[len(chosen) :]
+                emitted = rejection_sample(target, draft_probs[seq.seq_id], draft, seq.seed, batch.positions[row])
                 logprobs = [
-                    _relabel(found, token, verified[i]) for found, token, i in zip(logprobs, chosen, span, strict=False)
+                    _relabel(found, token, verified[i])
+                    for found, token, i in zip(logprobs, emitted, span, strict=False)
                 ]
+            else:  # the drafts up to the first that differs from its row's draw, and that draw
+                emitted = []
+                for ahead, i in enumerate(span):
+                    emitted.append(sampled.token_ids[i])
+                    if ahead == len(draft) or emitted[-1] != draft[ahead]:
+                        break
             accepted = 0
-            for ahead in range(len(draft) + 1):
-                token = tokens[ahead]
+            for ahead, token in enumerate(emitted):
                 finished = self._emit(seq, token, logprobs[ahead], now)
-                if ahead == len(draft) or token != draft[ahead]:
-                    break
-                accepted += 1
+                if ahead < len(emitted) - 1:
+                    accepted += 1
                 if finished:
                     break
             row = span.stop
