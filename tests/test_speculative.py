@@ -311,13 +311,18 @@ def test_speculation_switches_off_above_the_batch_size_and_when_rejected(model_d
     assert 4 <= out.metrics.num_draft_tokens < 8  # it stopped after the first rejections
 
 
-def test_the_server_speculates_with_the_same_output_and_reports_it(smol_plain: LLM, tmp_path: Path) -> None:
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_the_server_speculates_with_the_same_output_and_reports_it(
+    method: str, smol_plain: LLM, default_model_dir: Path, tmp_path: Path
+) -> None:
+    """The draft_model run drafts with the default model itself, so its drafts are accepted."""
     import httpx
 
     from tests.server_process import running_server
 
     expected = smol_plain.generate([LOOPS[0]], GREEDY, use_tqdm=False)[0].outputs[0].text
-    args = ["--kv-cache-memory-gib", "0.05", "--enforce-eager", "--speculative-config", json.dumps(NGRAM)]
+    config = NGRAM if method == "ngram" else _draft(default_model_dir, num_speculative_tokens=4)
+    args = ["--kv-cache-memory-gib", "0.05", "--enforce-eager", "--speculative-config", json.dumps(config)]
     with running_server(tmp_path, *args) as server:
         body = {"prompt": LOOPS[0], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
         reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)

@@ -8,6 +8,7 @@ the test process never joins a process group."""
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing
 import os
 import signal
@@ -131,22 +132,29 @@ def test_compiled_tp_matches_eager_single_process(tiny_model_factory: Callable[.
     _assert_same(compiled, _generate(base, PROMPTS, 6))
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_speculative_decoding_under_tp_keeps_the_single_process_greedy_ids(
-    tiny_model_factory: Callable[..., Path],
+    method: str, tiny_model_factory: Callable[..., Path]
 ) -> None:
-    """Prompt-lookup drafts verified on two ranks: every rank runs the same verify steps and the
-    same rollbacks, and the greedy ids stay those of one process without speculation. The random
-    model rejects every draft here, so this covers verify steps and rollbacks; accepted runs are
-    the same forwards with fewer rollbacks."""
+    """Drafts verified on two ranks: every rank runs the same verify steps and the same
+    rollbacks, and the greedy ids stay those of one process without speculation. The random
+    model rejects every prompt-lookup draft, so that run covers verify steps and rollbacks; the
+    draft model (the target itself, unsharded on rank 0) is accepted, so that run covers whole
+    accepted runs."""
     model_dir = str(tiny_model_factory("llama"))
     base = EngineConfig(model=model_dir, kv_cache_memory_gib=0.01, enforce_eager=True, max_num_batched_tokens=8)
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], *PROMPTS]  # the first gives drafts from its own prompt
     single = [ids for ids, _ in _generate(base, prompts, 40)]
-    speculative = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
-    config = EngineConfig(**{**_fields(base), "tensor_parallel_size": 2, "speculative_config": speculative})
-    ids, drafted, accepted = _in_child(config, prompts, 40, target=_drafts_child)
+    speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    if method == "draft_model":
+        speculative = {"method": "draft_model", "model": model_dir, "num_speculative_tokens": 3}
+    tp = {"tensor_parallel_size": 2, "speculative_config": json.dumps(speculative)}
+    ids, drafted, accepted = _in_child(EngineConfig(**{**_fields(base), **tp}), prompts, 40, target=_drafts_child)
     assert ids == single
-    assert drafted > accepted, (drafted, accepted)  # drafts verified and rolled back
+    if method == "ngram":
+        assert drafted > accepted, (drafted, accepted)  # drafts verified and rolled back
+    else:
+        assert accepted > 0.9 * drafted > 0, (drafted, accepted)  # whole runs accepted
 
 
 def test_default_model_tp3_matches_tp1(default_model_dir: Path) -> None:
