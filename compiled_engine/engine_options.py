@@ -113,7 +113,8 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
         "speculative_config",
         "--speculative-config",
         'speculative decoding, as JSON: \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
-        '"prompt_lookup_max": 5}\' (docs/architecture.md, Speculative decoding)',
+        '"prompt_lookup_max": 5}\' or \'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 3}\' '
+        "(docs/architecture.md, Speculative decoding)",
         metavar="JSON",
     ),
     EngineOption(

@@ -130,22 +130,29 @@ def test_adapters_alone_and_mixed_in_one_batch_match_peft(lora_setup: dict[str, 
     assert counters["stats"]["unique_graphs"] == graphs, "loading adapters or mixing them recompiled"
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_speculative_decoding_with_adapters_matches_peft(lora_setup: dict[str, Any], compiled: bool) -> None:
-    """Prompt-lookup drafts verified with each sequence's adapter: a verify step is a
-    many-token forward in which every token reads its sequence's slot. Greedy ids stay PEFT's,
-    alone and in a batch that mixes two adapters with the base model, and the drafts are
-    accepted (the random model's greedy output loops, so prompt lookup finds them)."""
-    llm = _lora_llm(
-        lora_setup,
-        enforce_eager=not compiled,
-        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
-    )
+@pytest.mark.parametrize(
+    ("method", "compiled"),
+    [("ngram", False), ("ngram", True), ("draft_model", False)],
+    ids=["eager", "compiled", "draft"],
+)
+def test_speculative_decoding_with_adapters_matches_peft(
+    lora_setup: dict[str, Any], method: str, compiled: bool
+) -> None:
+    """Drafts verified with each sequence's adapter: a verify step is a many-token forward in
+    which every token reads its sequence's slot. Greedy ids stay PEFT's, alone and in a batch
+    that mixes two adapters with the base model, and the drafts are accepted (the random model's
+    greedy output loops, so prompt lookup finds them; the draft model is the base model, which
+    drafts without adapters and agrees with them often)."""
+    speculative: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    if method == "draft_model":
+        speculative = {"method": "draft_model", "model": str(lora_setup["model_dir"]), "num_speculative_tokens": 3}
+    llm = _lora_llm(lora_setup, enforce_eager=not compiled, speculative_config=speculative)
     first = LoRARequest("first", str(lora_setup["first"]))
     second = LoRARequest("second", str(lora_setup["second"]))
     expected = lora_setup["expected"]
     assert _greedy(llm, [first]) == [expected["first"]]
     assert _greedy(llm, [first, None, second]) == [expected["first"], expected[None], expected["second"]]
+    assert _greedy(llm, [None]) == [expected[None]]  # the base model drafting for itself
     stats = llm.engine.speculative_stats
     assert stats.accepted_tokens > 0 and stats.draft_tokens > stats.accepted_tokens  # accepted and rejected
     manager = llm.engine.block_manager
