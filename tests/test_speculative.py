@@ -300,6 +300,28 @@ def test_each_step_drafts_afresh_and_not_above_the_batch_size() -> None:
     assert seqs[0].draft_token_ids == [] and seqs[1].draft_token_ids == []  # the kept draft is dropped
 
 
+def test_the_draft_length_follows_each_sequences_acceptance() -> None:
+    from compiled_engine.engine.sequence import Sequence
+    from compiled_engine.speculative.drafts import propose_drafts, update_speculating
+
+    config = SpeculativeConfig.parse(NGRAM)  # up to 4
+    seq = Sequence(0, [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(temperature=0, max_tokens=50))
+    seq.num_computed_tokens = seq.num_tokens - 1
+    lengths = []
+    for drafted, accepted in [(4, 1), (3, 0), (2, 2), (4, 0), (3, 0), (2, 0), (1, 0), (1, 1)]:
+        propose_drafts(config, [seq], 100)
+        assert len(seq.draft_token_ids) == drafted  # the lookup always finds 4 here: the limit cuts it
+        update_speculating(config, seq, drafted, accepted)
+        lengths.append(seq.draft_length)
+    assert lengths == [3, 2, 4, 3, 2, 1, 1, 3]
+    fixed = SpeculativeConfig.parse({**NGRAM, "adaptive_draft_length": False})
+    other = Sequence(1, list(seq.prompt_token_ids), seq.params)
+    other.num_computed_tokens = other.num_tokens - 1
+    update_speculating(fixed, other, 4, 0)
+    propose_drafts(fixed, [other], 100)
+    assert len(other.draft_token_ids) == 4
+
+
 def test_speculation_switches_off_above_the_batch_size_and_when_rejected(model_dir: Path) -> None:
     capped = _llm(model_dir, {**WRONG_DRAFTS, "disable_by_batch_size": 2})
     _ids(capped, TINY_PROMPTS, GREEDY)  # three at once: no drafts while all three run

@@ -298,7 +298,7 @@ class LLMEngine:
                 if not seq.is_finished:
                     self.scheduler.accept_draft(seq, accepted)
                     assert self.speculative is not None
-                    update_speculating(self.speculative, seq)
+                    update_speculating(self.speculative, seq, len(draft), accepted)
 
     def _emit(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, now: float) -> bool:
         """Append one sampled token to `seq`; True when that ended it (a stop token or string,

@@ -51,6 +51,7 @@ class Sequence:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     speculating: bool = True
+    draft_length: int | None = None  # its next draft's length, at most (None: the config's)
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     # Timestamps (time.perf_counter()) for the request metrics.

@@ -34,6 +34,12 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     # `acceptance_probe` draft tokens, stops speculating (its drafts cost more than they bring).
     min_acceptance_rate: float = 0.1
     acceptance_probe: int = 32
+    # Each sequence's draft length follows its acceptance, as transformers' assisted generation
+    # does: two more after a draft accepted whole, one less after a rejection, between 1 and
+    # num_speculative_tokens. A verify row is not free (on the CPU each costs about a quarter of
+    # a one-token step), so rows that would mostly be rejected are not drafted. False: always
+    # num_speculative_tokens.
+    adaptive_draft_length: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -70,7 +70,7 @@ def propose_drafts(config: SpeculativeConfig, running: list[Sequence], max_model
             continue
         # The step emits up to k + 1 tokens; the k drafts sit at positions up to num_tokens - 1 + k.
         room = min(seq.params.max_tokens - len(seq.output_token_ids), max_model_len - seq.num_tokens) - 1
-        k = min(config.num_speculative_tokens, room)
+        k = min(seq.draft_length or config.num_speculative_tokens, room)
         if k <= 0:
             continue
         if config.method == "ngram":
@@ -79,8 +79,13 @@ def propose_drafts(config: SpeculativeConfig, running: list[Sequence], max_model
             seq.draft_token_ids = [PENDING] * k
 
 
-def update_speculating(config: SpeculativeConfig, seq: Sequence) -> None:
-    """A sequence whose drafts stay mostly rejected stops speculating."""
+def update_speculating(config: SpeculativeConfig, seq: Sequence, num_draft: int, num_accepted: int) -> None:
+    """After a verify: the next draft's length (adaptive_draft_length), and a sequence whose
+    drafts stay mostly rejected stops speculating."""
+    if config.adaptive_draft_length:
+        length = seq.draft_length or config.num_speculative_tokens
+        length = length + 2 if num_accepted == num_draft else length - 1
+        seq.draft_length = max(1, min(length, config.num_speculative_tokens))
     if (
         seq.num_draft_tokens >= config.acceptance_probe
         and seq.num_accepted_tokens < config.min_acceptance_rate * seq.num_draft_tokens
