@@ -4,6 +4,7 @@ work; `step` runs one iteration: apply aborts -> schedule -> forward -> sample -
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import time
 import uuid
@@ -32,7 +33,10 @@ from compiled_engine.profiling import nvtx_range
 from compiled_engine.speculative.draft_model import DraftModel, plan_draft_model
 from compiled_engine.speculative.drafts import SpeculativeStats, propose_drafts, update_speculating
 from compiled_engine.speculative.rejection import rejection_sample
+from compiled_engine.structured.grammar import GrammarCompiler
 from compiled_engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads the seeds of a request's n completions
 
@@ -98,6 +102,7 @@ class LLMEngine:
         )
         self.sampler = make_sampler(config.sampler, self.runner.device, config.seed)
         self.speculative_stats = SpeculativeStats()
+        self._grammars: GrammarCompiler | None = None
         self._rng = random.Random(config.seed)
         self._requests: dict[str, _Request] = {}
         self._pending_aborts: set[str] = set()
@@ -106,6 +111,15 @@ class LLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.runner.max_model_len
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Structured outputs' grammars for this model's tokenizer (built at first use)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise RequestError("structured outputs need the model's tokenizer.json", param="structured_outputs")
+            vocab = self.runner.model_config.vocab_size
+            self._grammars = GrammarCompiler(self.model_dir / "tokenizer.json", vocab, self.eos_token_ids)
+        return self._grammars
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -133,6 +147,8 @@ class LLMEngine:
             self.runner.max_model_len,
             self.tokenizer is not None,
         )
+        spec = params.structured_outputs
+        grammars = [self.grammar_compiler().matcher(spec) for _ in range(params.n)] if spec is not None else None
         lora_name = None
         if lora_request is not None:
             if self.lora is None:
@@ -159,6 +175,7 @@ class LLMEngine:
                     lora_name=lora_name,
                     arrival_time=now,
                     fork_of=seqs[0] if index else None,
+                    grammar=None if grammars is None else grammars[index],
                 )
             )
         self._requests[request_id] = _Request(
@@ -262,6 +279,9 @@ class LLMEngine:
                 batch.prompt_token_ids.append(seq.prompt_token_ids)
                 batch.output_token_ids.append(seq.output_token_ids + draft[:ahead] if ahead else seq.output_token_ids)
                 batch.banned_token_ids.append(seq.banned_token_ids(ahead))
+        if any(seq.grammar is not None for seq in due):  # constrained sequences have no drafts
+            with nvtx_range("grammar masks"):
+                batch.allowed_tokens = [None if seq.grammar is None else seq.grammar.allowed() for seq in due]
         verified = logits[rows]
         sampled = self.sampler(verified, batch)
         now = time.perf_counter()
@@ -310,10 +330,19 @@ class LLMEngine:
         if request.logprobs is not None and logprobs is not None:
             request.logprobs[seq.index].append(logprobs)
         reason = seq.append_token(token)  # a stop token, or max_tokens
+        grammar_done = False
+        if seq.grammar is not None and reason is not FinishReason.STOP:
+            if not seq.grammar.advance(token):  # the mask allows no such token: never expected
+                logger.error("request %s: its grammar refused token %d; it is aborted", seq.request_id, token)
+                self.scheduler.finish(seq, FinishReason.ABORT)
+                return True
+            grammar_done = seq.grammar.finished
         text = request.texts[seq.index]
         stop_string = None if reason is FinishReason.STOP else text.add(token)
         if stop_string is not None:
             seq.stop_reason = stop_string
+            reason = FinishReason.STOP
+        elif reason is None and grammar_done:  # the grammar is complete: nothing but the end may follow
             reason = FinishReason.STOP
         if reason is None:
             return False

@@ -46,6 +46,8 @@ class SamplingBatch:
     prompt_token_ids: list[list[int]]
     output_token_ids: list[list[int]]
     banned_token_ids: list[list[int]]
+    # Structured outputs: each row's allowed tokens, bool [vocab] (None: any); None: no row has one.
+    allowed_tokens: list[torch.Tensor | None] | None = None
 
     def rows(self, start: int, stop: int) -> SamplingBatch:
         """Rows [start, stop) alone."""
@@ -56,6 +58,7 @@ class SamplingBatch:
             self.prompt_token_ids[start:stop],
             self.output_token_ids[start:stop],
             self.banned_token_ids[start:stop],
+            None if self.allowed_tokens is None else self.allowed_tokens[start:stop],
         )
 
 
@@ -158,7 +161,15 @@ class Sampler:
             raise ValueError(f"logits must be [rows, vocab], got shape {tuple(logits.shape)}")
         rows = logits.shape[0]
         params = batch.params
-        fields = (batch.seeds, batch.positions, batch.prompt_token_ids, batch.output_token_ids, batch.banned_token_ids)
+        fields: tuple[list[Any], ...] = (
+            batch.seeds,
+            batch.positions,
+            batch.prompt_token_ids,
+            batch.output_token_ids,
+            batch.banned_token_ids,
+        )
+        if batch.allowed_tokens is not None:
+            fields = (*fields, batch.allowed_tokens)
         if any(len(f) != rows for f in (params, *fields)):
             raise ValueError(f"SamplingBatch fields must all have {rows} rows (one per logits row)")
         device = logits.device
@@ -203,6 +214,14 @@ class Sampler:
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         params, device = batch.params, logits.device
+        masked = [(i, m) for i, m in enumerate(batch.allowed_tokens or []) if m is not None]
+        if masked:
+            rows = torch.tensor([i for i, _ in masked], device=device)
+            allowed = torch.stack([m for _, m in masked]).to(device)
+            width = min(allowed.shape[1], logits.shape[1])
+            keep = torch.zeros((len(masked), logits.shape[1]), dtype=torch.bool, device=device)
+            keep[:, :width] = allowed[:, :width]
+            logits = logits.index_put((rows,), logits[rows].masked_fill(~keep, float("-inf")))
         banned = [(i, ids) for i, ids in enumerate(batch.banned_token_ids) if ids]
         if banned:
             logits = logits.index_put(_row_index(banned, device), torch.tensor(float("-inf"), device=device))

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from compiled_engine.errors import RequestError
+from compiled_engine.structured.params import StructuredOutputs
 
 GREEDY_BELOW = 1e-5
 
@@ -28,6 +29,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token (plus the chosen token's)
     skip_special_tokens: bool = True
+    # The output follows this JSON schema, regex, choice or grammar (structured/).
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

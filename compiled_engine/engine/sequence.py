@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from compiled_engine.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from compiled_engine.structured.grammar import GrammarMatcher
 
 
 class FinishReason(enum.StrEnum):
@@ -52,6 +56,7 @@ class Sequence:
     num_accepted_tokens: int = 0
     speculating: bool = True
     draft_length: int | None = None  # its next draft's length, at most (None: the config's)
+    grammar: GrammarMatcher | None = None  # structured outputs: what it may emit next
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     # Timestamps (time.perf_counter()) for the request metrics.

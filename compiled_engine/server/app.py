@@ -51,6 +51,8 @@ from compiled_engine.server.protocol import (
     UnloadLoRAAdapterRequest,
     Usage,
 )
+from compiled_engine.server.structured import structured_outputs_of
+from compiled_engine.structured.params import StructuredOutputs
 from compiled_engine.tokenizer import Tokenizer
 
 
@@ -127,6 +129,14 @@ class OpenAIServer:
             "model_not_found",
         )
 
+    async def structured_outputs(self, body: CompletionRequest | ChatCompletionRequest) -> StructuredOutputs | None:
+        """The request's output constraint, its grammar compiled (in a thread pool, cached)
+        before the request reaches the engine; a RequestError (a 400) if it is invalid."""
+        spec = structured_outputs_of(body)
+        if spec is not None:
+            await self.engine.engine.grammar_compiler().compile_async(spec)
+        return spec
+
     def default_max_tokens(self, prompt_ids: list[int], max_tokens: int | None) -> int:
         """`max_tokens` as given, or by default what the context leaves after the prompt. The
         engine checks the prompt and the total (request_validation); at least 1 so that a prompt
@@ -196,7 +206,10 @@ MAX_N = 16  # completions per request
 
 
 def sampling_params(
-    body: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None
+    body: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    structured: StructuredOutputs | None = None,
 ) -> SamplingParams:
     if body.n > MAX_N:
         raise ApiError(400, f"n must be at most {MAX_N}, got {body.n}", param="n")
@@ -216,6 +229,7 @@ def sampling_params(
         stop=tuple(stop),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
+        structured_outputs=structured,
     )
 
 
@@ -332,7 +346,11 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
         prompts = server.completion_prompts(data)
         if data.stream and len(prompts) > 1:
             raise ApiError(400, "streaming supports one prompt per request", param="prompt")
-        params = [sampling_params(data, server.default_max_tokens(p, data.max_tokens), data.logprobs) for p in prompts]
+        structured = await server.structured_outputs(data)
+        params = [
+            sampling_params(data, server.default_max_tokens(p, data.max_tokens), data.logprobs, structured)
+            for p in prompts
+        ]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         model = data.model or settings.served_model_name
@@ -375,7 +393,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
         """OpenAI chat completions: messages rendered with the model's chat template."""
         salt = server.check_auth(request)
         lora = server.check_model(data.model)
-        for name in ("tools", "tool_choice", "response_format", "functions"):
+        for name in ("tools", "tool_choice", "functions"):
             if getattr(data, name) is not None:
                 raise ApiError(
                     400, f"'{name}' is not supported by this server", param=name, code="unsupported_parameter"
@@ -387,7 +405,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
         top = data.top_logprobs or 0
         if top and not data.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        params = sampling_params(data, max_tokens, top if data.logprobs else None)
+        params = sampling_params(
+            data, max_tokens, top if data.logprobs else None, await server.structured_outputs(data)
+        )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if data.stream:

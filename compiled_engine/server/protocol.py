@@ -35,6 +35,14 @@ class SamplingRequest(Request, kw_only=True):
     min_tokens: int = 0  # extension
     ignore_eos: bool = False  # extension
     user: str | None = None
+    # Structured outputs (structured/): OpenAI's response_format, vLLM's structured_outputs, and
+    # vLLM's older guided_* fields (aliases); at most one of them in a request.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingRequest, kw_only=True):
@@ -65,7 +73,6 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     # Accepted so that the error can name them; any value is refused as unsupported.
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
 
 

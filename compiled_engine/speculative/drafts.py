@@ -66,7 +66,9 @@ def propose_drafts(config: SpeculativeConfig, running: list[Sequence], max_model
     off = config.disable_by_batch_size is not None and len(running) > config.disable_by_batch_size
     for seq in running:
         seq.draft_token_ids = []
-        if off or seq.is_prefilling or not seq.speculating:
+        # A constrained sequence (structured outputs) does not speculate: its mask is computed
+        # for one position a step.
+        if off or seq.is_prefilling or not seq.speculating or seq.grammar is not None:
             continue
         # The step emits up to k + 1 tokens; the k drafts sit at positions up to num_tokens - 1 + k.
         room = min(seq.params.max_tokens - len(seq.output_token_ids), max_model_len - seq.num_tokens) - 1
