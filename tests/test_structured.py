@@ -1,0 +1,363 @@
+"""Structured outputs (structured/): JSON schemas, regexes, choices and grammars constrain the
+sampler through llguidance masks. Outputs parse and validate, through `LLM` and through the
+server with the official openai client; bad constraints are 400s that name the field; constrained
+requests leave no pages behind."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import regex
+import torch
+
+from compiled_engine import LLM, SamplingParams
+from compiled_engine.engine.sampler import Sampler, SamplingBatch
+from compiled_engine.errors import RequestError
+from compiled_engine.structured.params import StructuredOutputs
+from tests.server_process import ServerProcess, running_server
+
+MODEL = "SmolLM2-135M-Instruct"
+NAME = {"type": "string", "minLength": 1, "maxLength": 16}
+SMALL = {"type": "integer", "minimum": 0, "maximum": 999}
+# Twenty schemas: nested objects, bounded arrays, enums, anyOf, $ref, numbers, required and
+# optional keys. Strings, numbers and arrays are bounded, so that every output can end well
+# within max_tokens.
+SCHEMAS: list[dict[str, Any]] = [
+    {"type": "object", "properties": {"name": NAME}, "required": ["name"]},
+    {"type": "object", "properties": {"name": NAME, "age": SMALL}, "required": ["name", "age"]},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]},
+    {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": NAME, "minItems": 1, "maxItems": 3}},
+        "required": ["tags"],
+    },
+    {
+        "type": "object",
+        "properties": {"point": {"type": "object", "properties": {"x": SMALL, "y": SMALL}, "required": ["x", "y"]}},
+        "required": ["point"],
+    },
+    {
+        "type": "object",
+        "properties": {"price": {"type": "number", "minimum": 0, "maximum": 100, "multipleOf": 0.01}},
+        "required": ["price"],
+    },
+    {"type": "object", "properties": {"id": {"anyOf": [SMALL, NAME]}}, "required": ["id"]},
+    {
+        "$defs": {"person": {"type": "object", "properties": {"name": NAME}, "required": ["name"]}},
+        "type": "object",
+        "properties": {"author": {"$ref": "#/$defs/person"}},
+        "required": ["author"],
+    },
+    {"type": "object", "properties": {"name": NAME, "nickname": NAME}, "required": ["name"]},
+    {"type": "array", "items": SMALL, "minItems": 2, "maxItems": 4},
+    {"type": "object", "properties": {"status": {"const": "done"}}, "required": ["status"]},
+    {"type": "object", "properties": {"note": {"type": ["string", "null"], "maxLength": 12}}, "required": ["note"]},
+    {
+        "type": "object",
+        "properties": {
+            "items": {
+                "type": "array",
+                "items": {"type": "object", "properties": {"n": SMALL}, "required": ["n"]},
+                "maxItems": 2,
+            }
+        },
+        "required": ["items"],
+    },
+    {
+        "type": "object",
+        "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}[0-9]{2}$"}},
+        "required": ["code"],
+    },
+    {"type": "object", "properties": {"level": {"type": "integer", "enum": [1, 2, 3]}}, "required": ["level"]},
+    {
+        "type": "object",
+        "properties": {
+            "a": {
+                "type": "object",
+                "properties": {"b": {"type": "object", "properties": {"c": SMALL}, "required": ["c"]}},
+                "required": ["b"],
+            }
+        },
+        "required": ["a"],
+    },
+    {
+        "type": "object",
+        "properties": {"flags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
+        "required": ["flags"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"value": {"oneOf": [{"type": "boolean"}, {"type": "null"}]}},
+        "required": ["value"],
+    },
+    {
+        "type": "object",
+        "properties": {"score": {"type": "number", "minimum": -1, "maximum": 1, "multipleOf": 0.125}, "label": NAME},
+        "required": ["score", "label"],
+    },
+]
+
+
+
+def _closed(schema: Any) -> Any:
+    """Every object in `schema` with `additionalProperties: false` (as OpenAI's strict mode asks):
+    an open object lets the model add keys with unbounded values until max_tokens."""
+    if isinstance(schema, dict):
+        schema = {key: _closed(value) for key, value in schema.items()}
+        if "properties" in schema:
+            schema.setdefault("additionalProperties", False)
+    elif isinstance(schema, list):
+        schema = [_closed(value) for value in schema]
+    return schema
+
+
+SCHEMAS = [_closed(schema) for schema in SCHEMAS]
+
+
+@pytest.fixture(scope="module")
+def llm(default_model_dir: Path) -> LLM:
+    return LLM(None, enforce_eager=True, kv_cache_memory_gib=0.1)
+
+
+def _pool_is_whole(llm: LLM) -> None:
+    manager = llm.engine.block_manager
+    assert manager.num_free_pages == manager.num_pages and not llm.engine.has_unfinished_requests()
+
+
+def _chat(llm: LLM, text: str) -> list[int]:
+    return list(llm.tokenizer.encode_chat([{"role": "user", "content": text}]))
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({}, "exactly one of json, regex, choice, grammar, json_object .got none"),
+        ({"regex": "a", "choice": ["b"]}, "exactly one .* .got regex, choice"),
+        ({"choice": []}, "choice must be a list of non-empty strings"),
+        ({"json": 3}, "must be a JSON schema"),
+        ({"regex": "a", "whitespace": "x"}, "unsupported fields: whitespace"),
+    ],
+)
+def test_a_malformed_constraint_is_refused(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(RequestError, match=message):
+        StructuredOutputs.of(fields)
+
+
+def test_every_token_the_mask_allows_keeps_the_output_a_prefix_of_the_regex(llm: LLM) -> None:
+    """Along a generated path, each allowed token's text appended to the output so far can still
+    complete to a match (the `regex` package's partial matching), and the mask is far from all-open."""
+    pattern = r"[0-9]{3}-[a-z]{2,4}(, [0-9]{3}-[a-z]{2,4})*"
+    compiler = llm.engine.grammar_compiler()
+    spec = StructuredOutputs.of({"regex": pattern})
+    matcher = compiler.matcher(spec)
+    tokenizer = llm.tokenizer
+    eos = min(llm.engine.eos_token_ids)
+    text = ""
+    for path_token in tokenizer.encode("123-ab, 456-xyz", add_special_tokens=False):
+        allowed = matcher.allowed().nonzero().flatten().tolist()
+        assert 0 < len(allowed) < matcher.vocab_size // 4
+        for token in allowed:
+            if token == eos:
+                assert regex.fullmatch(pattern, text)  # the end only where the regex is matched
+                continue
+            candidate = text + tokenizer.decode([token], skip_special_tokens=False)
+            assert regex.fullmatch(pattern, candidate, partial=True), repr(candidate)
+        assert path_token in allowed
+        assert matcher.advance(path_token)
+        text += tokenizer.decode([path_token], skip_special_tokens=False)
+    assert eos in matcher.allowed().nonzero().flatten().tolist()  # a full match may end here
+
+
+def test_the_sampler_draws_only_allowed_tokens_greedy_or_sampled() -> None:
+    logits = torch.tensor([[5.0, 1.0, 0.0, 3.0], [5.0, 1.0, 0.0, 3.0], [0.0, 0.0, 0.0, 0.0]])
+    allowed = torch.tensor([False, False, True, True])
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0)]
+    batch = SamplingBatch(params, [1, 2, 3], [0, 0, 0], [[]] * 3, [[]] * 3, [[]] * 3, [allowed, allowed, None])
+    for _ in range(3):
+        out = Sampler()(logits, batch)
+        assert out.token_ids[0] == 3 and out.token_ids[1] in (2, 3) and out.token_ids[2] == 0
+    draws = {Sampler()(logits, SamplingBatch(**{**batch.__dict__, "seeds": [1, s, 3]})).token_ids[1] for s in range(40)}
+    assert draws == {2, 3}
+
+
+def test_offline_outputs_follow_each_kind_of_constraint(llm: LLM) -> None:
+    prompt = _chat(llm, "Answer in the requested format.")
+    cases: list[tuple[dict[str, Any], Any]] = [
+        ({"json": SCHEMAS[1]}, lambda t: jsonschema.validate(json.loads(t), SCHEMAS[1])),
+        ({"json_object": True}, lambda t: isinstance(json.loads(t), dict) or pytest.fail(t)),
+        ({"regex": r"[0-9]{3}-[a-z]{2,5}"}, lambda t: regex.fullmatch(r"[0-9]{3}-[a-z]{2,5}", t) or pytest.fail(t)),
+        ({"choice": ["yes", "no", "maybe"]}, lambda t: t in ("yes", "no", "maybe") or pytest.fail(t)),
+        (
+            {"grammar": 'start: "(" NUM ("+" NUM)* ")"\nNUM: /[0-9]{1,2}/'},
+            lambda t: regex.fullmatch(r"\(\d{1,2}(\+\d{1,2})*\)", t) or pytest.fail(t),
+        ),
+        ({"grammar": 'root ::= "ab" [0-9] "!"'}, lambda t: regex.fullmatch(r"ab[0-9]!", t) or pytest.fail(t)),  # GBNF
+    ]
+    for fields, check in cases:
+        for params in (
+            SamplingParams(temperature=0, max_tokens=64, structured_outputs=StructuredOutputs.of(fields)),
+            SamplingParams(
+                temperature=1.0, seed=5, n=2, max_tokens=64, structured_outputs=StructuredOutputs.of(fields)
+            ),
+        ):
+            [out] = llm.generate([prompt], params, use_tqdm=False)
+            for completion in out.outputs:
+                if "json_object" in fields and completion.finish_reason == "length":
+                    continue  # any object: nothing bounds what a sampled one says
+                assert completion.finish_reason == "stop", (fields, completion.text)
+                check(completion.text)
+    _pool_is_whole(llm)
+
+
+def test_a_constraint_that_cannot_finish_in_max_tokens_ends_with_length(llm: LLM) -> None:
+    spec = StructuredOutputs.of(
+        {"json": {"type": "object", "properties": {"text": {"type": "string", "minLength": 50}}, "required": ["text"]}}
+    )
+    [out] = llm.generate(
+        [_chat(llm, "Write JSON.")],
+        SamplingParams(temperature=0, max_tokens=6, structured_outputs=spec),
+        use_tqdm=False,
+    )
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 6
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(out.outputs[0].text)
+
+
+def test_constrained_and_free_requests_batch_together_and_aborts_leave_no_pages(llm: LLM) -> None:
+    spec = StructuredOutputs.of({"json": SCHEMAS[4]})
+    prompt = _chat(llm, "List some tags as JSON.")
+    free = SamplingParams(temperature=0, max_tokens=20)
+    alone = llm.generate([prompt], free, use_tqdm=False)[0].outputs[0].token_ids
+    outs = llm.generate(
+        [prompt, prompt], [SamplingParams(temperature=0, max_tokens=80, structured_outputs=spec), free], use_tqdm=False
+    )
+    jsonschema.validate(json.loads(outs[0].outputs[0].text), SCHEMAS[4])
+    assert outs[1].outputs[0].token_ids == alone  # the mask is that row's alone
+    engine = llm.engine
+    request_id = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=80, structured_outputs=spec))
+    for _ in range(3):
+        engine.step()
+    engine.abort_request(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    _pool_is_whole(llm)
+    with pytest.raises(RequestError, match="invalid regex"):
+        engine.add_request(prompt, SamplingParams(structured_outputs=StructuredOutputs.of({"regex": "(a"})))
+    assert not engine.has_unfinished_requests()
+
+
+def test_constrained_requests_do_not_speculate_and_keep_their_output(llm: LLM) -> None:
+    spec = StructuredOutputs.of({"json": SCHEMAS[10]})
+    params = SamplingParams(temperature=0, max_tokens=60, structured_outputs=spec)
+    prompt = _chat(llm, "Some numbers: 1, 2, 3, 1, 2, 3, 1, 2, 3")
+    expected = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    spec_llm = LLM(
+        None,
+        enforce_eager=True,
+        kv_cache_memory_gib=0.05,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    )
+    [out] = spec_llm.generate([prompt], params, use_tqdm=False)
+    assert out.outputs[0].token_ids == expected and out.metrics is not None and out.metrics.num_draft_tokens == 0
+
+
+# -- through the server, with the openai client ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    with running_server(
+        tmp_path_factory.mktemp("structured"), "--kv-cache-memory-gib", "0.25", "--enforce-eager"
+    ) as process:
+        yield process
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_twenty_json_schemas_through_the_openai_client_validate(server: ServerProcess, sampled: bool) -> None:
+    """All twenty at once (one batch), each output parsed and validated by `jsonschema`."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none")
+
+    async def one(i: int, schema: dict[str, Any]) -> tuple[str, str | None]:
+        reply = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Reply with JSON."}],
+            max_tokens=200,
+            temperature=1.0 if sampled else 0.0,
+            seed=i if sampled else None,
+            response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema, "strict": True}},
+        )
+        return reply.choices[0].message.content or "", reply.choices[0].finish_reason
+
+    async def everything() -> list[tuple[str, str | None]]:
+        return await asyncio.gather(*(one(i, schema) for i, schema in enumerate(SCHEMAS)))
+
+    for (text, reason), schema in zip(asyncio.run(everything()), SCHEMAS, strict=True):
+        assert reason == "stop", text
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_regex_choice_and_streamed_json_through_the_server(server: ServerProcess) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    reply = client.completions.create(
+        model=MODEL,
+        prompt="Phone:",
+        max_tokens=20,
+        temperature=0,
+        extra_body={"structured_outputs": {"regex": r"\d{3}-\d{4}"}},
+    )
+    assert regex.fullmatch(r"\d{3}-\d{4}", reply.choices[0].text)
+    reply = client.completions.create(
+        model=MODEL, prompt="Is the sky blue?", max_tokens=5, temperature=0, extra_body={"guided_choice": ["yes", "no"]}
+    )
+    assert reply.choices[0].text in ("yes", "no")
+    chunks = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "JSON please"}],
+        max_tokens=100,
+        temperature=0,
+        stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMAS[5]}},
+    )
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    jsonschema.validate(json.loads(text), SCHEMAS[5])
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs", "invalid regex"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+            "response_format",
+            "invalid JSON schema",
+        ),
+        ({"response_format": {"type": "json_schema"}}, "response_format", 'needs "json_schema"'),
+        ({"response_format": {"type": "yaml"}}, "response_format", 'must be "text"'),
+        ({"structured_outputs": {"grammar": "start: foo"}}, "structured_outputs", "invalid grammar"),
+        ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex", "one way to constrain"),
+        ({"guided_choice": []}, "guided_choice", "non-empty strings"),
+    ],
+)
+def test_bad_constraints_are_400s_naming_the_field_and_the_server_keeps_serving(
+    server: ServerProcess, body: dict[str, Any], param: str, message: str
+) -> None:
+    import httpx
+
+    reply = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 3, **body}, timeout=60)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and message in error["message"]
+    ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200
