@@ -106,7 +106,6 @@ SCHEMAS: list[dict[str, Any]] = [
 ]
 
 
-
 def _closed(schema: Any) -> Any:
     """Every object in `schema` with `additionalProperties: false` (as OpenAI's strict mode asks):
     an open object lets the model add keys with unbounded values until max_tokens."""
