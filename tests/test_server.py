@@ -152,9 +152,9 @@ BAD_INPUTS = [
     (None, {"messages": QUESTION, "tools": [{"type": "function"}]}, 400, "'tools' is not supported"),
     (
         None,
-        {"messages": QUESTION, "response_format": {"type": "json_object"}},
+        {"messages": QUESTION, "response_format": {"type": "xml"}},
         400,
-        "'response_format' is not supported",
+        "response_format type must be",
     ),
     (None, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "only text is supported"),
     (None, {"messages": QUESTION, "model": "gpt-4"}, 404, "does not exist"),
