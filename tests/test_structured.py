@@ -360,3 +360,16 @@ def test_bad_constraints_are_400s_naming_the_field_and_the_server_keeps_serving(
     assert error["param"] == param and message in error["message"]
     ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200
+
+
+def test_bench_structured_reports_constrained_against_free(default_model_dir: Path, tmp_path: Path) -> None:
+    from compiled_engine.bench.__main__ import main
+
+    out = tmp_path / "structured.json"
+    args = ["structured", "--enforce-eager", "--kv-cache-memory-gib", "0.05", "--batch", "2", "--output-len", "10"]
+    assert main([*args, "--rounds", "1", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert results["free_tokens_per_s"] > 0 and results["constrained_tokens_per_s"] > 0
+    assert results["ratio"] == pytest.approx(results["constrained_tokens_per_s"] / results["free_tokens_per_s"])
+    assert results["compile_cold_ms"] > results["compile_warm_ms"] > 0 and results["mask_us"] > 0
+    assert results["free_steps"] > 0 and results["constrained_steps"] > 0

@@ -1,4 +1,4 @@
-"""`python -m compiled_engine.bench latency|offline|serve|perplexity|lora|spec`: our figures, a same-run baseline, a ceiling.
+"""`python -m compiled_engine.bench latency|offline|serve|perplexity|lora|spec|structured`: our figures, a same-run baseline, a ceiling.
 
 python -m compiled_engine.bench latency --prompt-len 512 --output-len 128 --baseline hf --json out.json
 python -m compiled_engine.bench offline --num-seqs 32 --input-len 100 1024 --output-len 100 1024 --baseline hf
@@ -41,6 +41,7 @@ from compiled_engine.bench.plots import PlotUnavailable, check_plotting, write_p
 from compiled_engine.bench.runs import run_hf, run_hf_as_server, run_ours, weight_bytes
 from compiled_engine.bench.serving import run_load, summarize
 from compiled_engine.bench.speculative import bench_speculative_runs
+from compiled_engine.bench.structured import bench_structured_runs
 from compiled_engine.bench.workload import Workload, random_workload
 from compiled_engine.config import DTYPES
 from compiled_engine.engine.async_engine import AsyncEngine
@@ -135,6 +136,13 @@ def _parser() -> argparse.ArgumentParser:
     spec.add_argument("--seed", type=int, default=0)
     spec.add_argument("--json", type=Path, default=None, help="write every figure and the environment here")
     spec.set_defaults(plot=None)
+    structured = commands.add_parser("structured", help="JSON-schema-constrained decoding against free, same run")
+    add_engine_options(structured, exclude={"seed", "enable_prefix_caching"})
+    structured.add_argument("--batch", type=_at_least_one, default=8, help="requests decoding at once")
+    structured.add_argument("--output-len", type=_at_least_one, default=64)
+    structured.add_argument("--rounds", type=_at_least_one, default=3, help="alternated rounds of each figure")
+    structured.add_argument("--json", type=Path, default=None, help="write every figure and the environment here")
+    structured.set_defaults(plot=None)
     return parser
 
 
@@ -625,6 +633,38 @@ def bench_spec(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     }
 
 
+def bench_structured(args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    # prefix caching off: each round computes its prompts, constrained or not
+    engine = _engine(args, enable_prefix_caching=False)
+    figures = bench_structured_runs(engine, args.batch, args.output_len, args.rounds)
+    table = Table(title=f"structured: batch {args.batch}, output up to {args.output_len}, {args.rounds} rounds")
+    for column in ("", "free", "JSON schema", "ratio"):
+        table.add_column(column)
+    table.add_row(
+        f"batch-{args.batch} decode tokens/s (median step)",
+        f"{figures['free_tokens_per_s']:.1f}",
+        f"{figures['constrained_tokens_per_s']:.1f}",
+        f"{figures['ratio']:.2f}x",
+    )
+    table.add_row(
+        "compile, 20-field schema: cold / cache hit",
+        "",
+        f"{figures['compile_cold_ms']:.2f} / {figures['compile_warm_ms']:.3f} ms",
+        "",
+    )
+    table.add_row("a request's matcher from the compiled schema", "", f"{figures['matcher_ms']:.2f} ms", "")
+    table.add_row("mask per constrained sequence and step", "", f"{figures['mask_us']:.0f} us", "")
+    console.print(table)
+    workload = {"batch": args.batch, "output_len": args.output_len, "rounds": args.rounds}
+    return {
+        "benchmark": "structured",
+        "workload": workload,
+        "results": figures,
+        "environment": environment(engine.runner.device, engine.runner.dtype, engine.model_dir),
+        "engine": _engine_info(engine),
+    }
+
+
 BENCHMARKS = {
     "latency": bench_latency,
     "offline": bench_offline,
@@ -632,6 +672,7 @@ BENCHMARKS = {
     "perplexity": bench_perplexity,
     "lora": bench_lora,
     "spec": bench_spec,
+    "structured": bench_structured,
 }
 
 

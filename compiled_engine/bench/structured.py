@@ -3,7 +3,8 @@
 - decode: `batch` chat requests at once, all constrained by a JSON schema, then all free, in
   alternated rounds; the median time of a decode step while the whole batch runs, as output
   tokens/s (constrained outputs end when their JSON is complete, so whole runs do not compare);
-- compile: a 20-field schema compiled cold (a schema not seen before) and warm (the cache hit);
+- compile: a 20-field schema compiled cold (a schema not seen before: built and validated) and
+  warm (the cache hit), and a request's own matcher made from it;
 - mask: one sequence's allowed-token mask along a JSON output (llguidance's bitmask and its
   conversion to the sampler's bool row), the work added to each step per constrained sequence.
 """
@@ -73,7 +74,11 @@ def bench_structured_runs(engine: LLMEngine, batch: int, output_len: int, rounds
         temperature=0, max_tokens=output_len, structured_outputs=StructuredOutputs.of({"json": FACTS})
     )
     free = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    _full_batch_steps(engine, prompts[:2], SamplingParams(temperature=0, max_tokens=4, structured_outputs=constrained.structured_outputs))
+    _full_batch_steps(
+        engine,
+        prompts[:2],
+        SamplingParams(temperature=0, max_tokens=4, structured_outputs=constrained.structured_outputs),
+    )
     free_steps: list[float] = []
     constrained_steps: list[float] = []
     for _ in range(rounds):
@@ -85,7 +90,7 @@ def bench_structured_runs(engine: LLMEngine, batch: int, output_len: int, rounds
     constrained_rate = batch / statistics.median(constrained_steps)
 
     compiler = engine.grammar_compiler()
-    cold, warm = [], []
+    cold, warm, matchers = [], [], []
     for round_index in range(rounds):
         spec = StructuredOutputs.of({"json": wide_schema(20, f"r{round_index}")})
         started = time.perf_counter()
@@ -94,6 +99,9 @@ def bench_structured_runs(engine: LLMEngine, batch: int, output_len: int, rounds
         started = time.perf_counter()
         compiler.compile(spec)
         warm.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        compiler.matcher(spec)
+        matchers.append(time.perf_counter() - started)
 
     matcher = compiler.matcher(constrained.structured_outputs)  # type: ignore[arg-type]
     text = '{"topic": "bees", "facts": ["Bees make honey.", "Bees dance to tell where flowers are.", "A hive has one queen."]}'
@@ -111,6 +119,7 @@ def bench_structured_runs(engine: LLMEngine, batch: int, output_len: int, rounds
         "constrained_steps": len(constrained_steps),
         "compile_cold_ms": statistics.median(cold) * 1000,
         "compile_warm_ms": statistics.median(warm) * 1000,
+        "matcher_ms": statistics.median(matchers) * 1000,
         "mask_us": statistics.median(masks) * 1e6,
         "mask_steps": len(masks),
     }
