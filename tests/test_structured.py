@@ -373,3 +373,47 @@ def test_bench_structured_reports_constrained_against_free(default_model_dir: Pa
     assert results["ratio"] == pytest.approx(results["constrained_tokens_per_s"] / results["free_tokens_per_s"])
     assert results["compile_cold_ms"] > results["compile_warm_ms"] > 0 and results["mask_us"] > 0
     assert results["free_steps"] > 0 and results["constrained_steps"] > 0
+
+
+# -- the rest of what clients send: logit_bias, /tokenize, /detokenize -------------------------
+
+
+def test_logit_bias_forces_or_bans_tokens(llm: LLM) -> None:
+    prompt = _chat(llm, "Say something.")
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids
+    forced = SamplingParams(temperature=0.8, seed=1, max_tokens=4, ignore_eos=True, logit_bias=((42, 100.0),))
+    assert llm.generate([prompt], forced, use_tqdm=False)[0].outputs[0].token_ids == [42] * 4
+    banned = SamplingParams(temperature=0, max_tokens=1, logit_bias=((free[0], -100.0),))
+    assert llm.generate([prompt], banned, use_tqdm=False)[0].outputs[0].token_ids[0] != free[0]
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        llm.engine.add_request(prompt, SamplingParams(logit_bias=((10**7, 1.0),)))
+    with pytest.raises(RequestError, match=r"biases in \[-100, 100\]"):
+        SamplingParams(logit_bias=((5, 101.0),))
+
+
+def test_logit_bias_tokenize_and_detokenize_through_the_server(server: ServerProcess, llm: LLM) -> None:
+    import httpx
+
+    body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0, "ignore_eos": True, "logit_bias": {"42": 100}}
+    reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["text"] == llm.tokenizer.decode([42] * 3)
+    for bias, message in (
+        ({"x": 1}, "keys must be token ids"),
+        ({"5": 500}, "[-100, 100]"),
+        ({"99999999": 1}, "outside"),
+    ):
+        bad = httpx.post(f"{server.url}/v1/completions", json={**body, "logit_bias": bias}, timeout=60)
+        assert bad.status_code == 400 and message in bad.json()["error"]["message"]
+        assert bad.json()["error"]["param"] == "logit_bias"
+    text = "The capital of France"
+    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": text}, timeout=60).json()
+    assert tokens["tokens"] == llm.tokenizer.encode(text) and tokens["count"] == len(tokens["tokens"])
+    assert tokens["max_model_len"] == httpx.get(f"{server.url}/v1/models").json()["data"][0]["max_model_len"]
+    messages = [{"role": "user", "content": text}]
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": messages}, timeout=60).json()
+    assert chat["tokens"] == llm.tokenizer.encode_chat(messages)
+    back = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}, timeout=60).json()
+    assert back["prompt"] == llm.tokenizer.decode(tokens["tokens"], skip_special_tokens=False)
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": [-1]}, timeout=60).status_code == 400
+    assert httpx.post(f"{server.url}/tokenize", json={}, timeout=60).status_code == 400

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from compiled_engine.engine.sampling_params import SamplingParams
-from compiled_engine.errors import PromptError, PromptProblem
+from compiled_engine.errors import PromptError, PromptProblem, RequestError
 
 if TYPE_CHECKING:
     from compiled_engine.tokenizer import Tokenizer
@@ -75,6 +75,11 @@ def check_request(
 ) -> None:
     """check_prompt, and the sampling parameters that need a tokenizer."""
     check_prompt(prompt_ids, params.max_tokens, vocab_size, max_model_len)
+    outside = [token for token, _ in params.logit_bias if token >= vocab_size]
+    if outside:
+        raise RequestError(
+            f"logit_bias token id {outside[0]} is outside the vocabulary (0..{vocab_size - 1})", param="logit_bias"
+        )
     if params.stop and not has_tokenizer:
         raise PromptError(
             "stop strings need a tokenizer; this model has none",

@@ -222,6 +222,11 @@ class Sampler:
             keep = torch.zeros((len(masked), logits.shape[1]), dtype=torch.bool, device=device)
             keep[:, :width] = allowed[:, :width]
             logits = logits.index_put((rows,), logits[rows].masked_fill(~keep, float("-inf")))
+        biased = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
+        if biased:
+            index = _row_index([(i, [t for t, _ in pairs]) for i, pairs in biased], device)
+            values = torch.tensor([b for _, pairs in biased for _, b in pairs], device=device)
+            logits = logits.index_put(index, values, accumulate=True)
         banned = [(i, ids) for i, ids in enumerate(batch.banned_token_ids) if ids]
         if banned:
             logits = logits.index_put(_row_index(banned, device), torch.tensor(float("-inf"), device=device))

@@ -31,6 +31,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # The output follows this JSON schema, regex, choice or grammar (structured/).
     structured_outputs: StructuredOutputs | None = None
+    # (token id, bias) pairs added to the logits before choice, OpenAI's logit_bias (-100..100).
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -38,6 +40,7 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         # (the field, whether it is valid, why not): the field is the `param` the server reports.
@@ -83,6 +86,11 @@ class SamplingParams:
                 f"logprobs must be in [0, 20], got {self.logprobs}",
             ),
             ("stop", all(s for s in self.stop), "stop strings must not be empty"),
+            (
+                "logit_bias",
+                all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias),
+                "logit_bias maps token ids (>= 0) to biases in [-100, 100]",
+            ),
             ("seed", self.seed is None or 0 <= self.seed < 2**63, f"seed must be in [0, 2**63), got {self.seed}"),
         ]
         for field_name, ok, message in checks:

@@ -42,11 +42,15 @@ from compiled_engine.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     Delta,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     PromptTokensDetails,
+    TokenizeRequest,
+    TokenizeResponse,
     TopLogprob,
     UnloadLoRAAdapterRequest,
     Usage,
@@ -214,6 +218,11 @@ def sampling_params(
     if body.n > MAX_N:
         raise ApiError(400, f"n must be at most {MAX_N}, got {body.n}", param="n")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    bias: list[tuple[int, float]] = []
+    for key, value in (body.logit_bias or {}).items():
+        if not key.isdigit():
+            raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        bias.append((int(key), value))
     return SamplingParams(
         n=body.n,
         temperature=body.temperature,
@@ -230,6 +239,7 @@ def sampling_params(
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
         structured_outputs=structured,
+        logit_bias=tuple(bias),
     )
 
 
@@ -388,6 +398,33 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
         )
         return CompletionResponse(request_id, created, model, choices, usage)
 
+    @post("/tokenize", status_code=200)
+    async def tokenize(request: Request[Any, Any, Any], data: Annotated[TokenizeRequest, Body()]) -> TokenizeResponse:
+        """vLLM's /tokenize: a prompt's token ids, or chat messages' through the chat template."""
+        server.check_auth(request)
+        server.check_model(data.model)
+        if (data.prompt is None) == (data.messages is None):
+            raise ApiError(400, "give either prompt or messages", param="prompt")
+        if data.prompt is not None:
+            tokens = server.tokenizer.encode(data.prompt, add_special_tokens=data.add_special_tokens)
+        else:
+            messages = _chat_messages(ChatCompletionRequest(messages=data.messages or []))
+            tokens = server.tokenizer.encode_chat(messages, data.add_generation_prompt)
+        return TokenizeResponse(len(tokens), server.engine.engine.max_model_len, list(tokens))
+
+    @post("/detokenize", status_code=200)
+    async def detokenize(
+        request: Request[Any, Any, Any], data: Annotated[DetokenizeRequest, Body()]
+    ) -> DetokenizeResponse:
+        """vLLM's /detokenize: token ids back to text (special tokens kept)."""
+        server.check_auth(request)
+        server.check_model(data.model)
+        vocab = server.engine.engine.runner.model_config.vocab_size
+        bad = [token for token in data.tokens if not 0 <= token < vocab]
+        if bad:
+            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="tokens")
+        return DetokenizeResponse(server.tokenizer.decode(data.tokens, skip_special_tokens=False))
+
     @post(CHAT_PATH, status_code=200)
     async def chat_completions(request: Request[Any, Any, Any], data: Annotated[ChatCompletionRequest, Body()]) -> Any:
         """OpenAI chat completions: messages rendered with the model's chat template."""
@@ -426,7 +463,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
         )
 
     return Litestar(
-        route_handlers=[health, ready, prometheus, models, completions, chat_completions]
+        route_handlers=[health, ready, prometheus, models, completions, chat_completions, tokenize, detokenize]
         + ([load_lora_adapter, unload_lora_adapter] if settings.runtime_lora_updates else []),
         middleware=[metrics.middleware],
         exception_handlers={Exception: handle_exception, RequestError: handle_request_error},

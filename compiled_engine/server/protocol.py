@@ -37,6 +37,7 @@ class SamplingRequest(Request, kw_only=True):
     user: str | None = None
     # Structured outputs (structured/): OpenAI's response_format, vLLM's structured_outputs, and
     # vLLM's older guided_* fields (aliases); at most one of them in a request.
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
@@ -170,6 +171,31 @@ class ChatCompletionChunk(msgspec.Struct):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+
+
+class TokenizeRequest(Request, kw_only=True):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(msgspec.Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(Request, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
 
 
 class ModelCard(msgspec.Struct):
