@@ -156,7 +156,14 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
-    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template renders tool definitions (`tools`) itself."""
+        return self.chat_template_source is not None and "tools" in self.chat_template_source
+
+    def apply_chat_template(
+        self, messages: list[Message], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None
+    ) -> str:
         if self.chat_template_source is None:
             raise TokenizerError("this model has no chat template (tokenizer_config.json or chat_template.jinja)")
         if self._chat_template is None:
@@ -165,7 +172,7 @@ class Tokenizer:
             return self._chat_template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
-                tools=None,
+                tools=tools,
                 documents=None,
                 **self.special_tokens,
             )
@@ -176,9 +183,12 @@ class Tokenizer:
         """`text` as a plain prompt, or as one user message wrapped in the chat template."""
         return self.encode_chat([{"role": "user", "content": text}]) if chat else self.encode(text)
 
-    def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: list[Message], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         # The rendered template already holds every special token it wants.
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
+        return self.encode(text, add_special_tokens=False)
 
 
 class IncrementalDetokenizer:

@@ -149,7 +149,7 @@ BAD_INPUTS = [
     (None, {"messages": QUESTION, "top_p": 1.5}, 400, "top_p must be in (0, 1]"),
     (None, {"messages": []}, 400, "messages must not be empty"),
     (None, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role must be one of"),
-    (None, {"messages": QUESTION, "tools": [{"type": "function"}]}, 400, "'tools' is not supported"),
+    (None, {"messages": QUESTION, "tools": [{"type": "function"}]}, 400, 'tools[0] must be {"type": "function"'),
     (
         None,
         {"messages": QUESTION, "response_format": {"type": "xml"}},

@@ -417,3 +417,171 @@ def test_logit_bias_tokenize_and_detokenize_through_the_server(server: ServerPro
     assert back["prompt"] == llm.tokenizer.decode(tokens["tokens"], skip_special_tokens=False)
     assert httpx.post(f"{server.url}/detokenize", json={"tokens": [-1]}, timeout=60).status_code == 400
     assert httpx.post(f"{server.url}/tokenize", json={}, timeout=60).status_code == 400
+
+
+# -- tools ---------------------------------------------------------------------------------------
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+ADD = {"type": "object", "properties": {"a": SMALL, "b": SMALL}, "required": ["a", "b"], "additionalProperties": False}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "The weather in a city", "parameters": WEATHER},
+    },
+    {"type": "function", "function": {"name": "add", "description": "Add two numbers", "parameters": ADD}},
+]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_tool_call_blocks_parse_and_stream_only_what_cannot_be_a_call() -> None:
+    from compiled_engine.server.tools import held_back, parse_tool_calls
+
+    text = 'Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n<tool_call>{"name": "nope", "arguments": {}}</tool_call>'
+    content, calls = parse_tool_calls(text, ["add", "get_weather"])
+    assert content == "Let me check." and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("add", {"a": 1, "b": 2})
+    ]
+    assert (
+        parse_tool_calls('<tool_call>{"name": "add", "arguments": {"a": 1}}', ["add"])[1][0].name == "add"
+    )  # unclosed at the end
+    assert parse_tool_calls("no calls <tool_call>not json</tool_call>", ["add"]) == (
+        "no calls <tool_call>not json</tool_call>",
+        [],
+    )
+    assert held_back("Hello <tool") == len("Hello ") and held_back("Hello <tool_call>{") == len("Hello ")
+    assert held_back("a < b") == len("a < b") and held_back("x<") == 1
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("choice", ["required", "add"])
+def test_required_and_named_tool_calls_parse_and_follow_the_parameters(
+    server: ServerProcess, choice: str, stream: bool
+) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    tool_choice: Any = choice if choice == "required" else {"type": "function", "function": {"name": choice}}
+    request = {
+        "model": MODEL,
+        "messages": ASK,
+        "tools": TOOLS,
+        "tool_choice": tool_choice,
+        "temperature": 0,
+        "max_tokens": 80,
+    }
+    if stream:
+        calls: dict[int, dict[str, str]] = {}
+        reasons = []
+        for chunk in client.chat.completions.create(**request, stream=True):
+            for part in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+                entry = calls.setdefault(part.index, {"name": "", "arguments": ""})
+                entry["name"] += part.function.name or ""
+                entry["arguments"] += part.function.arguments or ""
+            if chunk.choices and chunk.choices[0].finish_reason:
+                reasons.append(chunk.choices[0].finish_reason)
+        found = [(c["name"], c["arguments"]) for c in calls.values()]
+        assert reasons == ["tool_calls"]
+    else:
+        reply = client.chat.completions.create(**request)
+        assert reply.choices[0].finish_reason == "tool_calls" and reply.choices[0].message.content is None
+        tool_calls = reply.choices[0].message.tool_calls or []
+        assert all(call.id.startswith("call_") for call in tool_calls)
+        found = [(call.function.name, call.function.arguments) for call in tool_calls]  # type: ignore[union-attr]
+    assert len(found) == 1
+    name, arguments = found[0]
+    assert name == choice if choice != "required" else name in ("get_weather", "add")
+    jsonschema.validate(json.loads(arguments), WEATHER if name == "get_weather" else ADD)
+
+
+def test_auto_parses_a_call_from_the_reply_and_tool_turns_come_back(server: ServerProcess) -> None:
+    import httpx
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    crafted = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}</tool_call>'
+    for stream in (False, True):
+        request = {"model": MODEL, "messages": ASK, "tools": TOOLS, "temperature": 0, "max_tokens": 60}
+        extra = {"structured_outputs": {"choice": [crafted]}}  # the reply is this call, whatever the model says
+        if stream:
+            chunks = list(client.chat.completions.create(**request, stream=True, extra_body=extra))
+            parts = [p for c in chunks if c.choices for p in c.choices[0].delta.tool_calls or []]
+            assert not any(c.choices[0].delta.content for c in chunks if c.choices)  # the call's text is not streamed
+            assert [(p.function.name, json.loads(p.function.arguments or "")) for p in parts] == [
+                ("get_weather", {"city": "Paris", "unit": "c"})
+            ]  # type: ignore[union-attr]
+        else:
+            reply = client.chat.completions.create(**request, extra_body=extra)
+            call = (reply.choices[0].message.tool_calls or [])[0]
+            assert reply.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"  # type: ignore[union-attr]
+    plain = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        temperature=0,
+        max_tokens=12,
+        extra_body={"structured_outputs": {"choice": ["Sunny."]}},
+    )
+    assert plain.choices[0].message.content == "Sunny." and not plain.choices[0].message.tool_calls
+    turns = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"},
+    ]
+    reply = client.chat.completions.create(model=MODEL, messages=turns, tools=TOOLS, temperature=0, max_tokens=8)  # type: ignore[arg-type]
+    assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    rendered = httpx.post(f"{server.url}/tokenize", json={"messages": turns}, timeout=60).json()["tokens"]
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": rendered}, timeout=60).json()["prompt"]
+    assert '"city": "Paris"' in text and "18 degrees and sunny" in text and "<tool_response>" in text
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "not among the tools",
+        ),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "tool_choice must be"),
+        ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools", "letters, digits"),
+        ({"tools": TOOLS + TOOLS[:1]}, "tools", "distinct function names"),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+            "constrains the output itself",
+        ),
+        ({"functions": [{"name": "f"}]}, "functions", "use tools"),
+        (
+            {
+                "messages": [
+                    *ASK,
+                    {"role": "assistant", "tool_calls": [{"function": {"name": "add", "arguments": "{"}}]},
+                ]
+            },
+            "messages",
+            "needs function.name",
+        ),
+    ],
+)
+def test_bad_tool_requests_are_400s(server: ServerProcess, body: dict[str, Any], param: str, message: str) -> None:
+    import httpx
+
+    reply = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": ASK, "max_tokens": 3, **body}, timeout=60)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param and message in reply.json()["error"]["message"]

@@ -42,6 +42,7 @@ from compiled_engine.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     Delta,
+    DeltaToolCall,
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
@@ -51,11 +52,14 @@ from compiled_engine.server.protocol import (
     PromptTokensDetails,
     TokenizeRequest,
     TokenizeResponse,
+    ToolCall,
+    ToolCallFunction,
     TopLogprob,
     UnloadLoRAAdapterRequest,
     Usage,
 )
 from compiled_engine.server.structured import structured_outputs_of
+from compiled_engine.server.tools import ToolPlan, checked_tool_calls, held_back, render_turns, tool_plan
 from compiled_engine.structured.params import StructuredOutputs
 from compiled_engine.tokenizer import Tokenizer
 
@@ -67,7 +71,7 @@ def _lora_manager(engine: LLMEngine) -> LoRAManager:
 
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 CHAT_PATH = "/v1/chat/completions"
 # The engine's names for request fields (RequestError.param) that a chat body calls otherwise.
 CHAT_PARAMS = {"prompt": "messages", "logprobs": "top_logprobs"}
@@ -409,7 +413,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
             tokens = server.tokenizer.encode(data.prompt, add_special_tokens=data.add_special_tokens)
         else:
             messages = _chat_messages(ChatCompletionRequest(messages=data.messages or []))
-            tokens = server.tokenizer.encode_chat(messages, data.add_generation_prompt)
+            turns = render_turns(messages, None, server.tokenizer.template_takes_tools)
+            tokens = server.tokenizer.encode_chat(turns, data.add_generation_prompt)
         return TokenizeResponse(len(tokens), server.engine.engine.max_model_len, list(tokens))
 
     @post("/detokenize", status_code=200)
@@ -430,34 +435,53 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
         """OpenAI chat completions: messages rendered with the model's chat template."""
         salt = server.check_auth(request)
         lora = server.check_model(data.model)
-        for name in ("tools", "tool_choice", "functions"):
-            if getattr(data, name) is not None:
-                raise ApiError(
-                    400, f"'{name}' is not supported by this server", param=name, code="unsupported_parameter"
-                )
-        messages = _chat_messages(data)
-        prompt = server.tokenizer.encode_chat(messages)
+        if data.functions is not None:
+            raise ApiError(
+                400,
+                "'functions' is not supported by this server: use tools",
+                param="functions",
+                code="unsupported_parameter",
+            )
+        plan = tool_plan(data.tools, data.tool_choice)
+        takes_tools = server.tokenizer.template_takes_tools
+        turns = render_turns(_chat_messages(data), plan, takes_tools)
+        template_tools = [{"type": "function", "function": t} for t in plan.tools] if plan and takes_tools else None
+        prompt = server.tokenizer.encode_chat(turns, tools=template_tools)
         limit = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
         max_tokens = server.default_max_tokens(prompt, limit)
         top = data.top_logprobs or 0
         if top and not data.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        params = sampling_params(
-            data, max_tokens, top if data.logprobs else None, await server.structured_outputs(data)
-        )
+        structured = await server.structured_outputs(data)
+        forced = plan.constraint() if plan is not None else None
+        if forced is not None:
+            if structured is not None:
+                raise ApiError(
+                    400,
+                    f"tool_choice {data.tool_choice!r} constrains the output itself: drop the output constraint",
+                    param="tool_choice",
+                )
+            await server.engine.engine.grammar_compiler().compile_async(forced)
+            structured = forced
+        params = sampling_params(data, max_tokens, top if data.logprobs else None, structured)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if data.stream:
             stream = generate(prompt, params, request_id, salt, lora)
             first = await _first_output(stream)
             return Stream(
-                _chat_events(server, data, request_id, created, first, stream), media_type="text/event-stream"
+                _chat_events(server, data, request_id, created, first, stream, plan), media_type="text/event-stream"
             )
         final = await _final_output(generate(prompt, params, request_id, salt, lora))
-        choices = [
-            ChatChoice(c.index, AssistantMessage(c.text), server.chat_logprobs(c), c.finish_reason)
-            for c in final.outputs
-        ]
+        choices = []
+        for c in final.outputs:
+            content, calls = plan.calls(c.text) if plan is not None else (c.text, [])
+            message = AssistantMessage(content)
+            reason = c.finish_reason
+            if calls:
+                message.tool_calls = [ToolCall(call.id, ToolCallFunction(call.name, call.arguments)) for call in calls]
+                reason = "tool_calls" if reason == "stop" else reason
+            choices.append(ChatChoice(c.index, message, server.chat_logprobs(c), reason))
         return ChatCompletionResponse(
             request_id, created, data.model or settings.served_model_name, choices, server.usage(final)
         )
@@ -497,7 +521,14 @@ def _chat_messages(data: ChatCompletionRequest) -> list[dict[str, Any]]:
                     code="unsupported_parameter",
                 )
             content = "".join(part.text for part in content if isinstance(part.text, str))
-        messages.append({"role": message.role, "content": content or ""})
+        turn: dict[str, Any] = {"role": message.role, "content": content or ""}
+        if message.tool_calls is not None:
+            if message.role != "assistant":
+                raise ApiError(400, f"messages[{i}]: only assistant turns carry tool_calls", param="messages")
+            turn["tool_calls"] = checked_tool_calls(message.tool_calls, f"messages[{i}]")
+        if message.role == "tool":
+            turn["tool_call_id"] = message.tool_call_id or ""
+        messages.append(turn)
     return messages
 
 
@@ -583,7 +614,10 @@ async def _chat_events(
     created: int,
     first: RequestOutput | None,
     stream: AsyncIterator[RequestOutput],
+    plan: ToolPlan | None = None,
 ) -> AsyncIterator[bytes]:
+    """With tools (`plan`), a reply's text streams only up to where a call could begin (none of it
+    for `required` or a named function); the calls come in one chunk when the reply ends."""
     model = data.model or server.settings.served_model_name
     for index in range(data.n):
         yield sse(
@@ -597,6 +631,10 @@ async def _chat_events(
     async for output in _chain(first, stream):
         last = output
         for c in output.outputs:
+            if plan is not None:
+                for chunk in _tool_deltas(plan, c, shown):
+                    yield sse(ChatCompletionChunk(request_id, created, model, [chunk]))
+                continue
             delta = c.text[shown[c.index] :]
             logprobs = server.chat_logprobs(c, shown_logprobs[c.index])
             if c.logprobs is not None:
@@ -614,3 +652,27 @@ async def _chat_events(
     if last is not None and data.stream_options is not None and data.stream_options.include_usage:
         yield sse(ChatCompletionChunk(request_id, created, model, [], server.usage(last)))
     yield sse("[DONE]")
+
+
+def _tool_deltas(plan: ToolPlan, c: CompletionOutput, shown: list[int]) -> list[ChatChunkChoice]:
+    """One choice's chunks of a step under tools: the text that can no longer be a call, and at
+    the end the calls (or, when there are none, the rest of the text)."""
+    chunks = []
+    if c.finish_reason is None:
+        end = held_back(c.text) if plan.choice == "auto" else 0
+        if end > shown[c.index]:
+            chunks.append(ChatChunkChoice(c.index, Delta(content=c.text[shown[c.index] : end]), None, None))
+            shown[c.index] = end
+        return chunks
+    _, calls = plan.calls(c.text)
+    if not calls:
+        rest = c.text[shown[c.index] :]
+        chunks.append(ChatChunkChoice(c.index, Delta(content=rest), None, c.finish_reason))
+    else:
+        deltas = [
+            DeltaToolCall(i, call.id, ToolCallFunction(call.name, call.arguments)) for i, call in enumerate(calls)
+        ]
+        reason = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+        chunks.append(ChatChunkChoice(c.index, Delta(tool_calls=deltas), None, reason))
+    shown[c.index] = len(c.text)
+    return chunks

@@ -63,6 +63,8 @@ class ChatMessage(Request):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls, sent back
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
 
 class ChatCompletionRequest(SamplingRequest, kw_only=True):
@@ -131,9 +133,21 @@ class ChatLogprobs(msgspec.Struct):
     content: list[ChatTokenLogprob]
 
 
+class ToolCallFunction(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    function: ToolCallFunction
+    type: Literal["function"] = "function"
+
+
 class AssistantMessage(msgspec.Struct):
-    content: str
+    content: str | None
     role: Literal["assistant"] = "assistant"
+    tool_calls: list[ToolCall] | UnsetType = UNSET
 
 
 class ChatChoice(msgspec.Struct):
@@ -152,9 +166,17 @@ class ChatCompletionResponse(msgspec.Struct):
     object: Literal["chat.completion"] = "chat.completion"
 
 
+class DeltaToolCall(msgspec.Struct):
+    index: int
+    id: str
+    function: ToolCallFunction
+    type: Literal["function"] = "function"
+
+
 class Delta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

@@ -1,0 +1,206 @@
+"""OpenAI tool calling on chat completions: `tools`, `tool_choice`, and the calls in the reply.
+
+The tools reach the model through its chat template when the template takes `tools` (Qwen3's
+does); otherwise through a system prompt of our own (`FALLBACK_PROMPT`), in the Hermes style that
+such templates use: the definitions inside `<tools>`, and each call written as
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. Assistant turns with `tool_calls` and
+`role: "tool"` turns are rendered the same way when the template does not know them.
+
+- `none`: the tools are left out and the reply is text;
+- `auto`: the model writes text or calls; `parse_tool_calls` turns the `<tool_call>` blocks of the
+  finished text into calls;
+- `required` or a named function: the output is constrained (structured/) to the JSON of one call,
+  of any tool or of that one, so the arguments always parse and follow the parameters' schema.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from compiled_engine.errors import RequestError
+from compiled_engine.structured.params import StructuredOutputs
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*(?:" + re.escape(CLOSE) + r"|$)", re.DOTALL)
+FALLBACK_PROMPT = (
+    "You can call functions to help with the user's request. The functions are described by "
+    "these JSON schemas:\n<tools>\n{tools}\n</tools>\nTo call a function, reply with one block "
+    'per call, and nothing else: <tool_call>{{"name": <function name>, "arguments": <arguments as '
+    "a JSON object>}}</tool_call>"
+)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    tools: list[dict[str, Any]]  # the functions' definitions: {"name", "description"?, "parameters"?}
+    choice: str  # "auto", "required" or "named" ("none" makes no plan)
+    name: str | None = None  # the named function
+
+    @property
+    def names(self) -> list[str]:
+        return [tool["name"] for tool in self.tools]
+
+    def constraint(self) -> StructuredOutputs | None:
+        """The output's constraint for `required` and a named function; None for `auto`."""
+        if self.choice == "auto":
+            return None
+        calls = [_call_schema(tool) for tool in self.tools if self.choice == "required" or tool["name"] == self.name]
+        schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        return StructuredOutputs(json=json.dumps(schema, sort_keys=True), param="tool_choice")
+
+    def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """The reply's text before any call, and its calls (none: the whole text)."""
+        if self.choice != "auto":
+            call = _call(text, self.names)
+            return (None, [call]) if call is not None else (text, [])
+        return parse_tool_calls(text, self.names)
+
+
+def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:
+    parameters = tool.get("parameters") or {"type": "object", "properties": {}}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": tool["name"]}, "arguments": parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def _call(text: str, names: list[str]) -> ToolCall | None:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, dict) or value.get("name") not in names:
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", value["name"], json.dumps(arguments))
+
+
+def parse_tool_calls(text: str, names: list[str]) -> tuple[str | None, list[ToolCall]]:
+    """`auto`: the `<tool_call>` blocks of `text` that hold a call of a known function (JSON with
+    its name and arguments), and the text before the first block (None when empty). With no such
+    block, the whole text and no calls."""
+    calls = [call for block in BLOCK.findall(text) if (call := _call(block, names)) is not None]
+    if not calls:
+        return text, []
+    content = text[: text.index(OPEN)].strip()
+    return content or None, calls
+
+
+def held_back(text: str) -> int:
+    """How much of `text` to stream now under `auto`: everything before a `<tool_call>` tag, or
+    before an ending that could still become one."""
+    if OPEN in text:
+        return text.index(OPEN)
+    for size in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if OPEN.startswith(text[-size:]):
+            return len(text) - size
+    return len(text)
+
+
+def tool_plan(tools: list[dict[str, Any]] | None, tool_choice: Any) -> ToolPlan | None:
+    """The request's tools and choice, checked; None when no tool may be called."""
+    if tool_choice is None:
+        tool_choice = "auto" if tools else "none"
+    if tools is None:
+        if tool_choice != "none":
+            raise RequestError(f"tool_choice {_show(tool_choice)} needs tools", param="tool_choice")
+        return None
+    functions = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if tool.get("type") != "function" or not isinstance(function, dict):
+            raise RequestError(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}', param="tools")
+        name = function.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+            raise RequestError(f"tools[{i}].function.name must be 1-64 letters, digits, _ . or -", param="tools")
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise RequestError(f"tools[{i}].function.parameters must be a JSON schema object", param="tools")
+        functions.append({key: function[key] for key in ("name", "description", "parameters") if key in function})
+    if len({f["name"] for f in functions}) != len(functions):
+        raise RequestError("tools must have distinct function names", param="tools")
+    if tool_choice == "none":
+        return None
+    if tool_choice in ("auto", "required"):
+        return ToolPlan(functions, tool_choice)
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        name = (tool_choice.get("function") or {}).get("name")
+        if name not in [f["name"] for f in functions]:
+            raise RequestError(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+        return ToolPlan(functions, "named", name)
+    raise RequestError(
+        f'tool_choice must be "none", "auto", "required" or {{"type": "function", "function": {{"name": ...}}}}, '
+        f"got {_show(tool_choice)}",
+        param="tool_choice",
+    )
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value) if not isinstance(value, str) else repr(value)
+
+
+def render_turns(
+    messages: list[dict[str, Any]], plan: ToolPlan | None, template_takes_tools: bool
+) -> list[dict[str, Any]]:
+    """Messages for a chat template: tool turns as the template knows them, or in the fallback
+    style, with the fallback system prompt when tools are offered and the template takes none."""
+    turns = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if message["role"] == "tool" and not template_takes_tools:
+            turns.append({"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"})
+        elif calls and not template_takes_tools:
+            blocks = [
+                f"{OPEN}\n{json.dumps({'name': c['function']['name'], 'arguments': json.loads(c['function']['arguments'])})}\n{CLOSE}"
+                for c in calls
+            ]
+            turns.append({"role": "assistant", "content": "\n".join([message["content"], *blocks]).strip()})
+        else:
+            turns.append(message)
+    if plan is not None and not template_takes_tools:
+        prompt = FALLBACK_PROMPT.format(tools="\n".join(json.dumps(tool) for tool in plan.tools))
+        if turns and turns[0]["role"] == "system":
+            turns[0] = {**turns[0], "content": f"{turns[0]['content']}\n\n{prompt}"}
+        else:
+            turns.insert(0, {"role": "system", "content": prompt})
+    return turns
+
+
+def checked_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant turn's `tool_calls` as OpenAI sends them back, checked: each with a function
+    name and its arguments as JSON text of an object."""
+    if not isinstance(calls, list):
+        raise RequestError(f"{where}.tool_calls must be a list", param="messages")
+    checked = []
+    for i, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        try:
+            parsed = json.loads(arguments) if isinstance(arguments, str) else None
+        except json.JSONDecodeError:
+            parsed = None
+        if not isinstance(name, str) or not isinstance(parsed, dict):
+            raise RequestError(
+                f"{where}.tool_calls[{i}] needs function.name and function.arguments (a JSON object as text)",
+                param="messages",
+            )
+        checked.append(
+            {"id": call.get("id", ""), "type": "function", "function": {"name": name, "arguments": arguments}}
+        )
+    return checked
