@@ -585,3 +585,28 @@ def test_bad_tool_requests_are_400s(server: ServerProcess, body: dict[str, Any],
     reply = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": ASK, "max_tokens": 3, **body}, timeout=60)
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param and message in reply.json()["error"]["message"]
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server: ServerProcess) -> None:
+    import httpx
+
+    body = {
+        "messages": ASK,
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as reply:
+        lines = [line[6:] for line in reply.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+    chunks = [json.loads(line) for line in lines]
+    content = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
+    assert content and all(c.get("usage") for c in content)
+    counts = [c["usage"]["completion_tokens"] for c in content]
+    assert counts == sorted(counts) and counts[-1] <= 8
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
+    plain = {**body, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=plain, timeout=60) as reply:
+        lines = [line[6:] for line in reply.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+    assert not any(json.loads(line).get("usage") for line in lines[:-1])

@@ -597,7 +597,11 @@ async def _completion_events(
             if delta or c.finish_reason or logprobs:
                 yield sse(
                     CompletionResponse(
-                        request_id, created, model, [CompletionChoice(c.index, delta, logprobs, c.finish_reason)]
+                        request_id,
+                        created,
+                        model,
+                        [CompletionChoice(c.index, delta, logprobs, c.finish_reason)],
+                        _running_usage(server, data, output),
                     )
                 )
             shown[c.index] = len(c.text)
@@ -631,9 +635,10 @@ async def _chat_events(
     async for output in _chain(first, stream):
         last = output
         for c in output.outputs:
+            usage = _running_usage(server, data, output)
             if plan is not None:
                 for chunk in _tool_deltas(plan, c, shown):
-                    yield sse(ChatCompletionChunk(request_id, created, model, [chunk]))
+                    yield sse(ChatCompletionChunk(request_id, created, model, [chunk], usage))
                 continue
             delta = c.text[shown[c.index] :]
             logprobs = server.chat_logprobs(c, shown_logprobs[c.index])
@@ -646,6 +651,7 @@ async def _chat_events(
                         created,
                         model,
                         [ChatChunkChoice(c.index, Delta(content=delta), logprobs, c.finish_reason)],
+                        usage,
                     )
                 )
             shown[c.index] = len(c.text)
@@ -676,3 +682,11 @@ def _tool_deltas(plan: ToolPlan, c: CompletionOutput, shown: list[int]) -> list[
         chunks.append(ChatChunkChoice(c.index, Delta(tool_calls=deltas), None, reason))
     shown[c.index] = len(c.text)
     return chunks
+
+
+def _running_usage(
+    server: OpenAIServer, data: CompletionRequest | ChatCompletionRequest, output: RequestOutput
+) -> Usage | None:
+    """The usage so far, for every chunk of a stream with `continuous_usage_stats` (vLLM's)."""
+    options = data.stream_options
+    return server.usage(output) if options is not None and options.continuous_usage_stats else None

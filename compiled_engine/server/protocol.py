@@ -14,6 +14,7 @@ class Request(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
 
 class StreamOptions(Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage so far in every chunk
 
 
 class SamplingRequest(Request, kw_only=True):
