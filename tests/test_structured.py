@@ -253,19 +253,50 @@ def test_constrained_and_free_requests_batch_together_and_aborts_leave_no_pages(
     assert not engine.has_unfinished_requests()
 
 
-def test_constrained_requests_do_not_speculate_and_keep_their_output(llm: LLM) -> None:
-    spec = StructuredOutputs.of({"json": SCHEMAS[10]})
-    params = SamplingParams(temperature=0, max_tokens=60, structured_outputs=spec)
-    prompt = _chat(llm, "Some numbers: 1, 2, 3, 1, 2, 3, 1, 2, 3")
-    expected = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-    spec_llm = LLM(
-        None,
-        enforce_eager=True,
-        kv_cache_memory_gib=0.05,
-        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
-    )
-    [out] = spec_llm.generate([prompt], params, use_tqdm=False)
-    assert out.outputs[0].token_ids == expected and out.metrics is not None and out.metrics.num_draft_tokens == 0
+PEOPLE = _closed(
+    {
+        "type": "object",
+        "properties": {
+            "people": {
+                "type": "array",
+                "items": {"type": "object", "properties": {"name": NAME, "age": SMALL}, "required": ["name", "age"]},
+                "minItems": 3,
+                "maxItems": 4,
+            }
+        },
+        "required": ["people"],
+    }
+)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_constrained_requests_speculate_with_masked_drafts_and_keep_their_output(
+    llm: LLM, default_model_dir: Path, method: str
+) -> None:
+    """Each verified draft position is masked by the grammar as the draft tokens before it left
+    it, and the matcher rolls back after verification: the output is the one without
+    speculation, token for token (greedy, and seeded sampling with prompt lookup), and drafts
+    were accepted. The draft model here is the default model itself."""
+    spec = StructuredOutputs.of({"json": PEOPLE})
+    prompt = _chat(llm, "List three people with their ages as JSON.")
+    params = [
+        SamplingParams(temperature=0, max_tokens=120, structured_outputs=spec),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=120, structured_outputs=spec),
+    ]
+    if method == "draft_model":
+        params = params[:1]  # sampled rows of a draft model keep the distribution, not the seeded tokens
+    expected = [out.outputs[0].token_ids for out in llm.generate([prompt] * len(params), params, use_tqdm=False)]
+    config: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": 3}
+    if method == "draft_model":
+        config = {"method": "draft_model", "model": str(default_model_dir), "num_speculative_tokens": 3}
+    spec_llm = LLM(None, enforce_eager=True, kv_cache_memory_gib=0.05, speculative_config=config)
+    outs = spec_llm.generate([prompt] * len(params), params, use_tqdm=False)
+    assert [out.outputs[0].token_ids for out in outs] == expected
+    for out in outs:
+        jsonschema.validate(json.loads(out.outputs[0].text), PEOPLE)
+    stats = spec_llm.engine.speculative_stats
+    assert stats.accepted_tokens > 0 and stats.draft_tokens > 0
+    _pool_is_whole(spec_llm)
 
 
 # -- through the server, with the openai client ------------------------------------------------

@@ -279,9 +279,17 @@ class LLMEngine:
                 batch.prompt_token_ids.append(seq.prompt_token_ids)
                 batch.output_token_ids.append(seq.output_token_ids + draft[:ahead] if ahead else seq.output_token_ids)
                 batch.banned_token_ids.append(seq.banned_token_ids(ahead))
-        if any(seq.grammar is not None for seq in due):  # constrained sequences have no drafts
-            with nvtx_range("grammar masks"):
-                batch.allowed_tokens = [None if seq.grammar is None else seq.grammar.allowed() for seq in due]
+        if any(seq.grammar is not None for seq in due):
+            with nvtx_range("grammar masks"):  # a verified draft position is masked too
+                batch.allowed_tokens = [
+                    mask
+                    for seq in due
+                    for mask in (
+                        [None] * (1 + len(seq.draft_token_ids))
+                        if seq.grammar is None
+                        else seq.grammar.masks_along(seq.draft_token_ids)
+                    )
+                ]
         verified = logits[rows]
         sampled = self.sampler(verified, batch)
         now = time.perf_counter()

@@ -98,6 +98,7 @@ class DraftModel:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.sampler = Sampler()  # the torch sampler: every draw follows the sequence's seed
         self._written: dict[int, tuple[int, int]] = {}  # seq id -> (its preemptions, draft K/V written)
+        self._advanced: dict[int, int] = {}  # seq id -> draft tokens its grammar took during `propose`
         logger.info("draft model: %s (%s)", plan.model_dir, self.runner.weights_description)
 
     def _valid(self, seq: Sequence) -> int:
@@ -112,6 +113,7 @@ class DraftModel:
         """Fill each sequence's reserved draft places (`draft_token_ids`, its pages allocated by
         the scheduler) with the draft model's tokens. Returns the draft's distribution [k, vocab]
         of every sampled (non-greedy) sequence, by seq id, for the rejection sampling."""
+        self._advanced = {}
         live = {seq.seq_id for seq in running}
         self._written = {key: value for key, value in self._written.items() if key in live}
         if not seqs:
@@ -131,6 +133,8 @@ class DraftModel:
         for seq in seqs:
             seq.draft_token_ids = drafts[seq.seq_id]
             self._written[seq.seq_id] = (seq.num_preemptions, seq.num_computed_tokens + len(seq.draft_token_ids))
+            if seq.grammar is not None:  # `_draw` advanced it through the draft's valid tokens
+                seq.grammar.rollback(self._advanced.pop(seq.seq_id, 0))
         return {seq_id: torch.stack(rows) for seq_id, rows in probs.items()}
 
     def _catch_up(self, seqs: list[Sequence]) -> list[int]:
@@ -159,6 +163,13 @@ class DraftModel:
                 break  # only last tokens are left: more sequences than the budget has tokens
             self._forward(chunk, chunk_starts, chunk_tokens, want_logits=False)
         return starts
+
+    def _allowed(self, seq: Sequence, drafted: int) -> torch.Tensor | None:
+        """The grammar's mask after the `drafted` tokens so far, while the grammar took them all."""
+        grammar = seq.grammar
+        if grammar is None or grammar.finished:
+            return None
+        return grammar.allowed() if self._advanced.get(seq.seq_id, 0) == drafted else None
 
     def _forward(
         self, seqs: list[Sequence], starts: list[int], tokens: list[list[int]], want_logits: bool
@@ -193,6 +204,8 @@ class DraftModel:
             output_token_ids=[seq.output_token_ids + drafts[seq.seq_id] for seq in seqs],
             banned_token_ids=[seq.banned_token_ids(len(drafts[seq.seq_id])) for seq in seqs],
         )
+        if any(seq.grammar is not None for seq in seqs):  # draft inside the grammar, as far as it goes
+            batch.allowed_tokens = [self._allowed(seq, len(drafts[seq.seq_id])) for seq in seqs]
         filtered = self.sampler.filtered_logits(logits, batch)
         chosen = filtered
         sampled = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
@@ -204,5 +217,9 @@ class DraftModel:
         tokens = chosen.argmax(dim=-1).tolist()
         for i, seq in enumerate(seqs):
             drafts[seq.seq_id].append(tokens[i])
+            grammar = seq.grammar
+            took_all = self._advanced.get(seq.seq_id, 0) == len(drafts[seq.seq_id]) - 1
+            if grammar is not None and took_all and grammar.try_advance(tokens[i]):
+                self._advanced[seq.seq_id] = len(drafts[seq.seq_id])
             if seq.seq_id in probs:
                 probs[seq.seq_id].append(torch.softmax(filtered[i], dim=-1))

@@ -66,9 +66,7 @@ def propose_drafts(config: SpeculativeConfig, running: list[Sequence], max_model
     off = config.disable_by_batch_size is not None and len(running) > config.disable_by_batch_size
     for seq in running:
         seq.draft_token_ids = []
-        # A constrained sequence (structured outputs) does not speculate: its mask is computed
-        # for one position a step.
-        if off or seq.is_prefilling or not seq.speculating or seq.grammar is not None:
+        if off or seq.is_prefilling or not seq.speculating:
             continue
         # The step emits up to k + 1 tokens; the k drafts sit at positions up to num_tokens - 1 + k.
         room = min(seq.params.max_tokens - len(seq.output_token_ids), max_model_len - seq.num_tokens) - 1
@@ -76,7 +74,9 @@ def propose_drafts(config: SpeculativeConfig, running: list[Sequence], max_model
         if k <= 0:
             continue
         if config.method == "ngram":
-            seq.draft_token_ids = propose_ngram(seq.token_ids, config.prompt_lookup_min, config.prompt_lookup_max, k)
+            draft = propose_ngram(seq.token_ids, config.prompt_lookup_min, config.prompt_lookup_max, k)
+            # A constrained sequence (structured outputs) verifies only what its grammar allows.
+            seq.draft_token_ids = draft if seq.grammar is None else draft[: seq.grammar.valid_prefix(draft)]
         else:
             seq.draft_token_ids = [PENDING] * k
 

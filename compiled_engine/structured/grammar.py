@@ -123,6 +123,32 @@ class GrammarMatcher:
         shifts = torch.arange(8, dtype=torch.uint8)
         return ((bits[:, None] >> shifts) & 1).flatten()[: self.vocab_size].bool()
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, from the start, the grammar would take now (a draft's part)."""
+        return int(self._matcher.validate_tokens(tokens)) if tokens else 0
+
+    def try_advance(self, token: int) -> bool:
+        """Consume `token` if the grammar takes it; False (and no change) if not."""
+        return self.valid_prefix([token]) == 1 and self.advance(token)
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens and not self._matcher.rollback(num_tokens):
+            raise RuntimeError(f"the grammar could not roll back {num_tokens} tokens: {self._matcher.get_error()}")
+
+    def masks_along(self, draft: list[int]) -> list[torch.Tensor | None]:
+        """The allowed tokens at each of a draft's 1 + k verify rows: now, and after each draft
+        token in turn (the matcher is rolled back afterwards). Rows after a draft token the
+        grammar refuses get None: verification stops at that token, so they are never emitted."""
+        masks: list[torch.Tensor | None] = [self.allowed()]
+        consumed = 0
+        for token in draft:
+            if not self.try_advance(token):
+                break
+            consumed += 1
+            masks.append(self.allowed())
+        self.rollback(consumed)
+        return masks + [None] * (len(draft) + 1 - len(masks))
+
     def advance(self, token: int) -> bool:
         """Consume an emitted token; False if the grammar refuses it (the mask allowed it not)."""
         return bool(self._matcher.consume_token(token))
