@@ -641,3 +641,36 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server: Serv
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=plain, timeout=60) as reply:
         lines = [line[6:] for line in reply.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
     assert not any(json.loads(line).get("usage") for line in lines[:-1])
+
+
+QWEN_STYLE_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n"
+    "</tools><|im_end|>\n{% endif %}"
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{% if message.tool_calls %}{% for call in message.tool_calls %}<tool_call>{{ call.function | tojson }}"
+    "</tool_call>{% endfor %}{% else %}{{ message.content }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_that_takes_tools_renders_them_and_the_fallback_stays_out(
+    default_model_dir: Path, tmp_path: Path
+) -> None:
+    from compiled_engine.server.tools import render_turns, tool_plan
+    from compiled_engine.tokenizer import Tokenizer
+
+    (tmp_path / "tokenizer.json").write_bytes((default_model_dir / "tokenizer.json").read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": QWEN_STYLE_TEMPLATE}))
+    tokenizer = Tokenizer(tmp_path)
+    assert tokenizer.template_takes_tools and not Tokenizer(default_model_dir).template_takes_tools
+    plan = tool_plan(TOOLS, "auto")
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    turns = [*ASK, {"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": "3"}]
+    rendered = tokenizer.apply_chat_template(
+        render_turns(turns, plan, True),
+        tools=[{"type": "function", "function": t} for t in plan.tools],  # type: ignore[union-attr]
+    )
+    assert rendered.count('"name": "get_weather"') == 1 and "You can call functions" not in rendered
+    assert "<|im_start|>tool\n3<|im_end|>" in rendered and '<tool_call>{"arguments": "{\\"a\\": 1' in rendered
+    fallback = Tokenizer(default_model_dir).apply_chat_template(render_turns(turns, plan, False))
+    assert "You can call functions" in fallback and "<tool_response>\n3\n</tool_response>" in fallback
