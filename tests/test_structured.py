@@ -671,6 +671,6 @@ def test_a_template_that_takes_tools_renders_them_and_the_fallback_stays_out(
         tools=[{"type": "function", "function": t} for t in plan.tools],  # type: ignore[union-attr]
     )
     assert rendered.count('"name": "get_weather"') == 1 and "You can call functions" not in rendered
-    assert "<|im_start|>tool\n3<|im_end|>" in rendered and '<tool_call>{"arguments": "{\\"a\\": 1' in rendered
+    assert "<|im_start|>tool\n3<|im_end|>" in rendered and '"arguments": "{\\"a\\": 1, \\"b\\": 2}"}</tool_call>' in rendered
     fallback = Tokenizer(default_model_dir).apply_chat_template(render_turns(turns, plan, False))
     assert "You can call functions" in fallback and "<tool_response>\n3\n</tool_response>" in fallback
