@@ -671,6 +671,67 @@ def test_a_template_that_takes_tools_renders_them_and_the_fallback_stays_out(
         tools=[{"type": "function", "function": t} for t in plan.tools],  # type: ignore[union-attr]
     )
     assert rendered.count('"name": "get_weather"') == 1 and "You can call functions" not in rendered
-    assert "<|im_start|>tool\n3<|im_end|>" in rendered and '"arguments": "{\\"a\\": 1, \\"b\\": 2}"}</tool_call>' in rendered
+    assert (
+        "<|im_start|>tool\n3<|im_end|>" in rendered
+        and '"arguments": "{\\"a\\": 1, \\"b\\": 2}"}</tool_call>' in rendered
+    )
     fallback = Tokenizer(default_model_dir).apply_chat_template(render_turns(turns, plan, False))
     assert "You can call functions" in fallback and "<tool_response>\n3\n</tool_response>" in fallback
+
+
+def test_prompt_logprobs_equal_transformers_in_chunks_and_skip_the_prefix_cache(
+    tiny_model_factory: Any,
+) -> None:
+    """Each prompt token's logprob given the tokens before it, its rank and the top-N, against
+    transformers on the same tiny model, with the prompt computed in chunks of 8; a second
+    identical request computes its prompt again rather than taking cached pages."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model_factory("llama")
+    prompt = [5, 17, 99, 3, 42, 8, 11, 12, 13, 200, 7, 7, 31, 64, 150, 9, 21, 60, 2, 77]
+    with torch.no_grad():
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        expected = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    llm = LLM(str(model_dir), enforce_eager=True, page_size=4, num_pages=64, max_num_batched_tokens=8)
+    params = SamplingParams(temperature=0, max_tokens=2, n=2, prompt_logprobs=3)
+    for _ in range(2):
+        [out] = llm.generate([prompt], params, use_tqdm=False)
+        assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt)
+        assert out.prompt_logprobs[0] is None and out.num_cached_tokens == 0
+        for position, entry in enumerate(out.prompt_logprobs[1:], 1):
+            assert entry is not None and entry.token_id == prompt[position]
+            row = expected[position - 1]
+            assert entry.logprob == pytest.approx(float(row[prompt[position]]), abs=1e-4)
+            assert entry.rank == int((row > row[prompt[position]]).sum()) + 1
+            assert entry.top_token_ids == row.topk(3).indices.tolist()
+    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+    assert plain.prompt_logprobs is None and plain.outputs[0].token_ids == out.outputs[0].token_ids
+    with pytest.raises(RequestError, match="prompt_logprobs must be in"):
+        SamplingParams(prompt_logprobs=21)
+
+
+def test_prompt_logprobs_through_the_server(server: ServerProcess, llm: LLM) -> None:
+    import httpx
+
+    body = {"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1}
+    reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    entries = reply.json()["choices"][0]["prompt_logprobs"]
+    ids = llm.tokenizer.encode("The capital of France is")
+    assert len(entries) == len(ids) and entries[0] is None
+    for token, entry in zip(ids[1:], entries[1:], strict=True):
+        assert str(token) in entry and entry[str(token)]["logprob"] <= 0 and entry[str(token)]["rank"] >= 1
+    chat = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={"messages": ASK, "max_tokens": 1, "prompt_logprobs": 0},
+        timeout=60,
+    ).json()
+    assert chat["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+    assert (
+        "prompt_logprobs"
+        not in httpx.post(f"{server.url}/v1/completions", json={**body, "prompt_logprobs": None}, timeout=60).json()[
+            "choices"
+        ][0]
+    )
+    streamed = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60)
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"

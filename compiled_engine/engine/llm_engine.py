@@ -16,12 +16,13 @@ from compiled_engine.cache.block_manager import BlockManager
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.engine.output_text import SequenceText
-from compiled_engine.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from compiled_engine.engine.outputs import CompletionOutput, PromptTokenLogprobs, RequestMetrics, RequestOutput
 from compiled_engine.engine.request_validation import check_request, prompt_token_ids
 from compiled_engine.engine.sampler import SamplingBatch, TokenLogprobs, make_sampler
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.engine.scheduler import Scheduler
 from compiled_engine.engine.sequence import FinishReason, Sequence
+from compiled_engine.engine.step_inputs import logit_count
 from compiled_engine.errors import RequestError
 from compiled_engine.lora.adapter import LoRAError
 from compiled_engine.lora.manager import LoRAManager, LoRARequest
@@ -51,6 +52,7 @@ class _Request:
     logprobs: list[list[TokenLogprobs]] | None
     metrics: RequestMetrics
     changed: bool = field(default=False)
+    prompt_logprobs: list[PromptTokenLogprobs | None] | None = None  # with SamplingParams.prompt_logprobs
 
     @property
     def finished(self) -> bool:
@@ -230,13 +232,17 @@ class LLMEngine:
                 with nvtx_range("draft"):
                     speculating = [item.seq for item in out.scheduled if item.seq.draft_token_ids]
                     draft_probs = self.draft.propose(speculating, self.scheduler.running)
-            logits = self.runner.run([(item.seq, item.num_tokens) for item in out.scheduled], slots)
+            batch = [(item.seq, item.num_tokens) for item in out.scheduled]
+            counts = [logit_count(seq, num_new) for seq, num_new in batch]  # logits rows of each
+            logits = self.runner.run(batch, slots)
+            first_rows, row = {}, 0  # each sequence's first row to sample: it has 1 + drafts
+            for (seq, _), count in zip(batch, counts, strict=True):
+                if seq.wants_prompt_logprobs:
+                    self._record_prompt_logprobs(seq, logits[row : row + count])
+                first_rows[seq.seq_id] = row + count - 1 - len(seq.draft_token_ids)
+                row += count
             due = self.scheduler.advance(out)
             if due:
-                first_rows, row = {}, 0  # each sequence's first logits row: it has 1 + drafts
-                for item in out.scheduled:
-                    first_rows[item.seq.seq_id] = row
-                    row += 1 + len(item.seq.draft_token_ids)
                 with nvtx_range("sample"):
                     self._sample(logits, first_rows, due, draft_probs)
         with nvtx_range("detokenize"):
@@ -328,6 +334,28 @@ class LLMEngine:
                     assert self.speculative is not None
                     update_speculating(self.speculative, seq, len(draft), accepted)
 
+    def _record_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """The prompt logprobs a prefill chunk gives: row j of `logits` (the chunk's token at
+        position num_computed_tokens + j) predicts the prompt token after it."""
+        request = self._requests[seq.request_id]
+        prompt = seq.prompt_token_ids
+        if request.prompt_logprobs is None:
+            request.prompt_logprobs = [None] * len(prompt)
+        start = seq.num_computed_tokens
+        targets = prompt[start + 1 : start + 1 + logits.shape[0]]
+        if not targets:
+            return
+        logprobs = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
+        wanted = torch.tensor(targets, device=logprobs.device)[:, None]
+        picked = logprobs.gather(1, wanted)
+        ranks = ((logprobs > picked).sum(dim=1) + 1).tolist()
+        top = seq.params.prompt_logprobs or 0
+        top_values, top_ids = logprobs.topk(top, dim=-1) if top else (picked[:, :0], wanted[:, :0])
+        for j, (token, value, rank, ids, values) in enumerate(
+            zip(targets, picked[:, 0].tolist(), ranks, top_ids.tolist(), top_values.tolist(), strict=True)
+        ):
+            request.prompt_logprobs[start + 1 + j] = PromptTokenLogprobs(token, value, rank, ids, values)
+
     def _emit(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, now: float) -> bool:
         """Append one sampled token to `seq`; True when that ended it (a stop token or string,
         max_tokens)."""
@@ -406,6 +434,7 @@ class LLMEngine:
             finished=request.finished,
             num_cached_tokens=first.num_cached_tokens,
             metrics=metrics,
+            prompt_logprobs=None if request.prompt_logprobs is None else list(request.prompt_logprobs),
         )
 
 

@@ -54,6 +54,18 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class PromptTokenLogprobs:
+    """A prompt token's logprob given the tokens before it, its rank (1: the most likely), and
+    the top-N tokens there."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -63,6 +75,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first.
+    prompt_logprobs: list[PromptTokenLogprobs | None] | None = None
 
     # Convenience for n == 1, the common case.
     @property

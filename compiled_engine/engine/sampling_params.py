@@ -28,6 +28,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token (plus the chosen token's)
+    # top-N logprobs per prompt token (plus the token's own; the first has none); such a request
+    # computes its whole prompt, with no prefix-cache hits.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # The output follows this JSON schema, regex, choice or grammar (structured/).
     structured_outputs: StructuredOutputs | None = None
@@ -84,6 +87,11 @@ class SamplingParams:
                 "logprobs",
                 self.logprobs is None or 0 <= self.logprobs <= 20,
                 f"logprobs must be in [0, 20], got {self.logprobs}",
+            ),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+                f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}",
             ),
             ("stop", all(s for s in self.stop), "stop strings must not be empty"),
             (

@@ -138,6 +138,8 @@ class Scheduler:
         if parent is not None and parent.status is SequenceStatus.RUNNING and seq.num_computed_tokens == 0:
             hits = parent.block_table[:full_prompt_pages]
             keys = parent.page_keys[: len(hits)]
+        elif seq.wants_prompt_logprobs:  # every prompt token's logits are needed: nothing cached
+            hits, keys = [], []
         else:
             hits, keys = self.block_manager.match_prefix(seq.token_ids, seq.cache_salt)
         cached = len(hits) * self.block_manager.page_size

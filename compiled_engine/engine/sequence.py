@@ -82,6 +82,16 @@ class Sequence:
         return self.num_uncomputed_tokens > 1
 
     @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt's logprobs are asked for and not all computed yet (its request's first
+        completion computes them; forked siblings share its prompt pages)."""
+        return (
+            self.params.prompt_logprobs is not None
+            and self.index == 0
+            and self.num_computed_tokens < len(self.prompt_token_ids)
+        )
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 

@@ -20,8 +20,8 @@ class StepInputs:
     seq_lens: list[int]
     block_tables: list[list[int]]
     lora_slots: list[int] | None = None  # each sequence's adapter slot, -1 for none; None: no adapters
-    # How many of each sequence's last tokens need logits: 1 + its draft tokens (speculative
-    # decoding verifies each); None: one each.
+    # How many of each sequence's last tokens need logits (`logit_count`): 1 + its draft tokens
+    # (speculative decoding verifies each), or all of them (prompt logprobs); None: one each.
     logit_counts: list[int] | None = None
 
     @property
@@ -50,8 +50,15 @@ class StepInputs:
         slots = None
         if lora_slots is not None:
             slots = [-1 if seq.lora_name is None else lora_slots[seq.lora_name] for seq, _ in batch]
-        counts = None
-        if any(seq.draft_token_ids for seq, _ in batch):
-            counts = [1 + len(seq.draft_token_ids) for seq, _ in batch]
+        every = [logit_count(seq, num_new) for seq, num_new in batch]
+        counts = None if all(count == 1 for count in every) else every
         tables = [list(seq.block_table) for seq, _ in batch]
         return cls(token_ids, positions, query_lens, seq_lens, tables, slots, counts)
+
+
+def logit_count(seq: Sequence, num_new: int) -> int:
+    """How many of a sequence's last new tokens of the step need logits: every one while its
+    prompt logprobs are computed, 1 + its draft tokens when it verifies a draft, else one."""
+    if seq.wants_prompt_logprobs:
+        return num_new
+    return 1 + len(seq.draft_token_ids)

@@ -18,6 +18,7 @@ from litestar.logging.config import LoggingConfig
 from litestar.openapi import OpenAPIConfig
 from litestar.params import Body
 from litestar.response import Stream
+from msgspec import UNSET, UnsetType
 
 from compiled_engine.engine.async_engine import AsyncEngine
 from compiled_engine.engine.llm_engine import LLMEngine
@@ -49,6 +50,8 @@ from compiled_engine.server.protocol import (
     LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
+    PromptLogprob,
+    PromptLogprobs,
     PromptTokensDetails,
     TokenizeRequest,
     TokenizeResponse,
@@ -153,6 +156,24 @@ class OpenAIServer:
             return max_tokens
         return max(self.max_model_len - len(prompt_ids), 1)
 
+    def prompt_logprobs(self, output: RequestOutput) -> PromptLogprobs | UnsetType:
+        """vLLM's prompt_logprobs: for each prompt token (None for the first), the token's own and
+        the top-N, by token id."""
+        if output.prompt_logprobs is None:
+            return UNSET
+        entries: PromptLogprobs = []
+        for entry in output.prompt_logprobs:
+            if entry is None:
+                entries.append(None)
+                continue
+            found = {
+                str(entry.token_id): PromptLogprob(entry.logprob, entry.rank, self.tokenizer.decode([entry.token_id]))
+            }
+            for rank, (token, value) in enumerate(zip(entry.top_token_ids, entry.top_logprobs, strict=True), 1):
+                found.setdefault(str(token), PromptLogprob(value, rank, self.tokenizer.decode([token])))
+            entries.append(found)
+        return entries
+
     def usage(self, output: RequestOutput) -> Usage:
         completion = sum(len(c.token_ids) for c in output.outputs)
         prompt = len(output.prompt_token_ids)
@@ -221,6 +242,8 @@ def sampling_params(
 ) -> SamplingParams:
     if body.n > MAX_N:
         raise ApiError(400, f"n must be at most {MAX_N}, got {body.n}", param="n")
+    if body.prompt_logprobs is not None and body.stream:
+        raise ApiError(400, "prompt_logprobs needs stream: false", param="prompt_logprobs")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     bias: list[tuple[int, float]] = []
     for key, value in (body.logit_bias or {}).items():
@@ -244,6 +267,7 @@ def sampling_params(
         logprobs=logprobs,
         structured_outputs=structured,
         logit_bias=tuple(bias),
+        prompt_logprobs=body.prompt_logprobs,
     )
 
 
@@ -391,6 +415,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
                         prefix + completion.text,
                         server.completion_logprobs(completion, len(prefix)),
                         completion.finish_reason,
+                        server.prompt_logprobs(final),
                     )
                 )
         usages = [server.usage(final) for final in finals]
@@ -483,7 +508,12 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
                 reason = "tool_calls" if reason == "stop" else reason
             choices.append(ChatChoice(c.index, message, server.chat_logprobs(c), reason))
         return ChatCompletionResponse(
-            request_id, created, data.model or settings.served_model_name, choices, server.usage(final)
+            request_id,
+            created,
+            data.model or settings.served_model_name,
+            choices,
+            server.usage(final),
+            prompt_logprobs=server.prompt_logprobs(final),
         )
 
     return Litestar(

@@ -39,6 +39,7 @@ class SamplingRequest(Request, kw_only=True):
     # Structured outputs (structured/): OpenAI's response_format, vLLM's structured_outputs, and
     # vLLM's older guided_* fields (aliases); at most one of them in a request.
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    prompt_logprobs: int | None = None  # vLLM: top-N logprobs of each prompt token (not streamed)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
@@ -101,11 +102,21 @@ class CompletionLogprobs(msgspec.Struct):
     text_offset: list[int]
 
 
+class PromptLogprob(msgspec.Struct):
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]  # vLLM's: per prompt token, by token id
+
+
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET
 
 
 class CompletionResponse(msgspec.Struct):
@@ -165,6 +176,7 @@ class ChatCompletionResponse(msgspec.Struct):
     choices: list[ChatChoice]
     usage: Usage
     object: Literal["chat.completion"] = "chat.completion"
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET
 
 
 class DeltaToolCall(msgspec.Struct):
