@@ -153,6 +153,20 @@ def _pool_is_whole(llm: LLM) -> None:
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
+def _abort_midway(llm: LLM, prompts: list[Any], params: SamplingParams) -> None:
+    """Start the requests, abort them after four steps (drafts verified and rolled back by
+    then), and check that every page came back."""
+    engine = llm.engine
+    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    for _ in range(4):
+        engine.step()
+    for request_id in ids:
+        engine.abort_request(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    _pool_is_whole(llm)
+
+
 def test_greedy_output_is_unchanged_alone_and_batched(smol_plain: LLM, smol_spec: LLM) -> None:
     expected = _ids(smol_plain, LOOPS, GREEDY)
     for prompt, want in zip(LOOPS, expected, strict=True):
@@ -261,15 +275,7 @@ def test_preemption_and_aborts_leave_no_pages_behind(model_dir: Path, plain: LLM
     assert _ids(small, prompts, params) == _ids(plain, prompts, params)
     assert small.engine.scheduler.num_preemptions > 0
     _pool_is_whole(small)
-    engine = small.engine
-    ids = [engine.add_request(prompt, params) for prompt in prompts[:3]]
-    for _ in range(4):
-        engine.step()
-    for request_id in ids:
-        engine.abort_request(request_id)
-    while engine.has_unfinished_requests():
-        engine.step()
-    _pool_is_whole(small)
+    _abort_midway(small, prompts[:3], params)
 
 
 def test_compiled_speculation_equals_eager_and_never_recompiles(model_dir: Path, plain: LLM) -> None:
@@ -497,15 +503,7 @@ def test_a_draft_model_through_preemption_and_aborts_leaves_no_pages_behind(
     assert _ids(small, prompts, GREEDY) == _ids(plain, prompts, GREEDY)
     assert small.engine.scheduler.num_preemptions > 0 and small.engine.speculative_stats.draft_tokens > 0
     _pool_is_whole(small)
-    engine = small.engine
-    ids = [engine.add_request(prompt, GREEDY) for prompt in prompts[:3]]
-    for _ in range(4):
-        engine.step()
-    for request_id in ids:
-        engine.abort_request(request_id)
-    while engine.has_unfinished_requests():
-        engine.step()
-    _pool_is_whole(small)
+    _abort_midway(small, prompts[:3], GREEDY)
 
 
 @pytest.mark.parametrize(
