@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="LoRA adapters a request names as its model: name=path, or JSON "
         '\'{"name": ..., "path": ..., "base_model_name": ...}\' (needs --enable-lora)',
     )
+    serve.add_argument("--no-chat-page", action="store_true", help="do not serve the chat page at /")
     serve.add_argument(
         "--enable-runtime-lora-updates",
         action="store_true",
@@ -169,6 +170,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.shutdown_grace_s,
         lora_modules(args.lora_modules or [], args.served_model_name),
         args.enable_runtime_lora_updates,
+        not args.no_chat_page,
     )
 
 

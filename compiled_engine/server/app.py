@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated, Any
 
 import msgspec
@@ -74,6 +75,16 @@ def _lora_manager(engine: LLMEngine) -> LoRAManager:
 
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+CHAT_PAGE_DIR = Path(__file__).parent / "chat_page"
+# The chat page's files (read once: they ship with the package), with their media types.
+CHAT_PAGE_FILES = {
+    name: ((CHAT_PAGE_DIR / name).read_bytes(), media_type)
+    for name, media_type in (
+        ("index.html", "text/html; charset=utf-8"),
+        ("chat.js", "text/javascript; charset=utf-8"),
+        ("chat.css", "text/css; charset=utf-8"),
+    )
+}
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 CHAT_PATH = "/v1/chat/completions"
 # The engine's names for request fields (RequestError.param) that a chat body calls otherwise.
@@ -90,6 +101,7 @@ class ServerSettings:
     # /v1/unload_lora_adapter change the set while serving.
     lora_modules: dict[str, str] = field(default_factory=dict)
     runtime_lora_updates: bool = False
+    chat_page: bool = True  # serve the chat page at / (`serve --no-chat-page` turns it off)
 
 
 class OpenAIServer:
@@ -516,9 +528,22 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
             prompt_logprobs=server.prompt_logprobs(final),
         )
 
+    @get("/", sync_to_thread=False, media_type="text/html; charset=utf-8", include_in_schema=False)
+    def chat_page() -> bytes:
+        """The chat page (not behind the API key; every call it makes carries the key)."""
+        return CHAT_PAGE_FILES["index.html"][0]
+
+    @get("/chat/{name:str}", sync_to_thread=False, include_in_schema=False)
+    def chat_page_file(name: str) -> Response[bytes]:
+        if name not in CHAT_PAGE_FILES or name == "index.html":
+            raise ApiError(404, f"no such file: {name}", "not_found_error")
+        content, media_type = CHAT_PAGE_FILES[name]
+        return Response(content, media_type=media_type)
+
     return Litestar(
         route_handlers=[health, ready, prometheus, models, completions, chat_completions, tokenize, detokenize]
-        + ([load_lora_adapter, unload_lora_adapter] if settings.runtime_lora_updates else []),
+        + ([load_lora_adapter, unload_lora_adapter] if settings.runtime_lora_updates else [])
+        + ([chat_page, chat_page_file] if settings.chat_page else []),
         middleware=[metrics.middleware],
         exception_handlers={Exception: handle_exception, RequestError: handle_request_error},
         request_class=BodyRequest,

@@ -33,6 +33,7 @@ def run_server(
     shutdown_grace_s: float,
     lora_modules: dict[str, str] | None = None,
     runtime_lora_updates: bool = False,
+    chat_page: bool = True,
 ) -> int:
     started = time.perf_counter()
     lora_modules = dict(lora_modules or {})
@@ -66,10 +67,12 @@ def run_server(
     )
     if name in lora_modules:
         raise ValueError(f"the adapter name {name!r} is the served model's name")
-    settings = ServerSettings(name, api_keys, max_body_bytes, lora_modules, runtime_lora_updates)
+    settings = ServerSettings(name, api_keys, max_body_bytes, lora_modules, runtime_lora_updates, chat_page)
     app = create_app(async_engine, settings)
     app.on_shutdown.append(lambda: async_engine.shutdown(grace_s=shutdown_grace_s))
     logger.info("serving on http://%s:%d/v1 (OpenAPI schema at /docs/openapi.json)", host, port)
+    if chat_page:
+        logger.info("chat page: http://%s:%d/", host, port)
     config_ = uvicorn.Config(
         app, host=host, port=port, log_level="info", timeout_graceful_shutdown=int(shutdown_grace_s)
     )

@@ -1,0 +1,161 @@
+"""The chat page at `/`, driven in headless Chromium (Debian's `chromium`, through playwright)
+against a real `serve` of the default model that requires an API key. Skipped, with the reason,
+where Chromium or playwright is missing (`.ci/run` installs Chromium)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.server_process import ServerProcess, running_server
+
+KEY = "page-test-key"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    args = ["--kv-cache-memory-gib", "0.05", "--enforce-eager", "--api-key", KEY]
+    with running_server(tmp_path_factory.mktemp("chat_page"), *args) as process:
+        yield process
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    if not Path(CHROMIUM).exists():
+        pytest.skip("Chromium is not installed (apt-get install -y chromium)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("playwright is not installed (the dev extra)")
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield launched
+        launched.close()
+
+
+def _metric(server: ServerProcess, name: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return next(float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def _reply_text(page: Any) -> str:
+    return str(page.locator(".message.assistant .content").last.inner_text())
+
+
+def test_the_page_is_served_without_the_key_and_its_calls_need_it(server: ServerProcess) -> None:
+    page = httpx.get(f"{server.url}/", timeout=10)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "/chat/chat.js" in page.text and "https://" not in page.text  # nothing from elsewhere
+    for name, kind in (("chat.js", "javascript"), ("chat.css", "text/css")):
+        asset = httpx.get(f"{server.url}/chat/{name}", timeout=10)
+        assert asset.status_code == 200 and kind in asset.headers["content-type"]
+        assert "https://" not in asset.text and "http://" not in asset.text
+    assert httpx.get(f"{server.url}/chat/missing.js", timeout=10).status_code == 404
+    assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 401
+
+
+def test_chatting_in_a_browser(server: ServerProcess, browser: Any, tmp_path: Path) -> None:
+    page = browser.new_page(viewport={"width": 1200, "height": 800})
+    problems: list[str] = []
+    page.on("console", lambda message: message.type == "error" and problems.append(message.text))
+    page.on("pageerror", lambda error: problems.append(str(error)))
+    page.goto(f"{server.url}/")
+
+    # Without the key: the server's 401 is shown as a readable message, and nothing is lost.
+    page.fill("#max-tokens", "48")
+    page.fill("#temperature", "0")
+    page.fill("#input", "What is the capital of France?")
+    page.click("#send")
+    page.wait_for_selector("#error:not([hidden])")
+    assert "API key" in page.inner_text("#error") and "401" in page.inner_text("#error")
+    assert page.input_value("#input") == "What is the capital of France?"  # back for another try
+    assert page.locator(".message").count() == 0
+
+    # With the key: streamed text grows, then the finished reply shows its stats.
+    page.fill("#api-key", KEY)
+    page.dispatch_event("#api-key", "change")
+    page.fill("#input", "Write a short poem about the sea.")
+    page.click("#send")
+    lengths = []
+    deadline = time.monotonic() + 120
+    while "tokens/s" not in page.inner_text("#stats") and time.monotonic() < deadline:
+        if page.locator(".message.assistant").count():
+            lengths.append(len(_reply_text(page)))
+        time.sleep(0.05)
+    stats = page.inner_text("#stats")
+    assert "tokens/s" in stats and "time to first token" in stats and "cached prompt tokens" in stats
+    growing = sorted(set(lengths))
+    assert len(growing) >= 3 and growing[-1] > 0, lengths  # seen mid-stream more than once
+    assert page.is_hidden("#error")
+    assert page.locator("#model option").first.inner_text() == "SmolLM2-135M-Instruct"
+
+    # A second turn carries the first: the server receives every earlier message.
+    page.fill("#input", "And one about the moon?")
+    with page.expect_request("**/v1/chat/completions") as request:
+        page.click("#send")
+    sent = json.loads(request.value.post_data)["messages"]
+    assert [m["role"] for m in sent] == ["user", "assistant", "user"]
+    assert sent[0]["content"] == "Write a short poem about the sea." and sent[1]["content"]
+    page.wait_for_function("document.getElementById('stats').textContent.includes('tokens/s')", timeout=120_000)
+
+    # Stop midway: the request is aborted and the server frees its pages.
+    page.fill("#max-tokens", "400")
+    page.fill("#input", "Tell me a long story about a lighthouse keeper.")
+    page.click("#send")
+    page.wait_for_function(
+        "document.querySelectorAll('.message.assistant .content').length === 3 && "
+        "[...document.querySelectorAll('.message.assistant .content')].pop().textContent.length > 20",
+        timeout=120_000,
+    )
+    page.click("#stop")
+    page.wait_for_function("document.getElementById('stats').textContent.includes('stopped')", timeout=30_000)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (
+        _metric(server, "compiled_engine_running_requests") or _metric(server, "compiled_engine_kv_pages_used")
+    ):
+        time.sleep(0.2)
+    assert _metric(server, "compiled_engine_running_requests") == 0
+    assert _metric(server, "compiled_engine_kv_pages_used") == 0
+    page.wait_for_function("document.getElementById('status').textContent.includes('running 0')", timeout=10_000)
+    screenshot = tmp_path / "chat-page.png"
+    page.screenshot(path=str(screenshot))
+    if os.environ.get("CHAT_PAGE_SCREENSHOT"):
+        shutil.copy(screenshot, os.environ["CHAT_PAGE_SCREENSHOT"])
+    assert screenshot.stat().st_size > 10_000
+
+    # Kept in localStorage: the conversation survives a reload; model output is text, never HTML.
+    hostile = "Try <script>window.pwned = 1</script><img src=x onerror=\"window.pwned = 2\"> and\n```python\nprint('<b>hi</b>')\n```\n"
+    page.evaluate(
+        "text => localStorage.setItem('compiled_engine.chat', JSON.stringify([{role: 'assistant', content: text}]))",
+        hostile,
+    )
+    page.reload()
+    message = page.locator(".message.assistant .content").first
+    assert "<script>window.pwned = 1</script>" in message.inner_text()
+    assert page.evaluate("window.pwned") is None
+    assert page.locator("#messages script, #messages img, #messages b").count() == 0
+    assert page.locator(".code pre").inner_text() == "print('<b>hi</b>')\n"
+    assert page.locator(".code .copy").count() == 1
+
+    page.click("#new-chat")
+    assert page.locator(".message").count() == 0
+    page.reload()
+    assert page.locator(".message").count() == 0 and page.input_value("#api-key") == KEY  # the key is remembered
+    # The only errors are the browser's notes on the expected 401s of the keyless tries.
+    assert [p for p in problems if "401" not in p] == [], problems
+
+
+def test_no_chat_page_turns_it_off(default_model_dir: Path, tmp_path: Path) -> None:
+    with running_server(tmp_path, "--kv-cache-memory-gib", "0.05", "--enforce-eager", "--no-chat-page") as server:
+        assert httpx.get(f"{server.url}/", timeout=10).status_code == 404
+        assert httpx.get(f"{server.url}/chat/chat.js", timeout=10).status_code == 404
+        assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 200
