@@ -7,6 +7,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -360,3 +361,18 @@ def test_a_batch_of_prompts_gives_each_its_choices(client: openai.OpenAI) -> Non
         alone = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
         assert batch.choices[2 * i].text == batch.choices[2 * i + 1].text == alone.choices[0].text
     assert batch.usage is not None and batch.usage.completion_tokens == 24
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_a_client_that_gives_up_on_a_whole_reply_aborts_it(server: ServerProcess, route: str) -> None:
+    """A non-streamed request whose client disconnects is aborted at once: running requests and
+    pages in use are back to 0 long before 1000 tokens could have been generated, and no tokens
+    are counted for it."""
+    body: dict[str, Any] = {"max_tokens": 1000, "ignore_eos": True, "temperature": 0}
+    body |= {"prompt": "Once upon a time"} if route == "/v1/completions" else {"messages": QUESTION}
+    generated = metric(server, "compiled_engine_generated_tokens_total")
+    auth = {"Authorization": f"Bearer {KEY_A}"}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}{route}", json=body, headers=auth, timeout=httpx.Timeout(60, read=1.5))
+    assert_idle_within(server, 5)  # 1000 tokens take this model well over 6.5 s
+    assert metric(server, "compiled_engine_generated_tokens_total") == generated

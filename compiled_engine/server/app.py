@@ -7,10 +7,10 @@ import hashlib
 import hmac
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 from litestar import Litestar, Request, Response, get, post
@@ -74,6 +74,7 @@ def _lora_manager(engine: LLMEngine) -> LoRAManager:
     return engine.lora
 
 
+T = TypeVar("T")
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 CHAT_PAGE_DIR = Path(__file__).parent / "chat_page"
 # The chat page's files (read once: they ship with the package), with their media types.
@@ -411,11 +412,14 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
                 _completion_events(server, data, request_id, created, first, stream), media_type="text/event-stream"
             )
         # A batch of prompts runs concurrently, like any other set of requests.
-        finals = await _final_outputs(
-            [
-                generate(prompt, p, f"{request_id}-{i}", salt, lora)
-                for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
-            ]
+        finals = await _unless_disconnected(
+            request,
+            _final_outputs(
+                [
+                    generate(prompt, p, f"{request_id}-{i}", salt, lora)
+                    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
+                ]
+            ),
         )
         choices: list[CompletionChoice] = []
         for i, (prompt, final) in enumerate(zip(prompts, finals, strict=True)):
@@ -509,7 +513,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
             return Stream(
                 _chat_events(server, data, request_id, created, first, stream, plan), media_type="text/event-stream"
             )
-        final = await _final_output(generate(prompt, params, request_id, salt, lora))
+        final = await _unless_disconnected(request, _final_output(generate(prompt, params, request_id, salt, lora)))
         choices = []
         for c in final.outputs:
             content, calls = plan.calls(c.text) if plan is not None else (c.text, [])
@@ -594,6 +598,33 @@ async def _first_output(stream: AsyncIterator[RequestOutput]) -> RequestOutput |
         return await stream.__anext__()
     except StopAsyncIteration:
         return None
+
+
+async def _unless_disconnected(request: Request[Any, Any, Any], work: Coroutine[Any, Any, T]) -> T:
+    """Run `work` (a non-streamed reply) while watching the connection: a client that goes away
+    first cancels it, which aborts its requests and returns their pages at the next step."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise ApiError(
+                499, "the client closed the connection; its request was aborted", code="client_closed_request"
+            )
+        return task.result()
+    finally:
+        watcher.cancel()
+        task.cancel()
+
+
+async def _disconnected(request: Request[Any, Any, Any]) -> None:
+    """Returns when the client disconnects (the body has been read, so nothing else arrives)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 async def _final_output(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
