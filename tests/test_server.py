@@ -320,9 +320,13 @@ def test_a_flood_gets_429s_and_no_5xx(tmp_path: Path, default_model_dir: Path) -
 
 
 def test_sigterm_during_a_stream_drains_and_exits_0(tmp_path: Path, default_model_dir: Path) -> None:
-    with running_server(tmp_path, "--kv-cache-memory-gib", "0.05") as server:
+    """The stream in flight finishes; a request sent after the signal on a connection kept alive
+    from before is never served (503 with Retry-After, or the connection is closed)."""
+    with running_server(tmp_path, "--kv-cache-memory-gib", "0.05") as server, httpx.Client(timeout=30) as kept:
+        assert kept.get(f"{server.url}/v1/models").status_code == 200  # the connection is open now
         body = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "stream": True, "ignore_eos": True}
         events = []
+        late: list[httpx.Response | Exception] = []
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
             for line in response.iter_lines():
                 if not line:
@@ -330,7 +334,14 @@ def test_sigterm_during_a_stream_drains_and_exits_0(tmp_path: Path, default_mode
                 events.append(line)
                 if len(events) == 2:
                     server.process.terminate()  # SIGTERM mid-stream
+                    try:
+                        late.append(kept.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}))
+                    except httpx.TransportError as error:
+                        late.append(error)
         assert server.process.wait(timeout=60) == 0
+    [answer] = late
+    if isinstance(answer, httpx.Response):
+        assert answer.status_code == 503 and "Retry-After" in answer.headers, answer.text
     assert events[-1] == "data: [DONE]"
     finals = [json.loads(e[6:])["choices"][0]["finish_reason"] for e in events[:-1] if json.loads(e[6:])["choices"]]
     assert finals[-1] == "length"  # the in-flight request ran to completion
@@ -376,3 +387,31 @@ def test_a_client_that_gives_up_on_a_whole_reply_aborts_it(server: ServerProcess
         httpx.post(f"{server.url}{route}", json=body, headers=auth, timeout=httpx.Timeout(60, read=1.5))
     assert_idle_within(server, 5)  # 1000 tokens take this model well over 6.5 s
     assert metric(server, "compiled_engine_generated_tokens_total") == generated
+
+
+def test_a_draining_server_refuses_new_requests_with_503_and_is_not_ready(default_model_dir: Path) -> None:
+    """In process: once draining starts (what SIGTERM calls), every new request and /ready
+    answer 503 with Retry-After, and the error says why."""
+    from litestar.testing import TestClient
+
+    from compiled_engine.config import EngineConfig
+    from compiled_engine.engine.async_engine import AsyncEngine
+    from compiled_engine.engine.llm_engine import LLMEngine
+    from compiled_engine.server.app import ServerSettings, create_app
+
+    config = EngineConfig(enforce_eager=True, kv_cache_memory_gib=0.05)
+    engine = AsyncEngine(lambda: LLMEngine(config), 8)
+    engine.start()
+    try:
+        with TestClient(create_app(engine, ServerSettings("tiny"))) as client:
+            body = {"prompt": "Hello", "max_tokens": 2}
+            assert client.post("/v1/completions", json=body).status_code == 200
+            assert client.get("/ready").status_code == 200
+            engine.stop_accepting()
+            refused = client.post("/v1/completions", json=body)
+            assert refused.status_code == 503 and refused.headers["Retry-After"]
+            assert refused.json()["error"]["type"] == "service_unavailable" and "shutting down" in refused.text
+            ready = client.get("/ready")
+            assert ready.status_code == 503 and ready.headers["Retry-After"]
+    finally:
+        engine.shutdown(grace_s=5)

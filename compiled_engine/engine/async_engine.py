@@ -110,6 +110,10 @@ class AsyncEngine:
     def accepting(self) -> bool:
         return self._accepting
 
+    def stop_accepting(self) -> None:
+        """Admit no new request (each gets EngineShuttingDownError); in-flight ones go on."""
+        self._accepting = False
+
     def shutdown(self, grace_s: float = 30.0) -> None:
         """Stop admission, let in-flight requests finish for up to `grace_s`, abort the rest,
         then stop and join the loop."""

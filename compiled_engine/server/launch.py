@@ -6,7 +6,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 
@@ -76,7 +76,7 @@ def run_server(
     config_ = uvicorn.Config(
         app, host=host, port=port, log_level="info", timeout_graceful_shutdown=int(shutdown_grace_s)
     )
-    server = _DrainingServer(config_)
+    server = _DrainingServer(config_, async_engine.stop_accepting)
     if engine.tensor_parallel is not None:
         threading.Thread(
             target=_exit_when_the_loop_dies, args=(async_engine, server), name="tp-watchdog", daemon=True
@@ -112,9 +112,17 @@ def _exit_when_the_loop_dies(
 
 class _DrainingServer(uvicorn.Server):
     """uvicorn drains on SIGINT/SIGTERM, then re-raises the signal so the process dies of it; a
-    drained shutdown is a clean one, so we exit 0 instead."""
+    drained shutdown is a clean one, so we exit 0 instead. `on_drain` runs as the signal arrives:
+    from then on every new request, on a new or a kept-alive connection, is refused with 503 and
+    Retry-After (uvicorn alone would still serve kept-alive ones until its loop notices)."""
+
+    def __init__(self, config: uvicorn.Config, on_drain: Callable[[], None] | None = None) -> None:
+        super().__init__(config)
+        self.on_drain = on_drain
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.on_drain is not None:
+            self.on_drain()
         super().handle_exit(sig, frame)
         captured = getattr(self, "_captured_signals", None)
         if isinstance(captured, list):
