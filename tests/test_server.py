@@ -415,3 +415,30 @@ def test_a_draining_server_refuses_new_requests_with_503_and_is_not_ready(defaul
             assert ready.status_code == 503 and ready.headers["Retry-After"]
     finally:
         engine.shutdown(grace_s=5)
+
+
+def test_no_page_the_server_serves_loads_anything_from_another_host(server: ServerProcess) -> None:
+    """`/`, its files and `/docs`: every src and href, and any URL in the text, is on this server."""
+    from html.parser import HTMLParser
+
+    class Links(HTMLParser):
+        def __init__(self) -> None:
+            super().__init__()
+            self.links: list[str] = []
+
+        def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+            self.links += [value for name, value in attrs if name in ("src", "href") and value]
+
+    for path in ("/", "/docs", "/chat/chat.js", "/chat/chat.css"):
+        reply = httpx.get(f"{server.url}{path}", timeout=30)
+        assert reply.status_code == 200, path
+        assert "http://" not in reply.text and "https://" not in reply.text and "//cdn" not in reply.text, path
+        if path in ("/", "/docs"):
+            parser = Links()
+            parser.feed(reply.text)
+            assert parser.links, path
+            for link in parser.links:
+                assert "://" not in link and not link.startswith("//"), (path, link)
+    docs = httpx.get(f"{server.url}/docs", timeout=30).text
+    assert "/v1/chat/completions" in docs and "openapi.json" in docs
+    assert httpx.get(f"{server.url}/docs/openapi.json", timeout=30).json()["paths"]

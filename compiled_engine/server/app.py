@@ -17,6 +17,7 @@ from litestar import Litestar, Request, Response, get, post
 from litestar.exceptions import SerializationException
 from litestar.logging.config import LoggingConfig
 from litestar.openapi import OpenAPIConfig
+from litestar.openapi.plugins import JsonRenderPlugin
 from litestar.params import Body
 from litestar.response import Stream
 from msgspec import UNSET, UnsetType
@@ -28,6 +29,7 @@ from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.errors import PromptError, RequestError
 from compiled_engine.lora.adapter import LoRAError
 from compiled_engine.lora.manager import LoRAManager, LoRARequest
+from compiled_engine.server.docs_page import PlainDocsRenderPlugin
 from compiled_engine.server.errors import ApiError, error_response, handle_exception
 from compiled_engine.server.metrics import ServerMetrics
 from compiled_engine.server.protocol import (
@@ -552,7 +554,12 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
         exception_handlers={Exception: handle_exception, RequestError: handle_request_error},
         request_class=BodyRequest,
         request_max_body_size=settings.max_body_bytes,
-        openapi_config=OpenAPIConfig(title="compiled_engine", version="0.1.0", path="/docs"),
+        openapi_config=OpenAPIConfig(
+            title="compiled_engine",
+            version="0.1.0",
+            path="/docs",
+            render_plugins=[PlainDocsRenderPlugin(), JsonRenderPlugin()],
+        ),
         # Litestar would otherwise reconfigure the root logger of whatever process embeds the app.
         logging_config=LoggingConfig(configure_root_logger=False),
     )
