@@ -46,6 +46,9 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # (engine/precompiled.py); False traces it at every start.
     compile_cache: bool = True
     tensor_parallel_size: int = 1  # ranks the model is split across (parallel/)
+    # CPU threads for each of the engine's processes; None: torch's default for one process, and
+    # each tensor-parallel rank its share of the cores (parallel/threads.py).
+    cpu_threads: int | None = None
     distributed_timeout_s: float = 60.0  # a collective that waits longer fails (a rank died or hung)
     # One of QUANTIZATIONS: the layer products' weights quantized at load. None = the checkpoint's
     # own: a GGUF's quantized tensors stay as they are (the default model runs its Q4_1/Q8_0
@@ -85,6 +88,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"num_pages must be at least 1, got {self.num_pages}")
         if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:

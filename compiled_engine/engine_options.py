@@ -123,6 +123,13 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
         "trace the compiled model at every start instead of loading the trace an earlier start saved",
     ),
     EngineOption(
+        "cpu_threads",
+        "--cpu-threads",
+        "CPU threads for each engine process (default: torch's for one process; with tensor parallelism on "
+        "the CPU, each rank its share of the usable cores)",
+        metavar="N",
+    ),
+    EngineOption(
         "tensor_parallel_size",
         "--tensor-parallel-size",
         "split the model across this many processes: gloo on CPU, NCCL on CUDA, see docs/parallel.md",

@@ -322,3 +322,18 @@ def test_server_with_a_lost_worker_reports_not_ready_and_exits_non_zero(tmp_path
         assert server.process.poll() == 1, server.log_text()[-2000:]
         assert saw_not_ready
         assert "tensor-parallel worker" in server.log_text()
+
+
+def test_each_cpu_rank_takes_its_share_of_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    from compiled_engine.parallel import threads
+
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda _: set(range(6)), raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert threads.threads_per_process(EngineConfig(device="cpu", tensor_parallel_size=3)) == 2
+    assert threads.threads_per_process(EngineConfig(device="cpu", tensor_parallel_size=4)) == 1
+    assert threads.threads_per_process(EngineConfig(device="cpu")) is None  # one process: torch's own
+    assert threads.threads_per_process(EngineConfig(device="cpu", tensor_parallel_size=3, cpu_threads=5)) == 5
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: two of the ranks on this machine
+    assert threads.threads_per_process(EngineConfig(device="cpu", tensor_parallel_size=4)) == 3
+    with pytest.raises(ValueError, match="cpu_threads must be at least 1"):
+        EngineConfig(cpu_threads=0)

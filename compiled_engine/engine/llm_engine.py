@@ -30,6 +30,7 @@ from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.source import resolve_model_dir
 from compiled_engine.parallel.launch import TensorParallelGroup
 from compiled_engine.parallel.shard import TPShard
+from compiled_engine.parallel.threads import set_threads
 from compiled_engine.profiling import nvtx_range
 from compiled_engine.speculative.draft_model import DraftModel, plan_draft_model
 from compiled_engine.speculative.drafts import SpeculativeStats, propose_drafts, update_speculating
@@ -62,6 +63,7 @@ class _Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        set_threads(config)  # before any weight is read or kernel compiled
         self.model_dir = resolve_model_dir(config.model)
         self.speculative = config.resolved_speculative()
         draft_plan = None

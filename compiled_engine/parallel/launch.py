@@ -24,6 +24,7 @@ from compiled_engine.config import EngineConfig
 from compiled_engine.errors import EngineDeadError
 from compiled_engine.parallel.distributed import init_tensor_parallel
 from compiled_engine.parallel.shard import TPShard
+from compiled_engine.parallel.threads import set_threads
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ def run_worker(rank: int, size: int, init_method: str, model_dir: str, config: E
     from compiled_engine.engine.model_runner import ModelRunner  # the runner imports this package
     from compiled_engine.engine.tp_worker import serve_as_worker
 
+    set_threads(config)
     mesh = init_tensor_parallel(rank, size, init_method, config.resolved_device(), config.distributed_timeout_s)
     try:
         serve_as_worker(ModelRunner(Path(model_dir), config, TPShard(rank, size), mesh))
