@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 
 from compiled_engine.engine_options import add_engine_options, engine_config_from_args
 from compiled_engine.errors import CompiledEngineError, ModelSourceError
+from compiled_engine.logs import LOG_FORMATS, configure_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
         '\'{"name": ..., "path": ..., "base_model_name": ...}\' (needs --enable-lora)',
     )
     serve.add_argument("--no-chat-page", action="store_true", help="do not serve the chat page at /")
+    serve.add_argument(
+        "--disable-log-requests", action="store_true", help="no log line per finished request (on by default)"
+    )
+    serve.add_argument("--log-prompts", action="store_true", help="the request log includes each prompt")
+    serve.add_argument(
+        "--log-format", choices=LOG_FORMATS, default="text", help="json: one JSON object a log line, for collectors"
+    )
     serve.add_argument(
         "--enable-runtime-lora-updates",
         action="store_true",
@@ -171,6 +178,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         lora_modules(args.lora_modules or [], args.served_model_name),
         args.enable_runtime_lora_updates,
         not args.no_chat_page,
+        not args.disable_log_requests,
+        args.log_prompts,
+        args.log_format,
     )
 
 
@@ -229,7 +239,7 @@ COMMANDS = {"prepare": cmd_prepare, "generate": cmd_generate, "serve": cmd_serve
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    configure_logging(getattr(args, "log_format", "text"))
     if getattr(args, "tensor_parallel_size", 1) > 1 and _torchrun_worker_rank() is not None:
         return _run_torchrun_worker(args)
     try:

@@ -155,7 +155,12 @@ def test_chatting_in_a_browser(server: ServerProcess, browser: Any, tmp_path: Pa
 
 
 def test_no_chat_page_turns_it_off(default_model_dir: Path, tmp_path: Path) -> None:
-    with running_server(tmp_path, "--kv-cache-memory-gib", "0.05", "--enforce-eager", "--no-chat-page") as server:
+    """Also a server without the request log: a finished request leaves no line."""
+    args = ["--kv-cache-memory-gib", "0.05", "--enforce-eager", "--no-chat-page", "--disable-log-requests"]
+    with running_server(tmp_path, *args) as server:
         assert httpx.get(f"{server.url}/", timeout=10).status_code == 404
         assert httpx.get(f"{server.url}/chat/chat.js", timeout=10).status_code == 404
         assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 200
+        body = {"prompt": "Hi", "max_tokens": 2}
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+        assert "request_id=" not in server.log_text()

@@ -442,3 +442,28 @@ def test_no_page_the_server_serves_loads_anything_from_another_host(server: Serv
     docs = httpx.get(f"{server.url}/docs", timeout=30).text
     assert "/v1/chat/completions" in docs and "openapi.json" in docs
     assert httpx.get(f"{server.url}/docs/openapi.json", timeout=30).json()["paths"]
+
+
+def test_each_finished_request_is_logged_once_without_its_prompt(server: ServerProcess, client: openai.OpenAI) -> None:
+    reply = client.completions.create(model=MODEL, prompt="A secret prompt", max_tokens=3, temperature=0)
+    lines = [line for line in server.log_text().splitlines() if f"request_id={reply.id}-0 " in line]
+    assert len(lines) == 1, server.log_text()[-2000:]
+    assert f"model={MODEL}" in lines[0] and "completion_tokens=3" in lines[0] and "finish_reason=length" in lines[0]
+    assert "ttft_s=" in lines[0] and "e2e_s=" in lines[0] and "secret" not in lines[0]
+
+
+def test_json_logs_carry_the_request_and_its_prompt_when_asked(tmp_path: Path, default_model_dir: Path) -> None:
+    args = ["--kv-cache-memory-gib", "0.05", "--enforce-eager", "--log-format", "json", "--log-prompts"]
+    with running_server(tmp_path, *args) as server:
+        body = {"prompt": "Tell me about lighthouses", "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+        stream = {**body, "max_tokens": 500, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=stream, timeout=60) as response:
+            next(response.iter_lines())  # one event, then the client goes away
+        assert_idle_within(server, 10)
+        entries = [json.loads(line) for line in server.log_text().splitlines() if line.startswith("{")]
+    assert entries and all({"time", "level", "logger", "message"} <= set(entry) for entry in entries)
+    requests = [entry["request"] for entry in entries if "request" in entry]
+    assert [r["finish_reason"] for r in requests] == ["length", "abort"]
+    assert requests[0]["prompt"] == "Tell me about lighthouses" and requests[0]["completion_tokens"] == 2
+    assert any(entry["logger"].startswith("uvicorn") for entry in entries)  # the server's own lines too

@@ -64,6 +64,7 @@ from compiled_engine.server.protocol import (
     UnloadLoRAAdapterRequest,
     Usage,
 )
+from compiled_engine.server.request_log import RequestLog
 from compiled_engine.server.structured import structured_outputs_of
 from compiled_engine.server.tools import ToolPlan, checked_tool_calls, held_back, render_turns, tool_plan
 from compiled_engine.structured.params import StructuredOutputs
@@ -105,6 +106,8 @@ class ServerSettings:
     lora_modules: dict[str, str] = field(default_factory=dict)
     runtime_lora_updates: bool = False
     chat_page: bool = True  # serve the chat page at / (`serve --no-chat-page` turns it off)
+    request_log: bool = True  # a log line per finished request (`--disable-log-requests`)
+    log_prompts: bool = False  # the request log includes prompts (`--log-prompts`)
 
 
 class OpenAIServer:
@@ -319,11 +322,22 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
     server = OpenAIServer(engine, settings)
     metrics = ServerMetrics(engine)
 
+    request_log = RequestLog(settings.request_log, settings.log_prompts, server.tokenizer.decode)
+
     async def observed(stream: AsyncIterator[RequestOutput], adapter: str | None) -> AsyncIterator[RequestOutput]:
-        async for output in stream:
-            if output.finished:
-                metrics.observe(output, adapter)
-            yield output
+        """Counts and logs each request once it finishes, or once its client has gone away."""
+        last, logged = None, False
+        try:
+            async for output in stream:
+                last = output
+                if output.finished:
+                    metrics.observe(output, adapter)
+                    request_log.record(output, adapter or settings.served_model_name)
+                    logged = True
+                yield output
+        finally:
+            if last is not None and not logged:
+                request_log.record(last, adapter or settings.served_model_name, aborted=True)
 
     def generate(
         prompt: list[int], params: SamplingParams, request_id: str, salt: str | None, lora: LoRARequest | None

@@ -34,6 +34,9 @@ def run_server(
     lora_modules: dict[str, str] | None = None,
     runtime_lora_updates: bool = False,
     chat_page: bool = True,
+    request_log: bool = True,
+    log_prompts: bool = False,
+    log_format: str = "text",
 ) -> int:
     started = time.perf_counter()
     lora_modules = dict(lora_modules or {})
@@ -67,14 +70,22 @@ def run_server(
     )
     if name in lora_modules:
         raise ValueError(f"the adapter name {name!r} is the served model's name")
-    settings = ServerSettings(name, api_keys, max_body_bytes, lora_modules, runtime_lora_updates, chat_page)
+    settings = ServerSettings(
+        name, api_keys, max_body_bytes, lora_modules, runtime_lora_updates, chat_page, request_log, log_prompts
+    )
     app = create_app(async_engine, settings)
     app.on_shutdown.append(lambda: async_engine.shutdown(grace_s=shutdown_grace_s))
     logger.info("serving on http://%s:%d/v1 (OpenAPI schema at /docs/openapi.json)", host, port)
     if chat_page:
         logger.info("chat page: http://%s:%d/", host, port)
     config_ = uvicorn.Config(
-        app, host=host, port=port, log_level="info", timeout_graceful_shutdown=int(shutdown_grace_s)
+        app,
+        host=host,
+        port=port,
+        log_level="info",
+        timeout_graceful_shutdown=int(shutdown_grace_s),
+        # JSON logs: uvicorn's own lines go through the root handler too, as JSON.
+        log_config=None if log_format == "json" else uvicorn.config.LOGGING_CONFIG,
     )
     server = _DrainingServer(config_, async_engine.stop_accepting)
     if engine.tensor_parallel is not None:

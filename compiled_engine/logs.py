@@ -1,0 +1,37 @@
+"""How the command line configures logging: text lines, or one JSON object a line
+(`--log-format json`) for log collectors; a record's `request` field (the request log) becomes
+part of its object."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Any
+
+LOG_FORMATS = ("text", "json")
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        request = getattr(record, "request", None)
+        if isinstance(request, dict):
+            entry["request"] = request
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def configure_logging(log_format: str = "text") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
