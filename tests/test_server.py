@@ -348,8 +348,14 @@ def test_sigterm_during_a_stream_drains_and_exits_0(tmp_path: Path, default_mode
 
 
 def test_metrics_count_requests_tokens_and_latency(server: ServerProcess, client: openai.OpenAI) -> None:
+    """Self-contained: it makes the 401 it counts (it used to rely on earlier tests' requests)."""
     before = metric(server, "compiled_engine_generated_tokens_total")
+    assert httpx.post(f"{server.url}/v1/chat/completions", json={"messages": QUESTION}).status_code == 401
     client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
+    shared = "The same long prompt, twice, so that its full pages come from the prefix cache. " * 3
+    for _ in range(2):
+        client.completions.create(model=MODEL, prompt=shared, max_tokens=1, temperature=0)
+    before += 2
     text = httpx.get(f"{server.url}/metrics").text
     assert 'compiled_engine_http_requests_total{endpoint="/v1/completions",status="200"}' in text
     assert 'compiled_engine_http_requests_total{endpoint="/v1/chat/completions",status="401"}' in text
@@ -467,3 +473,26 @@ def test_json_logs_carry_the_request_and_its_prompt_when_asked(tmp_path: Path, d
     assert [r["finish_reason"] for r in requests] == ["length", "abort"]
     assert requests[0]["prompt"] == "Tell me about lighthouses" and requests[0]["completion_tokens"] == 2
     assert any(entry["logger"].startswith("uvicorn") for entry in entries)  # the server's own lines too
+
+
+def test_vllm_named_metrics_count_requests_with_the_model_name(server: ServerProcess, client: openai.OpenAI) -> None:
+    label = f'model_name="{MODEL}"'
+    before = metric(server, "vllm:generation_tokens_total")
+    client.completions.create(
+        model=MODEL, prompt="Hello there", max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
+    text = httpx.get(f"{server.url}/metrics").text
+    assert metric(server, "vllm:generation_tokens_total") == before + 3
+    assert f'vllm:request_success_total{{finished_reason="length",{label}}}' in text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        assert f"{name}{{{label}}}" in text
+    assert 0 <= metric(server, "vllm:kv_cache_usage_perc") <= 1
+    for name in (
+        "time_to_first_token",
+        "e2e_request_latency",
+        "request_queue_time",
+        "request_prefill_time",
+        "request_decode_time",
+    ):
+        assert metric(server, f"vllm:{name}_seconds_count") > 0
+    assert metric(server, "vllm:prefix_cache_queries_total") >= metric(server, "vllm:prefix_cache_hits_total") >= 0

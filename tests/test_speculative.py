@@ -357,6 +357,8 @@ def test_the_server_speculates_with_the_same_output_and_reports_it(
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["text"] == expected
         metrics = httpx.get(f"{server.url}/metrics").text
+    if method == "ngram":
+        _every_dashboard_metric_is_exported(metrics)
     values = {
         line.split()[0]: float(line.split()[1])
         for line in metrics.splitlines()
@@ -533,3 +535,19 @@ def test_a_compiled_draft_model_equals_eager_and_never_recompiles(model_dir: Pat
     assert _ids(compiled, [TINY_PROMPTS[0]], GREEDY) == _ids(plain, [TINY_PROMPTS[0]], GREEDY)
     assert compiled.engine.speculative_stats.accepted_tokens > 0
     assert counters["stats"]["unique_graphs"] == graphs, "drafting or verifying recompiled"
+
+
+def _every_dashboard_metric_is_exported(metrics: str) -> None:
+    """docs/grafana-dashboard.json queries only metrics this server exports (here with
+    speculation on, so that its speculative-decoding panel has its series too), each with the
+    `model_name` label it filters on."""
+    import re
+
+    dashboard = json.loads((Path(__file__).parent.parent / "docs" / "grafana-dashboard.json").read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    queried = {name for expr in exprs for name in re.findall(r"vllm:[a-z0-9_]+", expr)}
+    assert len(queried) >= 15
+    exported = {line.split("{")[0].split(" ")[0] for line in metrics.splitlines() if line.startswith("vllm:")}
+    missing = sorted(name for name in queried if name not in exported)
+    assert not missing, missing
+    assert all('model_name="' in line for line in metrics.splitlines() if line.startswith("vllm:"))

@@ -69,6 +69,10 @@ class EngineStats:
     lora_loaded: int = 0  # adapters the engine holds
     lora_resident: int = 0  # of those, in device slots
     speculative: SpeculativeStats | None = None  # a copy of the engine's, when it speculates
+    num_preemptions: int = 0
+    lora_max: int | None = None  # adapter slots (None: no adapters)
+    lora_running: tuple[str, ...] = ()  # adapters of running requests
+    lora_waiting: tuple[str, ...] = ()  # adapters of waiting ones
 
 
 class AsyncEngine:
@@ -213,6 +217,10 @@ class AsyncEngine:
             lora_loaded=len(lora.adapters) if lora is not None else 0,
             lora_resident=lora.num_resident if lora is not None else 0,
             speculative=None if self.engine.speculative is None else self.engine.speculative_stats.copy(),
+            num_preemptions=self.engine.scheduler.num_preemptions,
+            lora_max=self.engine.config.max_loras if lora is not None else None,
+            lora_running=tuple(sorted({s.lora_name for s in self.engine.scheduler.running if s.lora_name})),
+            lora_waiting=tuple(sorted({s.lora_name for s in self.engine.scheduler.waiting if s.lora_name})),
         )
 
     # -- the loop thread ------------------------------------------------------------------------

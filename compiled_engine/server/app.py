@@ -320,7 +320,7 @@ def sse(payload: msgspec.Struct | str) -> bytes:
 
 def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
     server = OpenAIServer(engine, settings)
-    metrics = ServerMetrics(engine)
+    metrics = ServerMetrics(engine, settings.served_model_name)
 
     request_log = RequestLog(settings.request_log, settings.log_prompts, server.tokenizer.decode)
 

@@ -11,6 +11,7 @@ from prometheus_client.registry import Collector
 
 from compiled_engine.engine.async_engine import AsyncEngine
 from compiled_engine.engine.outputs import RequestOutput
+from compiled_engine.server.vllm_metrics import VllmMetrics
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 KNOWN_PATHS = ("/health", "/ready", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
@@ -84,7 +85,8 @@ class _EngineCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str = "default") -> None:
+        """`model_name`: the served model, the `model_name` label of the vLLM-named metrics."""
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "compiled_engine_http_requests",
@@ -123,11 +125,13 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.registry.register(_EngineCollector(engine))
+        self.vllm = VllmMetrics(self.registry, engine, model_name)
 
     def observe(self, output: RequestOutput, adapter: str | None = None) -> None:
         """Record a finished request (`adapter`: the LoRA adapter it ran with)."""
         if adapter is not None:
             self.lora_requests.labels(adapter).inc()
+        self.vllm.observe(output)
         self.prompt_tokens.inc(len(output.prompt_token_ids))
         self.generated_tokens.inc(sum(len(c.token_ids) for c in output.outputs))
         m = output.metrics
