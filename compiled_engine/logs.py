@@ -34,4 +34,4 @@ def configure_logging(log_format: str = "text") -> None:
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    logging.basicConfig(level=logging.INFO, handlers=[handler])  # a no-op where logging is set up already
