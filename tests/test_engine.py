@@ -96,13 +96,15 @@ def test_abort_in_every_state(tiny: LLM, state: str) -> None:
     long_prompt = list(range(100, 160))
     target = engine.add_request(long_prompt, SamplingParams(temperature=0, max_tokens=40))
     if state != "waiting":
-        while True:
+        for _ in range(200):  # capped: a regression fails instead of hanging
             engine.step()
             seq = engine._requests[target].seqs[0]
             if state == "prefilling" and seq.num_computed_tokens > 0 and seq.is_prefilling:
                 break
             if state == "decoding" and seq.output_token_ids:
                 break
+        else:
+            pytest.fail(f"the request never reached {state}")
     engine.abort_request(target)
     outputs = engine.step()
     aborted = [o for o in outputs if o.request_id == target]
@@ -233,8 +235,11 @@ def test_duplicate_request_id_and_param_count(tiny: LLM) -> None:
     tiny.engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), request_id="same")
     with pytest.raises(RequestError, match="request id 'same' is already in use"):
         tiny.engine.add_request([1, 2, 3], request_id="same")
-    while tiny.engine.has_unfinished_requests():
+    for _ in range(100):
+        if not tiny.engine.has_unfinished_requests():
+            break
         tiny.engine.step()
+    assert not tiny.engine.has_unfinished_requests()
     with pytest.raises(RequestError, match="2 sampling params given for 3 prompts"):
         tiny.generate([[1], [2], [3]], [SamplingParams(), SamplingParams()])
     with pytest.raises(RequestError, match="a prompt must be a string or a list of token ids"):
@@ -284,11 +289,14 @@ def test_stop_string_spanning_tokens_is_cut_and_never_shown(smol: LLM) -> None:
     request_id = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=24, stop=[stop, "never-there"]))
     shown = []
     final = None
-    while engine.has_unfinished_requests():
+    for _ in range(100):  # 24 tokens at most: capped so that a regression fails instead of hanging
+        if not engine.has_unfinished_requests():
+            break
         for output in engine.step():
             assert output.request_id == request_id
             shown.append(output.text)
             final = output
+    assert not engine.has_unfinished_requests()
     assert final is not None and final.finished
     assert final.text == expected and final.finish_reason == "stop" and final.outputs[0].stop_reason == stop
     assert all(stop not in text and expected.startswith(text) for text in shown)

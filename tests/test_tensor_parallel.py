@@ -176,14 +176,21 @@ def _fields(config: EngineConfig) -> dict[str, Any]:
     return {name: getattr(config, name) for name in config.__struct_fields__}
 
 
-def test_uneven_head_counts_are_refused_before_anything_starts(tiny_model_factory: Callable[..., Path]) -> None:
+def test_uneven_head_counts_are_refused_before_anything_starts(
+    tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from compiled_engine.engine import llm_engine
+
+    def must_not_run(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a rank was started or a weight read before the head counts were checked")
+
+    monkeypatch.setattr(llm_engine.TensorParallelGroup, "start", must_not_run)
+    monkeypatch.setattr(llm_engine, "ModelRunner", must_not_run)
     model_dir = str(tiny_model_factory("llama"))  # 4 query heads, 2 KV heads, intermediate 128
-    started = time.perf_counter()
     with pytest.raises(
         ModelConfigError, match=r"--tensor-parallel-size 3 must divide num_attention_heads=4, num_key_value_heads=2"
     ):
         LLMEngine(EngineConfig(model=model_dir, tensor_parallel_size=3, enforce_eager=True))
-    assert time.perf_counter() - started < 5  # no process was spawned, no weight read
     with pytest.raises(ValueError, match="tensor_parallel_size must be at least 1"):
         EngineConfig(tensor_parallel_size=0)
 
@@ -253,13 +260,12 @@ def _dead_worker_child(queue: Any, model_dir: str, how: str) -> None:
     os.kill(worker.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
     if how == "killed":
         worker.join(timeout=10)
-    started = time.perf_counter()
     try:
         for _ in range(50):
             engine.step()
-        queue.put(("no error", 0.0))
+        queue.put("no error")
     except Exception as exc:
-        queue.put((f"{type(exc).__name__}: {exc}", time.perf_counter() - started))
+        queue.put(f"{type(exc).__name__}: {exc}")
     finally:
         if how == "hung":
             os.kill(worker.pid, signal.SIGKILL)
@@ -274,7 +280,7 @@ def test_a_dead_or_hung_worker_fails_the_engine_instead_of_hanging(
     child = context.Process(target=_dead_worker_child, args=(queue, str(tiny_model_factory("qwen3")), how))
     child.start()
     try:
-        message, seconds = queue.get(timeout=180)
+        message = queue.get(timeout=180)  # not forever: the collective timeout is 5 s
     finally:
         child.join(timeout=30)
         if child.is_alive():
@@ -282,7 +288,6 @@ def test_a_dead_or_hung_worker_fails_the_engine_instead_of_hanging(
     assert message != "no error"
     if how == "killed":
         assert "EngineDeadError" in message and "tp-rank-1" in message
-    assert seconds < 30  # the 5 s collective timeout, not forever
 
 
 def test_server_with_a_lost_worker_reports_not_ready_and_exits_non_zero(tmp_path: Path) -> None:
