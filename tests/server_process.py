@@ -30,27 +30,21 @@ class ServerProcess:
         return self.log.read_text(errors="replace")
 
 
+BIND_ATTEMPTS = 3
+
+
 @contextmanager
 def running_server(tmp_dir: Path, *args: str, startup_timeout_s: float = 120.0) -> Iterator[ServerProcess]:
-    port = free_port()
-    log = tmp_dir / f"server-{port}.log"
-    command = [sys.executable, "-m", "compiled_engine", "serve", "--port", str(port), *args]
-    with log.open("wb") as sink:
-        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
-    server = ServerProcess(process, port, log)
+    """`free_port` gives the port back before the server binds it, so another process may take it
+    first: a server that then fails to bind is started again on another port."""
+    for _ in range(BIND_ATTEMPTS):
+        server = _start(tmp_dir, args, startup_timeout_s)
+        if server is not None:
+            break
+    else:
+        raise RuntimeError(f"no free port could be bound in {BIND_ATTEMPTS} attempts")
+    process = server.process
     try:
-        deadline = time.monotonic() + startup_timeout_s
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"the server exited with {process.returncode}:\n{server.log_text()}")
-            try:
-                if httpx.get(f"{server.url}/ready", timeout=1.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server was not ready in {startup_timeout_s} s:\n{server.log_text()}")
-            time.sleep(0.2)
         yield server
     finally:
         if process.poll() is None:
@@ -60,3 +54,35 @@ def running_server(tmp_dir: Path, *args: str, startup_timeout_s: float = 120.0) 
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def _start(tmp_dir: Path, args: tuple[str, ...], startup_timeout_s: float) -> ServerProcess | None:
+    """A ready server, or None when its port was taken before it could bind."""
+    port = free_port()
+    log = tmp_dir / f"server-{port}.log"
+    command = [sys.executable, "-m", "compiled_engine", "serve", "--port", str(port), *args]
+    with log.open("wb") as sink:
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+    server = ServerProcess(process, port, log)
+    deadline = time.monotonic() + startup_timeout_s
+    try:
+        while True:
+            if process.poll() is not None:
+                if "address already in use" in server.log_text().lower():
+                    return None
+                raise RuntimeError(f"the server exited with {process.returncode}:\n{server.log_text()}")
+            try:
+                # Ours once it has logged its own start: another process on the port is not.
+                ready = httpx.get(f"{server.url}/ready", timeout=1.0).status_code == 200
+                if ready and "Uvicorn running on" in server.log_text():
+                    return server
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server was not ready in {startup_timeout_s} s:\n{server.log_text()}")
+            time.sleep(0.2)
+    except BaseException:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        raise

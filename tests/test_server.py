@@ -496,3 +496,25 @@ def test_vllm_named_metrics_count_requests_with_the_model_name(server: ServerPro
     ):
         assert metric(server, f"vllm:{name}_seconds_count") > 0
     assert metric(server, "vllm:prefix_cache_queries_total") >= metric(server, "vllm:prefix_cache_hits_total") >= 0
+
+
+def test_a_port_taken_before_the_server_binds_it_is_replaced(
+    tmp_path: Path, default_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The test servers' ports: one taken between `free_port` and the bind (here by a listener
+    of our own) makes that server exit, and the next attempt takes another port."""
+    import socket
+
+    from tests import server_process
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([int(taken.getsockname()[1]), server_process.free_port()])
+    monkeypatch.setattr(server_process, "free_port", lambda: next(ports))
+    try:
+        with running_server(tmp_path, "--kv-cache-memory-gib", "0.05", "--enforce-eager") as server:
+            assert server.port != taken.getsockname()[1]
+            assert httpx.get(f"{server.url}/v1/models").status_code == 200
+    finally:
+        taken.close()
