@@ -180,7 +180,43 @@ def test_bad_input_gets_its_status_and_an_openai_error(
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert message in error["message"]
+    assert error["type"] == ERROR_TYPES[status]
+    if "context length" in message:
+        assert error["code"] == "context_length_exceeded"
     assert httpx.get(f"{server.url}/ready").status_code == 200
+
+
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error"}
+COMPLETION_BAD_INPUTS = [
+    ("not json", None, 400, "malformed", None),
+    (None, {"prompt": "Hi", "unknown_field": 1}, 400, "unknown field", None),
+    (None, {"prompt": "Hi", "max_tokens": -1}, 400, "max_tokens must be at least 1", "max_tokens"),
+    (None, {"prompt": "Hi", "temperature": -0.5}, 400, "temperature must be finite and >= 0", "temperature"),
+    (None, {"prompt": "word " * 2000}, 400, "context length", "prompt"),
+    (None, {"prompt": [10**7]}, 400, "outside the vocabulary", "prompt"),
+    (None, {"prompt": "Hi", "model": "gpt-4"}, 404, "does not exist", "model"),
+]
+
+
+@pytest.mark.parametrize(("raw", "body", "status", "message", "param"), COMPLETION_BAD_INPUTS)
+def test_bad_completion_input_gets_its_status_type_code_and_param(
+    server: ServerProcess, raw: str | None, body: dict[str, object] | None, status: int, message: str, param: str | None
+) -> None:
+    headers = {"Authorization": f"Bearer {KEY_A}", "Content-Type": "application/json"}
+    content = raw if raw is not None else json.dumps(body)
+    response = httpx.post(f"{server.url}/v1/completions", content=content, headers=headers)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert message in error["message"] and error["type"] == ERROR_TYPES[status]
+    assert error["param"] == param or param is None
+    if message == "context length":
+        assert error["code"] == "context_length_exceeded"
+
+
+def test_an_unknown_route_is_a_404_in_openai_shape(server: ServerProcess) -> None:
+    response = httpx.get(f"{server.url}/v1/no-such-route")
+    assert response.status_code == 404
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 
 
 DEEP = 5000
@@ -395,7 +431,7 @@ def test_a_client_that_gives_up_on_a_whole_reply_aborts_it(server: ServerProcess
     assert metric(server, "compiled_engine_generated_tokens_total") == generated
 
 
-def test_a_draining_server_refuses_new_requests_with_503_and_is_not_ready(default_model_dir: Path) -> None:
+def test_a_draining_or_dead_server_refuses_new_requests_with_503_and_is_not_ready(default_model_dir: Path) -> None:
     """In process: once draining starts (what SIGTERM calls), every new request and /ready
     answer 503 with Retry-After, and the error says why."""
     from litestar.testing import TestClient
@@ -419,6 +455,10 @@ def test_a_draining_server_refuses_new_requests_with_503_and_is_not_ready(defaul
             assert refused.json()["error"]["type"] == "service_unavailable" and "shutting down" in refused.text
             ready = client.get("/ready")
             assert ready.status_code == 503 and ready.headers["Retry-After"]
+            engine.fail(RuntimeError("a rank was lost"))  # a dead engine: 503 too, saying so
+            dead = client.post("/v1/completions", json=body)
+            assert dead.status_code == 503 and dead.json()["error"]["type"] == "service_unavailable"
+            assert "not running" in dead.text and "not running" in client.get("/ready").text
     finally:
         engine.shutdown(grace_s=5)
 
