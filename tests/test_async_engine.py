@@ -43,7 +43,13 @@ def test_streams_to_the_end_and_matches_the_offline_engine(engine: AsyncEngine) 
     assert [len(o.token_ids) for o in outputs] == list(range(1, 7))
 
 
-def test_leaving_early_aborts_and_frees_pages(engine: AsyncEngine) -> None:
+def test_leaving_early_aborts_and_frees_pages(engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stream's early exit is what aborts it (seen by a spy on `abort`): the tiny model could
+    otherwise finish its 100 tokens inside the wait below and free the pages anyway."""
+    aborted: list[str] = []
+    abort = engine.abort
+    monkeypatch.setattr(engine, "abort", lambda request_id: (aborted.append(request_id), abort(request_id)))
+
     async def leave_after_two() -> None:
         stream = engine.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
         count = 0
@@ -60,6 +66,7 @@ def test_leaving_early_aborts_and_frees_pages(engine: AsyncEngine) -> None:
             break
         asyncio.run(asyncio.sleep(0.01))
     assert engine.stats().kv_pages_free == engine.stats().kv_pages_total
+    assert len(aborted) == 1
 
 
 def test_invalid_request_raises_the_engine_error(engine: AsyncEngine) -> None:
