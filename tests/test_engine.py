@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -307,3 +308,35 @@ def test_progress_bar_only_when_asked(smol: LLM, capsys: pytest.CaptureFixture[s
     assert "requests" not in capsys.readouterr().err
     smol.generate(["Hello", "Bonjour"], SamplingParams(max_tokens=2))
     assert "requests" in capsys.readouterr().err
+
+
+def test_an_error_inside_a_forward_ends_that_steps_requests_and_returns_every_page(
+    tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = LLM(str(tiny_model_factory("llama")), enforce_eager=True, page_size=4, num_pages=32)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    ids = [engine.add_request([5, 6, 7, 8, 9], params) for _ in range(2)]
+    engine.step()  # both prefill
+    run = engine.runner.run
+    calls = {"n": 0}
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("a kernel failed")
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "run", failing)
+    engine.step()
+    with pytest.raises(RuntimeError, match="a kernel failed"):
+        engine.step()
+    manager = engine.block_manager
+    assert manager.num_free_pages == manager.num_pages
+    manager.check_consistency([])
+    outputs = {out.request_id: out for out in engine.step()}  # the next step reports them ended
+    assert set(outputs) == set(ids) and all(out.outputs[0].finish_reason == "abort" for out in outputs.values())
+    assert not engine.has_unfinished_requests()
+    later = engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=3))  # it serves on
+    done = [out for _ in range(10) for out in engine.step() if out.finished]
+    assert [out.request_id for out in done] == [later]

@@ -20,7 +20,7 @@ from compiled_engine.engine.outputs import CompletionOutput, PromptTokenLogprobs
 from compiled_engine.engine.request_validation import check_request, prompt_token_ids
 from compiled_engine.engine.sampler import SamplingBatch, TokenLogprobs, make_sampler
 from compiled_engine.engine.sampling_params import SamplingParams
-from compiled_engine.engine.scheduler import Scheduler
+from compiled_engine.engine.scheduler import Scheduler, SchedulerOutput
 from compiled_engine.engine.sequence import FinishReason, Sequence
 from compiled_engine.engine.step_inputs import logit_count
 from compiled_engine.errors import RequestError
@@ -226,29 +226,46 @@ class LLMEngine:
                 propose_drafts(self.speculative, self.scheduler.running, self.max_model_len)
             out = self.scheduler.schedule()
         if not out.is_empty:
-            slots = None
-            if self.lora is not None:
-                slots = self.lora.slots_for(s.seq.lora_name for s in out.scheduled if s.seq.lora_name is not None)
-            draft_probs: dict[int, torch.Tensor] = {}
-            if self.draft is not None:
-                with nvtx_range("draft"):
-                    speculating = [item.seq for item in out.scheduled if item.seq.draft_token_ids]
-                    draft_probs = self.draft.propose(speculating, self.scheduler.running)
-            batch = [(item.seq, item.num_tokens) for item in out.scheduled]
-            counts = [logit_count(seq, num_new) for seq, num_new in batch]  # logits rows of each
-            logits = self.runner.run(batch, slots)
-            first_rows, row = {}, 0  # each sequence's first row to sample: it has 1 + drafts
-            for (seq, _), count in zip(batch, counts, strict=True):
-                if seq.wants_prompt_logprobs:
-                    self._record_prompt_logprobs(seq, logits[row : row + count])
-                first_rows[seq.seq_id] = row + count - 1 - len(seq.draft_token_ids)
-                row += count
-            due = self.scheduler.advance(out)
-            if due:
-                with nvtx_range("sample"):
-                    self._sample(logits, first_rows, due, draft_probs)
+            try:
+                self._run_scheduled(out)
+            except BaseException:
+                # A failed forward or sampling step (an error in a kernel, a lost rank) ends the
+                # step's requests with `abort` and returns every page they held before the error
+                # goes on up; the rest of the queue is untouched.
+                for item in out.scheduled:
+                    request = self._requests.get(item.seq.request_id)
+                    for seq in request.seqs if request is not None else [item.seq]:
+                        if not seq.is_finished:
+                            self.scheduler.finish(seq, FinishReason.ABORT)
+                    if request is not None:
+                        request.changed = True
+                raise
         with nvtx_range("detokenize"):
             return self._collect_outputs()
+
+    def _run_scheduled(self, out: SchedulerOutput) -> None:
+        """Draft, run the forward, and sample the scheduled sequences of one step."""
+        slots = None
+        if self.lora is not None:
+            slots = self.lora.slots_for(s.seq.lora_name for s in out.scheduled if s.seq.lora_name is not None)
+        draft_probs: dict[int, torch.Tensor] = {}
+        if self.draft is not None:
+            with nvtx_range("draft"):
+                speculating = [item.seq for item in out.scheduled if item.seq.draft_token_ids]
+                draft_probs = self.draft.propose(speculating, self.scheduler.running)
+        batch = [(item.seq, item.num_tokens) for item in out.scheduled]
+        counts = [logit_count(seq, num_new) for seq, num_new in batch]  # logits rows of each
+        logits = self.runner.run(batch, slots)
+        first_rows, row = {}, 0  # each sequence's first row to sample: it has 1 + drafts
+        for (seq, _), count in zip(batch, counts, strict=True):
+            if seq.wants_prompt_logprobs:
+                self._record_prompt_logprobs(seq, logits[row : row + count])
+            first_rows[seq.seq_id] = row + count - 1 - len(seq.draft_token_ids)
+            row += count
+        due = self.scheduler.advance(out)
+        if due:
+            with nvtx_range("sample"):
+                self._sample(logits, first_rows, due, draft_probs)
 
     def _apply_aborts(self) -> None:
         for request_id in self._pending_aborts:
