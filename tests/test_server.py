@@ -404,6 +404,10 @@ def test_metrics_count_requests_tokens_and_latency(server: ServerProcess, client
         > 0
     )
     assert metric(server, "compiled_engine_kv_pages_free") > 0
+    assert metric(server, "compiled_engine_weight_bytes") > 50e6  # the default model's 4-bit layers and head
+    assert (
+        0.9 * 0.05 * 2**30 < metric(server, "compiled_engine_kv_cache_bytes") <= 0.05 * 2**30
+    )  # --kv-cache-memory-gib
 
 
 def test_a_batch_of_prompts_gives_each_its_choices(client: openai.OpenAI) -> None:

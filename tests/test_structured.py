@@ -399,7 +399,9 @@ def test_bench_structured_reports_constrained_against_free(default_model_dir: Pa
     out = tmp_path / "structured.json"
     args = ["structured", "--enforce-eager", "--kv-cache-memory-gib", "0.05", "--batch", "2", "--output-len", "10"]
     assert main([*args, "--rounds", "1", "--json", str(out)]) == 0
-    results = json.loads(out.read_text())["results"]
+    report = json.loads(out.read_text())
+    results = report["results"]
+    assert report["peak_rss_bytes"] > 100e6  # the bench's JSON records the process's peak memory
     assert results["free_tokens_per_s"] > 0 and results["constrained_tokens_per_s"] > 0
     assert results["ratio"] == pytest.approx(results["constrained_tokens_per_s"] / results["free_tokens_per_s"])
     assert results["compile_cold_ms"] > results["compile_warm_ms"] > 0 and results["mask_us"] > 0

@@ -676,6 +676,13 @@ BENCHMARKS = {
 }
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (Linux reports kilobytes)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = Console(stderr=False)
@@ -687,6 +694,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ValueError(f"--plot writes a PNG; give a file name ending in .png, not {args.plot.name!r}")
             check_plotting()  # before a long run, not after it
         report = BENCHMARKS[args.command](args, console)
+        report["peak_rss_bytes"] = peak_rss_bytes()
     except (CompiledEngineError, ValueError, httpx.HTTPError, PlotUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

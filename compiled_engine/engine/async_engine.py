@@ -73,6 +73,8 @@ class EngineStats:
     lora_max: int | None = None  # adapter slots (None: no adapters)
     lora_running: tuple[str, ...] = ()  # adapters of running requests
     lora_waiting: tuple[str, ...] = ()  # adapters of waiting ones
+    weight_bytes: int = 0  # the models' tensors and the packed copies of their weights
+    kv_cache_bytes: int = 0  # the page pool (a draft model's included)
 
 
 class AsyncEngine:
@@ -218,6 +220,8 @@ class AsyncEngine:
             lora_resident=lora.num_resident if lora is not None else 0,
             speculative=None if self.engine.speculative is None else self.engine.speculative_stats.copy(),
             num_preemptions=self.engine.scheduler.num_preemptions,
+            weight_bytes=self.engine.weight_bytes,
+            kv_cache_bytes=self.engine.kv_cache_bytes,
             lora_max=self.engine.config.max_loras if lora is not None else None,
             lora_running=tuple(sorted({s.lora_name for s in self.engine.scheduler.running if s.lora_name})),
             lora_waiting=tuple(sorted({s.lora_name for s in self.engine.scheduler.waiting if s.lora_name})),

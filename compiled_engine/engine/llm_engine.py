@@ -27,6 +27,7 @@ from compiled_engine.errors import RequestError
 from compiled_engine.lora.adapter import LoRAError
 from compiled_engine.lora.manager import LoRAManager, LoRARequest
 from compiled_engine.model.config import ModelConfig
+from compiled_engine.model.packed_linear import packed_bytes
 from compiled_engine.model.source import resolve_model_dir
 from compiled_engine.parallel.launch import TensorParallelGroup
 from compiled_engine.parallel.shard import TPShard
@@ -115,6 +116,18 @@ class LLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.runner.max_model_len
+
+    @property
+    def weight_bytes(self) -> int:
+        """Weight memory of this process: the model's (and a draft's) tensors, and the packed
+        copies the compiled CPU path keeps beside them."""
+        runners = [self.runner] + ([self.draft.runner] if self.draft is not None else [])
+        return sum(runner.weight_bytes for runner in runners) + packed_bytes()
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        runners = [self.runner] + ([self.draft.runner] if self.draft is not None else [])
+        return sum(runner.kv_cache_bytes for runner in runners)
 
     def grammar_compiler(self) -> GrammarCompiler:
         """Structured outputs' grammars for this model's tokenizer (built at first use)."""

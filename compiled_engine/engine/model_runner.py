@@ -219,6 +219,23 @@ class ModelRunner:
         return activations, graph_pool
 
     @property
+    def weight_bytes(self) -> int:
+        """The model's tensors (parameters and buffers, each storage once) on this rank."""
+        seen: set[int] = set()
+        total = 0
+        for tensor in [*self.model.parameters(), *self.model.buffers()]:
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor's own shard
+            key = local.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += local.untyped_storage().nbytes()
+        return total
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_cache.numel() * self.kv_cache.element_size()
+
+    @property
     def max_pages_per_seq(self) -> int:
         return -(-self.max_model_len // self.page_size)
 

@@ -31,6 +31,11 @@ def pack(weight: torch.Tensor) -> None:
     _packed[weight] = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
 
+def packed_bytes() -> int:
+    """Bytes held by the packed copies of this process (each beside its original weight)."""
+    return sum(packed.numel() * packed.element_size() for packed in list(_packed.values()))
+
+
 def is_packed(weight: torch.Tensor) -> bool:
     return weight in _packed
 

@@ -58,7 +58,8 @@ def run_server(
     name = served_model_name or (config.model or "SmolLM2-135M-Instruct")
     runner = engine.runner
     logger.info(
-        "model %s (%s) loaded in %.1f s on %s, dtype %s; KV cache %d pages of %d tokens; max_model_len %d",
+        "model %s (%s) loaded in %.1f s on %s, dtype %s; KV cache %d pages of %d tokens; max_model_len %d; "
+        "weights %.2f GiB, KV cache %.2f GiB",
         name,
         engine.model_dir,
         load_s,
@@ -67,6 +68,8 @@ def run_server(
         runner.num_pages,
         runner.page_size,
         engine.max_model_len,
+        engine.weight_bytes / 2**30,
+        engine.kv_cache_bytes / 2**30,
     )
     if name in lora_modules:
         raise ValueError(f"the adapter name {name!r} is the served model's name")

@@ -39,6 +39,12 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily(
             "compiled_engine_kv_pages_free", "KV cache pages free or evictable", stats.kv_pages_free
         )
+        yield GaugeMetricFamily(
+            "compiled_engine_weight_bytes",
+            "Weight memory: the models' tensors and the packed copies of their weights",
+            stats.weight_bytes,
+        )
+        yield GaugeMetricFamily("compiled_engine_kv_cache_bytes", "KV page pool memory", stats.kv_cache_bytes)
         yield CounterMetricFamily(
             "compiled_engine_prefix_cache_queried_tokens",
             "Prompt tokens looked up in the prefix cache",
