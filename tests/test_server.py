@@ -169,24 +169,34 @@ BAD_INPUTS = [
 ]
 
 
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error"}
+
+
+def _refused(
+    server: ServerProcess, route: str, raw: str | None, body: dict[str, object] | None, status: int, message: str
+) -> dict[str, Any]:
+    """The OpenAI error a bad body gets on `route`: its status, shape, type, message, and the
+    context-length code where that is the problem."""
+    headers = {"Authorization": f"Bearer {KEY_A}", "Content-Type": "application/json"}
+    content = raw if raw is not None else json.dumps(body)
+    response = httpx.post(f"{server.url}{route}", content=content, headers=headers)
+    assert response.status_code == status, response.text
+    error: dict[str, Any] = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert message in error["message"] and error["type"] == ERROR_TYPES[status]
+    if "context length" in message:
+        assert error["code"] == "context_length_exceeded"
+    return error
+
+
 @pytest.mark.parametrize(("raw", "body", "status", "message"), BAD_INPUTS)
 def test_bad_input_gets_its_status_and_an_openai_error(
     server: ServerProcess, raw: str | None, body: dict[str, object] | None, status: int, message: str
 ) -> None:
-    headers = {"Authorization": f"Bearer {KEY_A}", "Content-Type": "application/json"}
-    content = raw if raw is not None else json.dumps(body)
-    response = httpx.post(f"{server.url}/v1/chat/completions", content=content, headers=headers)
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert message in error["message"]
-    assert error["type"] == ERROR_TYPES[status]
-    if "context length" in message:
-        assert error["code"] == "context_length_exceeded"
+    _refused(server, "/v1/chat/completions", raw, body, status, message)
     assert httpx.get(f"{server.url}/ready").status_code == 200
 
 
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error"}
 COMPLETION_BAD_INPUTS = [
     ("not json", None, 400, "malformed", None),
     (None, {"prompt": "Hi", "unknown_field": 1}, 400, "unknown field", None),
@@ -202,15 +212,8 @@ COMPLETION_BAD_INPUTS = [
 def test_bad_completion_input_gets_its_status_type_code_and_param(
     server: ServerProcess, raw: str | None, body: dict[str, object] | None, status: int, message: str, param: str | None
 ) -> None:
-    headers = {"Authorization": f"Bearer {KEY_A}", "Content-Type": "application/json"}
-    content = raw if raw is not None else json.dumps(body)
-    response = httpx.post(f"{server.url}/v1/completions", content=content, headers=headers)
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert message in error["message"] and error["type"] == ERROR_TYPES[status]
+    error = _refused(server, "/v1/completions", raw, body, status, message)
     assert error["param"] == param or param is None
-    if message == "context length":
-        assert error["code"] == "context_length_exceeded"
 
 
 def test_an_unknown_route_is_a_404_in_openai_shape(server: ServerProcess) -> None:
