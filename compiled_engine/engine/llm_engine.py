@@ -3,6 +3,7 @@ work; `step` runs one iteration: apply aborts -> schedule -> forward -> sample -
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import random
@@ -118,16 +119,19 @@ class LLMEngine:
         return self.runner.max_model_len
 
     @property
+    def _runners(self) -> list[ModelRunner]:
+        return [self.runner] + ([self.draft.runner] if self.draft is not None else [])
+
+    @functools.cached_property
     def weight_bytes(self) -> int:
         """Weight memory of this process: the model's (and a draft's) tensors, and the packed
-        copies the compiled CPU path keeps beside them."""
-        runners = [self.runner] + ([self.draft.runner] if self.draft is not None else [])
-        return sum(runner.weight_bytes for runner in runners) + packed_bytes()
+        copies the compiled CPU path keeps beside them. Fixed once the engine is built, so
+        counted once (every /metrics scrape reads it)."""
+        return sum(runner.weight_bytes for runner in self._runners) + packed_bytes()
 
-    @property
+    @functools.cached_property
     def kv_cache_bytes(self) -> int:
-        runners = [self.runner] + ([self.draft.runner] if self.draft is not None else [])
-        return sum(runner.kv_cache_bytes for runner in runners)
+        return sum(runner.kv_cache_bytes for runner in self._runners)
 
     def grammar_compiler(self) -> GrammarCompiler:
         """Structured outputs' grammars for this model's tokenizer (built at first use)."""
