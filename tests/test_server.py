@@ -386,6 +386,30 @@ def test_sigterm_during_a_stream_drains_and_exits_0(tmp_path: Path, default_mode
     assert finals[-1] == "length"  # the in-flight request ran to completion
 
 
+def test_a_grace_period_that_runs_out_ends_streams_with_abort_and_exits_0(
+    tmp_path: Path, default_model_dir: Path
+) -> None:
+    """SIGTERM with a 1 s grace period, mid-way through a 1000-token stream: the stream ends with
+    finish reason `abort` and [DONE] (not a cut connection), long before its 1000 tokens, and the
+    process exits 0."""
+    with running_server(tmp_path, "--kv-cache-memory-gib", "0.05", "--shutdown-grace-s", "1") as server:
+        body = {"prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0, "stream": True, "ignore_eos": True}
+        events = []
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if not line:
+                    continue
+                events.append(line)
+                if len(events) == 2:
+                    server.process.terminate()  # SIGTERM mid-stream
+        assert server.process.wait(timeout=60) == 0
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    finals = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finals[-1] == "abort"
+    assert len(chunks) < 1000
+
+
 def test_metrics_count_requests_tokens_and_latency(server: ServerProcess, client: openai.OpenAI) -> None:
     """Self-contained: it makes the 401 it counts (it used to rely on earlier tests' requests)."""
     before = metric(server, "compiled_engine_generated_tokens_total")

@@ -73,7 +73,7 @@ class EngineStats:
     lora_max: int | None = None  # adapter slots (None: no adapters)
     lora_running: tuple[str, ...] = ()  # adapters of running requests
     lora_waiting: tuple[str, ...] = ()  # adapters of waiting ones
-    weight_bytes: int = 0  # the models' tensors and the packed copies of their weights
+    weight_bytes: int = 0  # the models' tensors, each held once (packed on the compiled CPU path)
     kv_cache_bytes: int = 0  # the page pool (a draft model's included)
 
 
@@ -127,10 +127,7 @@ class AsyncEngine:
         deadline = time.monotonic() + grace_s
         while self.is_alive and self._in_flight() and time.monotonic() < deadline:
             time.sleep(0.05)
-        with self._lock:
-            leftover = list(self._streams)
-        for request_id in leftover:
-            self.abort(request_id)
+        self.abort_all()
         deadline = time.monotonic() + 5.0
         while self.is_alive and self._in_flight() and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -203,6 +200,13 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
         self._wake.set()
+
+    def abort_all(self) -> None:
+        """Abort every request in flight: each ends with finish reason `abort` at the next step."""
+        with self._lock:
+            request_ids = list(self._streams)
+        for request_id in request_ids:
+            self.abort(request_id)
 
     def num_waiting(self) -> int:
         return len(self.engine.scheduler.waiting) + self._pending_adds

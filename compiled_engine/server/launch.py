@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import threading
 import time
@@ -20,6 +21,9 @@ from compiled_engine.lora.manager import LoRARequest
 from compiled_engine.server.app import ServerSettings, create_app
 
 logger = logging.getLogger("compiled_engine.server")
+
+# Seconds uvicorn waits, past the grace period, for the streams aborted then to send their end.
+ABORTED_STREAMS_END_S = 3
 
 
 def run_server(
@@ -86,11 +90,13 @@ def run_server(
         host=host,
         port=port,
         log_level="info",
-        timeout_graceful_shutdown=int(shutdown_grace_s),
+        # Past the grace period the requests still in flight are aborted (`on_grace_expired`);
+        # uvicorn closes connections only after that, so aborted streams still send their end.
+        timeout_graceful_shutdown=math.ceil(shutdown_grace_s) + ABORTED_STREAMS_END_S,
         # JSON logs: uvicorn's own lines go through the root handler too, as JSON.
         log_config=None if log_format == "json" else uvicorn.config.LOGGING_CONFIG,
     )
-    server = _DrainingServer(config_, async_engine.stop_accepting)
+    server = _DrainingServer(config_, async_engine.stop_accepting, shutdown_grace_s, async_engine.abort_all)
     if engine.tensor_parallel is not None:
         threading.Thread(
             target=_exit_when_the_loop_dies, args=(async_engine, server), name="tp-watchdog", daemon=True
@@ -128,15 +134,30 @@ class _DrainingServer(uvicorn.Server):
     """uvicorn drains on SIGINT/SIGTERM, then re-raises the signal so the process dies of it; a
     drained shutdown is a clean one, so we exit 0 instead. `on_drain` runs as the signal arrives:
     from then on every new request, on a new or a kept-alive connection, is refused with 503 and
-    Retry-After (uvicorn alone would still serve kept-alive ones until its loop notices)."""
+    Retry-After (uvicorn alone would still serve kept-alive ones until its loop notices).
+    `on_grace_expired` runs `grace_s` later if the server is still draining: it aborts what is
+    still in flight, so that streams end with finish reason `abort` instead of a cut connection."""
 
-    def __init__(self, config: uvicorn.Config, on_drain: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        on_drain: Callable[[], None] | None = None,
+        grace_s: float = 0.0,
+        on_grace_expired: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(config)
         self.on_drain = on_drain
+        self.grace_s = grace_s
+        self.on_grace_expired = on_grace_expired
+        self._grace_timer: threading.Timer | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.on_drain is not None:
             self.on_drain()
+        if self.on_grace_expired is not None and self._grace_timer is None:
+            self._grace_timer = threading.Timer(self.grace_s, self.on_grace_expired)
+            self._grace_timer.daemon = True
+            self._grace_timer.start()
         super().handle_exit(sig, frame)
         captured = getattr(self, "_captured_signals", None)
         if isinstance(captured, list):
