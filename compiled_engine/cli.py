@@ -92,6 +92,7 @@ def _build_native_kernels() -> None:
 
     from compiled_engine.attention.native_decode import load_native_decode
     from compiled_engine.lora.layers import native_lora_kernel
+    from compiled_engine.model.packed_linear import blocked_gemv_operator
     from compiled_engine.native_build import KernelBuildError
     from compiled_engine.quantization.ops import cpu_kernels, native_operator
 
@@ -103,6 +104,7 @@ def _build_native_kernels() -> None:
     cpu_kernels()  # warns itself when it cannot be built
     native_operator()
     native_lora_kernel()
+    blocked_gemv_operator()
     print(f"native kernels ready ({time.perf_counter() - started:.1f} s)", file=sys.stderr)
 
 

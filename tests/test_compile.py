@@ -32,6 +32,7 @@ from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.engine.precompiled import PrecompiledFunction, artifact_dir, call_signature, model_signature
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.engine.step_inputs import StepInputs
+from compiled_engine.model import packed_linear
 from compiled_engine.prompts import DEFAULT_PROMPTS
 from tests.server_process import running_server
 
@@ -99,9 +100,10 @@ def test_compiled_logits_match_eager_on_mixed_batches_without_recompiling(
     counters.clear()
     runner = _runner(model_dir, compiled=True)
     after_warm_up = counters["stats"]["unique_graphs"]
-    # the whole forward: one graph for many tokens (dynamic), one for a single token; on CPU the
-    # head's one-row graph
-    assert after_warm_up == 3
+    # the whole forward: one graph for many tokens (dynamic), one for a single token (the head's
+    # one-row product runs the native kernel over its packed copy, uncompiled)
+    assert runner.forward.entries().keys() == {"layer", "one-token forward"}
+    assert after_warm_up == 2
     compiled = _run_steps(runner, tokens)
     assert counters["stats"]["unique_graphs"] == after_warm_up, "batch composition caused a recompilation"
     assert not counters["graph_break"], f"graph breaks: {dict(counters['graph_break'])}"
@@ -218,25 +220,34 @@ def test_compiled_one_token_product_equals_f_linear(bias: bool) -> None:
             torch.testing.assert_close(compiled(x), F.linear(x, linear.weight, linear.bias), atol=1e-4, rtol=1e-5)
 
 
-def test_compiled_head_of_one_row_equals_eager(tiny_model_factory: Callable[..., Path]) -> None:
+@pytest.mark.parametrize("one_copy", [True, False])
+def test_the_head_of_one_row_equals_eager(
+    tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, one_copy: bool
+) -> None:
+    """One copy: the head's one-row product runs the native kernel over the packed copy, with no
+    graph of its own. Without the kernel (two copies) it is compiled on its own."""
     model_dir = tiny_model_factory("llama", max_position_embeddings=64)
+    eager_head = _runner(model_dir, compiled=False).model.lm_head.weight
+    if not one_copy:
+        monkeypatch.setattr(packed_linear, "blocked_gemv_operator", lambda: None)
     runner = _runner(model_dir, compiled=True)
-    model, forward = runner.model, runner.forward
-    assert isinstance(forward, CompiledForward) and forward.one_row_head is not None  # compiled on CPU
-    hidden = torch.randn(1, model.config.hidden_size)
-    with torch.inference_mode():
-        torch.testing.assert_close(forward.logits(hidden), F.linear(hidden, model.lm_head.weight), atol=1e-4, rtol=1e-5)
-        many = torch.randn(3, model.config.hidden_size)
-        torch.testing.assert_close(forward.logits(many), F.linear(many, model.lm_head.weight), atol=1e-4, rtol=1e-5)
+    forward = runner.forward
+    assert isinstance(forward, CompiledForward)
+    assert (forward.one_row_head is None) == one_copy
+    assert (runner.model.lm_head.blocked is not None) == one_copy
+    for rows in (1, 3):
+        hidden = torch.randn(rows, runner.model.config.hidden_size)
+        with torch.inference_mode():
+            torch.testing.assert_close(forward.logits(hidden), F.linear(hidden, eager_head), atol=1e-4, rtol=1e-5)
 
 
 @torch.inference_mode()
 def test_a_compiled_decode_step_is_one_compiled_entry_and_one_attention_plan(
     tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The lean step: one Dynamo entry for the whole forward (plus the head's one-row graph on
-    CPU), not one per layer; the backend prepares one plan per forward and every layer attends
-    by that same plan."""
+    """The lean step: one Dynamo entry for the whole forward (the head's one-row product runs the
+    native kernel over its packed copy, outside any graph), not one per layer; the backend
+    prepares one plan per forward and every layer attends by that same plan."""
     model_dir = tiny_model_factory("llama", max_position_embeddings=64, num_hidden_layers=3)
     runner = _runner(model_dir, compiled=True)
     backend = runner.backend
@@ -261,7 +272,7 @@ def test_a_compiled_decode_step_is_one_compiled_entry_and_one_attention_plan(
         logits = runner.execute(StepInputs([9], [5], [1], [6], [[0]]))
     assert logits is not None and logits.shape == (1, runner.model_config.vocab_size)
     entries = [e for e in prof.events() if e.name.startswith("Torch-Compiled Region")]
-    assert len(entries) == 2, [e.name for e in entries]  # the forward and the one-row head
+    assert len(entries) == 1, [e.name for e in entries]  # the forward
     assert len(prepared) == 2 and attended == [prepared[0]] * 3 + [prepared[1]] * 3
 
 
@@ -292,7 +303,7 @@ def test_a_saved_trace_loads_at_the_next_start_without_tracing_and_matches_eager
     torch._dynamo.reset()
     first = _runner(model_dir, compiled=True, compile_cache=True)
     assert set(_entry_sources(first).values()) == {"compiled and saved"}
-    assert len(list((tmp_path / "compiled").rglob("*.bin"))) == 3
+    assert len(list((tmp_path / "compiled").rglob("*.bin"))) == 2  # the layer, the one-token forward
     first_logits = _run_steps(first, tokens)
 
     torch._dynamo.reset()
@@ -321,7 +332,7 @@ def test_a_saved_trace_that_does_not_load_is_compiled_again(
     torch._dynamo.reset()
     with caplog.at_level("INFO", logger="compiled_engine.engine.precompiled"):
         runner = _runner(model_dir, compiled=True, compile_cache=True)
-    assert _entry_sources(runner) == {"layer": "loaded", "one-token forward": "compiled and saved", "head": "loaded"}
+    assert _entry_sources(runner) == {"layer": "loaded", "one-token forward": "compiled and saved"}
     assert "does not load" in caplog.text
     assert damaged.read_bytes() != b"not a saved trace"
     for e, c in zip(eager, _run_steps(runner, tokens), strict=True):

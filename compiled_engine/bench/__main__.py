@@ -276,6 +276,7 @@ def bench_latency(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     run_ours(engine, random_workload(vocab, 1, (8, 8), (2, 2), args.seed + 2))  # warm-up
     ttfts = [run_ours(engine, prefill)["ttft_s"][0] for _ in range(args.repeats)]
     tpots = [run_ours(engine, decode)["tpot_s"][0] for _ in range(args.repeats)]
+    memory = engine_memory(engine)  # before the bandwidth measurement allocates its own buffer
     ceiling = measure_read_bandwidth(engine.runner.device)
     weights = weight_bytes(engine)
     ttft, tpot = statistics.median(ttfts), statistics.median(tpots)
@@ -287,6 +288,7 @@ def bench_latency(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         "weight_bytes": weights,
         "effective_bandwidth_bytes_per_s": weights / tpot,
         "bandwidth_fraction": weights / tpot / ceiling,
+        **memory,
     }
     result: dict[str, Any] = {"ours": ours}
     if args.baseline == "llama-cpp":
@@ -348,6 +350,7 @@ def bench_offline(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     )  # warm-up
     with _progress(console, "ours", workload.output_tokens) as advance:
         ours_run = run_ours(engine, workload, advance)
+    memory = engine_memory(engine)  # before the bandwidth measurement allocates its own buffer
     ceiling = measure_read_bandwidth(engine.runner.device)
     seconds = ours_run["seconds"]
     ours = {
@@ -357,6 +360,7 @@ def bench_offline(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         "total_tokens_per_s": (workload.prompt_tokens + workload.output_tokens) / seconds,
         "bytes_read": ours_run["bytes_read"],
         "bandwidth_fraction": ours_run["bytes_read"] / seconds / ceiling,
+        **memory,
     }
     result: dict[str, Any] = {"ours": ours}
     model, why = _baseline(args, engine)
@@ -674,6 +678,22 @@ BENCHMARKS = {
     "spec": bench_spec,
     "structured": bench_structured,
 }
+
+
+def engine_memory(engine: LLMEngine) -> dict[str, int]:
+    """The engine's memory after a run: the process's resident bytes now (the engine built and
+    warm, before the bandwidth measurement), its weights' and its KV cache's."""
+    resident = 0
+    try:
+        with open("/proc/self/status") as status:
+            resident = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):  # not Linux
+        pass
+    return {
+        "resident_bytes": resident,
+        "engine_weight_bytes": engine.weight_bytes,
+        "kv_cache_bytes": engine.kv_cache_bytes,
+    }
 
 
 def peak_rss_bytes() -> int:

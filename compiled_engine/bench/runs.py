@@ -12,6 +12,7 @@ import torch
 from compiled_engine.bench.hf_baseline import hf_generate_seconds, hf_generate_token_times
 from compiled_engine.bench.serving import RequestRecord
 from compiled_engine.bench.workload import Workload
+from compiled_engine.engine.compilation import BlockedEmbedding, CpuLinear
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.outputs import RequestOutput
 from compiled_engine.engine.sampling_params import SamplingParams
@@ -24,13 +25,14 @@ def weight_bytes(engine: LLMEngine) -> int:
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:
-    """Weight bytes one forward step of `model` (a Transformer) reads: every parameter and
-    quantized buffer once, except the embedding table, of which a step reads only its tokens'
-    rows; a tied head reads that whole table as its weight."""
+    """Weight bytes one forward step of `model` (a Transformer) reads: every parameter, quantized
+    buffer and packed weight once, except the embedding table, of which a step reads only its
+    tokens' rows; a tied head reads that whole table as its weight."""
+    held_in_buffers = (QuantizedLinear, QuantizedEmbedding, CpuLinear, BlockedEmbedding)
 
     def weights(module: torch.nn.Module) -> list[torch.Tensor]:
-        quantized = [m for m in module.modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))]
-        return [*module.parameters(), *(b for m in quantized for b in m.buffers(recurse=False))]
+        holders = [m for m in module.modules() if isinstance(m, held_in_buffers)]
+        return [*module.parameters(), *(b for m in holders for b in m.buffers(recurse=False))]
 
     head = {id(t) for t in weights(model.get_submodule("lm_head"))}
     embedding = {id(t) for t in weights(model.get_submodule("embed_tokens"))} - head

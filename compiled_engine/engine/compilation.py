@@ -16,13 +16,14 @@ The page count of the pool is dynamic too (the warm-up's scratch cache and the r
 the graphs).
 
 The model file stays plain; what the compiled CPU path needs is applied here, from outside:
-- `CpuLinear` (a module swap of every `Linear`): a one-token product written as a
-  multiply-and-sum over each weight row, which Inductor turns into one vectorised loop split
-  across cores by output row and which streams the weight at close to memory bandwidth (the GEMV
-  that F.linear calls keeps one core busy here); products of more rows through the weight's
-  oneDNN-packed copy (model/packed_linear.py);
-- the head's one-row product compiled on its own (the largest GEMV of a decode step); many rows
-  stay eager through the packed head.
+- `CpuLinear` (a module swap of every `Linear`) holds its fp32 weight once, as oneDNN's packed
+  copy (model/packed_linear.py): products of up to four rows (decode) run a native kernel over
+  that copy, which streams it at close to memory bandwidth, and products of more rows oneDNN's
+  GEMM. A tied embedding reads its rows from the head's packed copy (`BlockedEmbedding`). Where
+  the packed copy cannot be read that way (another layout, no compiler), the dense weight stays
+  beside it: one token's product is then a multiply-and-sum over each weight row, which Inductor
+  turns into one vectorised loop split across cores by output row, and the head's one-row
+  product is compiled on its own.
 Tensor-parallel (DTensor) weights keep the plain Linear, and every step runs the layers compiled
 one by one (nested compile regions do not take DTensor yet).
 """
@@ -39,12 +40,13 @@ from typing import Any
 import torch
 import torch._inductor.config
 import torch.nn.functional as F
+from torch import nn
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from torch.distributed.tensor import DTensor
 
 from compiled_engine.engine.precompiled import PrecompiledFunction
 from compiled_engine.model.llama import Linear, Transformer, TransformerBlock
-from compiled_engine.model.packed_linear import can_pack, pack, packed_linear
+from compiled_engine.model.packed_linear import blocked_rows, can_pack, pack, packed_linear
 
 logger = logging.getLogger(__name__)
 
@@ -65,18 +67,44 @@ def use_compile_cache(cache_dir: Path) -> Path:
 
 
 class CpuLinear(Linear):
-    """Linear for the compiled CPU model: one row as a multiply-and-sum (compiled only: eager it
-    would materialise the products), several rows through the oneDNN-packed weight when packed."""
+    """Linear for the compiled CPU model. With its weight packed as one copy (`blocked`, see
+    model/packed_linear.py): up to four rows through the native kernel, more through oneDNN, both
+    reading that copy. Otherwise one row as a multiply-and-sum (compiled only: eager it would
+    materialise the products), several rows through the weight's packed copy when it has one."""
 
-    packed: bool = False  # set by the swap (`_swap_in_cpu_linear`)
+    blocked: torch.Tensor | None  # a buffer set by the swap (`_swap_in_cpu_linear`); with it, `weight` is gone
+    packed: bool = False  # a packed copy beside the dense weight (the two-copy fallback)
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias)  # modules swapped in skip this
+        self.register_buffer("blocked", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocked is not None:
+            if x.shape[0] == 1:
+                y: torch.Tensor = torch.ops.compiled_engine.blocked_gemv_f32(x, self.blocked, self.bias)
+                return y
+            return packed_linear(x, self.blocked, self.bias)
         if x.shape[0] == 1 and torch.compiler.is_compiling():
             y = (x[:, None, :] * self.weight[None]).sum(-1)
             return y + self.bias if self.bias is not None else y
         if self.packed:
             return packed_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        layout = "packed, one copy" if self.blocked is not None else "packed beside dense" if self.packed else "dense"
+        return layout
+
+
+class BlockedEmbedding(nn.Embedding):
+    """The embedding of a tied head whose table became the head's packed copy: a lookup reads its
+    rows from the blocked view (model/packed_linear.py), so the dense table can go."""
+
+    blocked: torch.Tensor
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return blocked_rows(self.blocked, input_ids)
 
 
 @torch.compiler.nested_compile_region
@@ -150,9 +178,7 @@ class CompiledForward(ModelForward):
         torch._dynamo.config.specialize_float = True
         on_cpu = model.lm_head.weight.device.type == "cpu"
         if on_cpu:
-            for module in model.modules():
-                if isinstance(module, Linear):
-                    _swap_in_cpu_linear(module)
+            _pack_cpu_weights(model)
         # Tensor parallelism: torch's nested compile regions have no rule for DTensor's
         # functional tensors yet, so there every step runs the layers compiled one by one; and
         # DTensor traces are not saved.
@@ -177,9 +203,12 @@ class CompiledForward(ModelForward):
                 Transformer.forward, saved("one_token_forward.bin"), _FORWARD_DYNAMIC_DIMS, options=COMPILE_OPTIONS
             )
         )
+        # The head's one-row product, compiled on its own on CPU, unless its packed copy runs it
+        # through the native kernel.
+        head_blocked = isinstance(model.lm_head, CpuLinear) and model.lm_head.blocked is not None
         self.one_row_head = (
             PrecompiledFunction(type(model.lm_head).forward, saved("one_row_head.bin"), dynamic=False)
-            if on_cpu
+            if on_cpu and not head_blocked
             else None
         )
 
@@ -206,12 +235,35 @@ def model_forward(model: Transformer, compiled: bool, saved_dir: Path | None = N
 
 
 def _swap_in_cpu_linear(linear: Linear) -> None:
-    """Make `linear` a CpuLinear, with a oneDNN-packed weight where one can run (fp32, not
-    tensor-parallel). DTensor weights stay plain: their products are sharded by DTensor."""
+    """Make `linear` a CpuLinear, with a packed weight where oneDNN can run it (fp32, not
+    tensor-parallel): its one copy when `pack` gives a blocked view, else a copy beside the dense
+    weight. DTensor weights stay plain: their products are sharded by DTensor."""
     if isinstance(linear.weight, DTensor):
         return
     linear.__class__ = CpuLinear
     assert isinstance(linear, CpuLinear)
-    linear.packed = can_pack(linear.weight)
-    if linear.packed:
-        pack(linear.weight)
+    linear.register_buffer("blocked", None)
+    if not can_pack(linear.weight):
+        return
+    held = pack(linear.weight)
+    if held.dim() == 3:
+        del linear.weight
+        linear.blocked = held
+    else:
+        linear.packed = True
+
+
+def _pack_cpu_weights(model: Transformer) -> None:
+    """Swap in CpuLinear for every Linear (packing their weights); when the head is tied to the
+    embedding and its table became one packed copy, the embedding reads that copy too."""
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    for module in list(model.modules()):
+        if isinstance(module, Linear):
+            _swap_in_cpu_linear(module)
+    head = model.lm_head
+    if tied and isinstance(head, CpuLinear) and head.blocked is not None:
+        embedding = model.embed_tokens
+        embedding.__class__ = BlockedEmbedding
+        assert isinstance(embedding, BlockedEmbedding)
+        del embedding.weight
+        embedding.register_buffer("blocked", head.blocked)

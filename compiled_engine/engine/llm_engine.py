@@ -15,6 +15,7 @@ import torch
 
 from compiled_engine.cache.block_manager import BlockManager
 from compiled_engine.config import EngineConfig
+from compiled_engine.engine.memory_budget import return_freed_heap
 from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.engine.output_text import SequenceText
 from compiled_engine.engine.outputs import CompletionOutput, PromptTokenLogprobs, RequestMetrics, RequestOutput
@@ -90,6 +91,7 @@ class LLMEngine:
             if draft_plan is None
             else DraftModel(draft_plan, config, self.runner.num_pages, self.runner.max_model_len)
         )
+        return_freed_heap()
         has_tokenizer = (self.model_dir / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer(self.model_dir) if has_tokenizer else None
         self.eos_token_ids = (
@@ -124,9 +126,10 @@ class LLMEngine:
 
     @functools.cached_property
     def weight_bytes(self) -> int:
-        """Weight memory of this process: the model's (and a draft's) tensors, and the packed
-        copies the compiled CPU path keeps beside them. Fixed once the engine is built, so
-        counted once (every /metrics scrape reads it)."""
+        """Weight memory of this process: the model's (and a draft's) tensors (the compiled CPU
+        path's packed weights among them), and any packed copy kept beside a dense weight (the
+        fallback of model/packed_linear.py). Fixed once the engine is built, so counted once
+        (every /metrics scrape reads it)."""
         return sum(runner.weight_bytes for runner in self._runners) + packed_bytes()
 
     @functools.cached_property

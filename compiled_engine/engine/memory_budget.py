@@ -4,6 +4,7 @@ CUDA-graph pool, each measured on the device."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections.abc import Callable
 
@@ -47,3 +48,14 @@ def kv_budget_bytes(
             "raise it, or lower --max-num-batched-tokens / --max-num-seqs"
         )
     return budget
+
+
+def return_freed_heap() -> None:
+    """Give the heap memory that start-up freed (the dense weights that packing replaced, the
+    loader's temporaries) back to the system: glibc keeps freed allocations below its mmap
+    threshold in its arenas otherwise, resident. A no-op where the C library is not glibc."""
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)

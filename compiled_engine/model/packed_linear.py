@@ -1,43 +1,153 @@
-"""oneDNN-packed weights for the CPU products of a few rows (batched decode, small prefills).
+"""The fp32 weights of the compiled CPU path, held once, in oneDNN's packed layout.
 
-For a few rows, oneDNN's linear on a weight reordered once into its blocked layout runs the
-decoder layer's products faster than F.linear on the CPU; for many rows the two are even
-(figures in docs/benchmarks.md, "Compiled path on CPU, second round"). Inductor only uses these kernels
-when it freezes the weights into constants, which would give every layer its own compiled graph,
-so the compiled layer calls them through the opaque operator `compiled_engine::packed_linear`,
-which finds the packed copy of the weight it is given. The packed copies (layers and head) are
-kept beside the dense weights (which one-token products and the eager model read), so packing
-costs one more copy of those weights in memory.
+For more than a few rows, oneDNN's linear on a weight reordered once into its blocked layout runs
+the decoder layer's products faster than F.linear on the CPU (figures in docs/benchmarks.md,
+"Compiled path on CPU, second round"). For one to four rows (decode), a native kernel reads the
+same packed memory (kernels/blocked_gemv.c) at close to memory bandwidth. So the packed copy is
+the only copy: the dense [out, in] weight is released once it is packed.
+
+On AVX2 machines oneDNN stores an fp32 weight as blocks of 64 output rows, each input-major:
+`packed[o // 64, i, o % 64] = weight[o, i]`. `pack` reads the packed memory through a tensor of
+that shape ("the blocked view") and keeps it only if it equals the weight, element for element.
+Where it does not (another layout, padding) or the kernel cannot be built, the weight stays
+dense and the packed copy is kept beside it, as two copies, with one warning saying why.
+
+Inductor only uses oneDNN's kernels when it freezes the weights into constants, which would give
+every layer its own compiled graph, so compiled code calls them through the opaque operator
+`compiled_engine::packed_linear`, which finds the packed tensor of the weight it is given.
 """
 
 from __future__ import annotations
+
+import ctypes
+import logging
+import weakref
+from functools import cache
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
-# weight Parameter -> its oneDNN-packed copy; entries go with their weights.
-_packed: WeakIdKeyDictionary = WeakIdKeyDictionary()
+from compiled_engine.native_build import KernelBuildError, TorchOperatorLibrary
+
+logger = logging.getLogger(__name__)
+
+BLOCK = 64  # output rows per block of the blocked view (kernels/blocked_gemv.c: BLOCK)
+GEMV_MAX_ROWS = 4  # rows up to which the native kernel runs the product (kernels/blocked_gemv.c: MAX_ROWS)
+
+_KERNELS = Path(__file__).with_name("kernels")
+BLOCKED_GEMV_OPERATOR = TorchOperatorLibrary(
+    _KERNELS / "blocked_gemv_op.cpp", _KERNELS / "blocked_gemv.c", "native product with packed fp32 weights"
+)
+
+# A dense weight kept beside its packed copy (the two-copy fallback) -> that copy.
+_beside: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# The address of a blocked view's memory -> the oneDNN tensor that owns it. Keyed by address, not
+# by tensor, because compiled code may hand the operator another tensor object over the same memory.
+_owners: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
 
 def can_pack(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
-def pack(weight: torch.Tensor) -> None:
-    """Keep a oneDNN-packed copy of `weight` ([out, in], fp32, CPU) for `packed_linear`."""
+@cache
+def blocked_gemv_operator() -> torch._ops.OpOverload | None:
+    """`compiled_engine::blocked_gemv_f32`, built once per machine, or None (with one warning)
+    when it cannot be built: weights are then packed as a second copy beside the dense one."""
+    try:
+        BLOCKED_GEMV_OPERATOR.load()
+    except KernelBuildError as error:
+        logger.warning("packed CPU weights keep a dense copy beside them (twice the memory), because %s", error)
+        return None
+    torch.library.register_fake("compiled_engine::blocked_gemv_f32")(_out_shaped)
+    op: torch._ops.OpOverload = torch.ops.compiled_engine.blocked_gemv_f32.default
+    return op
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """Pack `weight` ([out, in], fp32, CPU) for oneDNN. Returns what its module should hold from
+    now on: the blocked view [out / 64, in, 64] of the packed memory (the one copy: drop `weight`),
+    or `weight` itself, with the packed copy kept beside it, where the view cannot be used."""
     if not can_pack(weight):
         raise ValueError(f"cannot pack a {weight.dtype} weight on {weight.device} for oneDNN")
-    _packed[weight] = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    reason = _why_not_blocked(weight, packed)
+    if reason is None and blocked_gemv_operator() is None:
+        reason = "the native kernel is not built"
+    if reason is not None:
+        _warn_two_copies(reason)
+        _beside[weight] = packed
+        return weight
+    return _blocked_view(packed, weight.shape[0], weight.shape[1])
+
+
+def _why_not_blocked(weight: torch.Tensor, packed: torch.Tensor) -> str | None:
+    """Why the packed memory cannot be read as [out / 64, in, 64], or None if it can."""
+    out_features, in_features = weight.shape
+    if out_features % BLOCK != 0:
+        return f"{out_features} output rows are not whole blocks of {BLOCK}"
+    if torch.ops.mkldnn._nbytes(packed) != weight.numel() * 4:
+        return "oneDNN padded the packed weight"
+    view = _blocked_view(packed, out_features, in_features)
+    if not torch.equal(view, weight.detach().view(out_features // BLOCK, BLOCK, in_features).transpose(1, 2)):
+        return "oneDNN chose another layout on this CPU"
+    return None
+
+
+def _blocked_view(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """A CPU tensor [out / 64, in, 64] over the memory of the oneDNN tensor `packed`, which lives
+    as long as any tensor over that memory (the buffer object holds it)."""
+    address = torch.ops.mkldnn.data_ptr(packed)
+    memory = (ctypes.c_float * (out_features * in_features)).from_address(address)
+    memory._owner = packed  # type: ignore[attr-defined]  # ctypes arrays take attributes
+    _owners[address] = packed
+    return torch.frombuffer(memory, dtype=torch.float32).view(out_features // BLOCK, in_features, BLOCK)
+
+
+_warned: set[str] = set()
+
+
+def _warn_two_copies(reason: str) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        logger.warning("a packed CPU weight keeps its dense copy beside it (twice the memory), because %s", reason)
+
+
+def is_blocked(weight: torch.Tensor) -> bool:
+    """Whether `weight` is a blocked view over a packed weight (the one-copy layout)."""
+    return weight.dim() == 3 and weight.data_ptr() in _owners
+
+
+def has_packed_copy(weight: torch.Tensor) -> bool:
+    """Whether the dense `weight` has a packed copy beside it (the two-copy fallback)."""
+    return weight in _beside
 
 
 def packed_bytes() -> int:
-    """Bytes held by the packed copies of this process (each beside its original weight)."""
-    return sum(packed.numel() * packed.element_size() for packed in list(_packed.values()))
+    """Bytes of the packed copies kept beside dense weights (zero when every packed weight is its
+    own one copy)."""
+    return sum(torch.ops.mkldnn._nbytes(packed) for packed in list(_beside.values()))
 
 
-def is_packed(weight: torch.Tensor) -> bool:
-    return weight in _packed
+def unblocked(blocked: torch.Tensor) -> torch.Tensor:
+    """The dense [out, in] weight of a blocked view (a new tensor): the reference's weight."""
+    return blocked.transpose(1, 2).reshape(blocked.shape[0] * blocked.shape[2], blocked.shape[1])
+
+
+def blocked_rows(blocked: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` of the weight a blocked view holds: the lookup of an embedding table that is
+    also the (tied) head's packed weight."""
+    return blocked[rows // BLOCK, :, rows % BLOCK]
+
+
+def out_features(weight: torch.Tensor) -> int:
+    return weight.shape[0] * weight.shape[2] if weight.dim() == 3 else weight.shape[0]
+
+
+def _out_shaped(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features(weight))
 
 
 torch.library.define("compiled_engine::packed_linear", "(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
@@ -45,17 +155,25 @@ torch.library.define("compiled_engine::packed_linear", "(Tensor x, Tensor weight
 
 @torch.library.impl("compiled_engine::packed_linear", "CompositeExplicitAutograd")
 def _packed_linear_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    packed = _packed.get(weight)
+    if weight.dim() == 3:  # a blocked view: up to four rows native, more through oneDNN
+        rows = x.shape[0]
+        gemv = blocked_gemv_operator()
+        if 1 <= rows <= GEMV_MAX_ROWS and gemv is not None:
+            return gemv(x, weight, bias)
+        owner = _owners.get(weight.data_ptr())
+        if owner is None or rows == 0:  # not a view this module made: the reference
+            return F.linear(x, unblocked(weight), bias)
+        return torch.ops.mkldnn._linear_pointwise(x, owner, bias, "none", [], "")
+    packed = _beside.get(weight)
     if packed is None:  # not packed (or packed for another tensor): the plain product
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-@torch.library.register_fake("compiled_engine::packed_linear")
-def _packed_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(x.shape[0], weight.shape[0])
+torch.library.register_fake("compiled_engine::packed_linear")(_out_shaped)
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for 2-D x, through the packed copy of `weight` when there is one."""
+    """F.linear(x, W, bias) for 2-D x, where `weight` is W as a blocked view (`pack`'s one copy)
+    or W dense, through its packed copy when it has one."""
     return torch.ops.compiled_engine.packed_linear(x, weight, bias)

@@ -41,7 +41,7 @@ class _EngineCollector(Collector):
         )
         yield GaugeMetricFamily(
             "compiled_engine_weight_bytes",
-            "Weight memory: the models' tensors and the packed copies of their weights",
+            "Weight memory: the models' tensors, each held once (packed on the compiled CPU path)",
             stats.weight_bytes,
         )
         yield GaugeMetricFamily("compiled_engine_kv_cache_bytes", "KV page pool memory", stats.kv_cache_bytes)
