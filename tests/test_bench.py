@@ -78,6 +78,11 @@ def test_latency_with_hf_baseline(tiny_model_factory: Callable[..., Path], tmp_p
         ours["decode_tokens_per_s"] / hf["decode_tokens_per_s"]
     )
     assert report["workload"] == {"prompt_len": 24, "output_len": 6, "repeats": 1, "seed": 0}
+    # the engine's memory: 0.01 GiB of pages, the tiny model's weights, and the process around them
+    assert 0.9 * 0.01 * 2**30 < ours["kv_cache_bytes"] <= 0.01 * 2**30
+    assert 0 < ours["engine_weight_bytes"] < 10e6
+    assert ours["resident_bytes"] > ours["kv_cache_bytes"] + ours["engine_weight_bytes"] + 100e6  # torch itself
+    assert report["peak_rss_bytes"] >= ours["resident_bytes"]
 
 
 def test_offline_with_hf_baseline(tiny_model_factory: Callable[..., Path], tmp_path: Path) -> None:
@@ -111,6 +116,7 @@ def test_offline_with_hf_baseline(tiny_model_factory: Callable[..., Path], tmp_p
     assert 10 <= workload["output_tokens"] <= 45
     ours = results["ours"]
     assert ours["output_tokens_per_s"] > 0 and ours["steps"] >= 9 and ours["bytes_read"] > 0
+    assert ours["resident_bytes"] > ours["kv_cache_bytes"] > 0.9 * 0.01 * 2**30
     assert results["hf"]["output_tokens_per_s"] > 0 and "output_tokens_per_s" in results["ratio_vs_hf"]
 
 

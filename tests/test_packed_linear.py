@@ -62,6 +62,26 @@ def test_the_kernel_and_onednn_both_run_where_they_should(gemv: object) -> None:
         assert op in {event.key for event in prof.key_averages()}
 
 
+@pytest.mark.parametrize("out_features", [192, 49152])
+def test_onednn_sees_few_row_counts_and_bounded_pieces(out_features: int, gemv: object) -> None:
+    """oneDNN keeps a primitive, with a buffer of its output's size, per row count it is given:
+    every product gives it only row counts of ONEDNN_ROWS, each piece under ONEDNN_PIECE_BYTES."""
+    torch.manual_seed(out_features)
+    weight = torch.randn(out_features, 16)
+    blocked = pack(weight)
+    seen: set[int] = set()
+    for rows in [*range(5, 70), 100, 129, 255, 257, 300]:
+        x = torch.randn(rows, 16)
+        with torch.profiler.profile(record_shapes=True) as prof, torch.inference_mode():
+            y = packed_linear(x, blocked, None)
+        torch.testing.assert_close(y, F.linear(x, weight), atol=1e-4, rtol=1e-5)
+        for event in prof.events():
+            if event.name == "mkldnn::_linear_pointwise":
+                seen.add(event.input_shapes[0][0])
+    assert seen and seen <= set(packing.ONEDNN_ROWS)
+    assert max(seen) * out_features * 4 <= packing.ONEDNN_PIECE_BYTES
+
+
 def test_the_blocked_view_is_the_packed_memory_and_keeps_it_alive(gemv: object) -> None:
     torch.manual_seed(0)
     weight = torch.randn(128, 48)

@@ -153,21 +153,82 @@ def _out_shaped(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 torch.library.define("compiled_engine::packed_linear", "(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 
 
+# oneDNN builds (JIT-compiles, about 1 ms) and caches a primitive for every row count it is
+# given, up to 1024 of them, and each keeps a buffer of its output's size (rows x out x 4 bytes):
+# a process that saw every row count from 5 to 600 grew by 1.4 GB (docs/benchmarks.md). So it is
+# given few row counts: the product's rows padded up to the next of ONEDNN_ROWS (at most an
+# eighth more rows past 64), in pieces of at most `largest_piece` rows, so that every primitive's
+# buffer stays under ONEDNN_PIECE_BYTES. The memory this can take is bounded: for the default
+# model about 30 MB for the layers and 25 MB for the head, once every row count has been seen.
+ONEDNN_ROWS = (8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+ONEDNN_PIECE_BYTES = 8 << 20
+
+
+def largest_piece(out_features: int) -> int:
+    """The most rows one oneDNN call of a product with `out_features` outputs takes."""
+    fitting = [rows for rows in ONEDNN_ROWS if rows * out_features * 4 <= ONEDNN_PIECE_BYTES]
+    return fitting[-1] if fitting else ONEDNN_ROWS[0]
+
+
+def onednn_pieces(rows: int, out_features: int) -> list[tuple[int, int]]:
+    """(rows, rows padded) of each call that a product of `rows` rows makes, in order. A last
+    piece of at most GEMV_MAX_ROWS rows is not padded: the native kernel runs it."""
+    largest = largest_piece(out_features)
+    pieces = []
+    while rows > largest:
+        pieces.append((largest, largest))
+        rows -= largest
+    if rows > GEMV_MAX_ROWS:
+        pieces.append((rows, next(padded for padded in ONEDNN_ROWS if padded >= rows)))
+    elif rows > 0:
+        pieces.append((rows, rows))
+    return pieces
+
+
+def _onednn_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, blocked: torch.Tensor | None
+) -> torch.Tensor:
+    """x @ W.T + bias through oneDNN's packed W, in the pieces of `onednn_pieces` (`blocked`: W's
+    blocked view, for the native kernel's piece; None: oneDNN runs that piece too, padded)."""
+    gemv = blocked_gemv_operator() if blocked is not None else None
+
+    def product(rows: torch.Tensor, padded: int) -> torch.Tensor:
+        if padded <= GEMV_MAX_ROWS and gemv is not None:
+            return gemv(rows, blocked, bias)
+        padded = max(padded, ONEDNN_ROWS[0])
+        if padded != rows.shape[0]:
+            rows = F.pad(rows, (0, 0, 0, padded - rows.shape[0]))
+        return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+
+    out_features = packed.size(0)
+    pieces = onednn_pieces(x.shape[0], out_features)
+    if len(pieces) == 1:
+        size, padded = pieces[0]
+        y = product(x, padded)
+        return y if y.shape[0] == size else y[:size]
+    out = x.new_empty(x.shape[0], out_features)
+    start = 0
+    for size, padded in pieces:
+        out[start : start + size] = product(x[start : start + size], padded)[:size]
+        start += size
+    return out
+
+
 @torch.library.impl("compiled_engine::packed_linear", "CompositeExplicitAutograd")
 def _packed_linear_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    rows = x.shape[0]
     if weight.dim() == 3:  # a blocked view: up to four rows native, more through oneDNN
-        rows = x.shape[0]
         gemv = blocked_gemv_operator()
         if 1 <= rows <= GEMV_MAX_ROWS and gemv is not None:
             return gemv(x, weight, bias)
         owner = _owners.get(weight.data_ptr())
         if owner is None or rows == 0:  # not a view this module made: the reference
             return F.linear(x, unblocked(weight), bias)
-        return torch.ops.mkldnn._linear_pointwise(x, owner, bias, "none", [], "")
+        return _onednn_linear(x, owner, bias, weight)
     packed = _beside.get(weight)
-    if packed is None:  # not packed (or packed for another tensor): the plain product
+    if packed is None or rows == 0:  # not packed (or packed for another tensor): the plain product
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return _onednn_linear(x, packed, bias, None)
 
 
 torch.library.register_fake("compiled_engine::packed_linear")(_out_shaped)
