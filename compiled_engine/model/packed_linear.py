@@ -12,6 +12,9 @@ that shape ("the blocked view") and keeps it only if it equals the weight, eleme
 Where it does not (another layout, padding) or the kernel cannot be built, the weight stays
 dense and the packed copy is kept beside it, as two copies, with one warning saying why.
 
+oneDNN is given only a few row counts (`onednn_pieces`): it keeps a primitive, with a buffer of
+its output's size, for every row count it sees.
+
 Inductor only uses oneDNN's kernels when it freezes the weights into constants, which would give
 every layer its own compiled graph, so compiled code calls them through the opaque operator
 `compiled_engine::packed_linear`, which finds the packed tensor of the weight it is given.
