@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -358,25 +358,39 @@ def test_a_flood_gets_429s_and_no_5xx(tmp_path: Path, default_model_dir: Path) -
         assert httpx.get(f"{flooded.url}/ready").status_code == 200
 
 
+def _stream_with_sigterm(
+    server: ServerProcess, body: dict[str, Any], after_signal: Callable[[], None] | None = None
+) -> list[str]:
+    """Stream a completion, SIGTERM the server after its second event (then run `after_signal`),
+    and return every event the stream sent."""
+    events: list[str] = []
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            if not line:
+                continue
+            events.append(line)
+            if len(events) == 2:
+                server.process.terminate()  # SIGTERM mid-stream
+                if after_signal is not None:
+                    after_signal()
+    return events
+
+
 def test_sigterm_during_a_stream_drains_and_exits_0(tmp_path: Path, default_model_dir: Path) -> None:
     """The stream in flight finishes; a request sent after the signal on a connection kept alive
     from before is never served (503 with Retry-After, or the connection is closed)."""
     with running_server(tmp_path, "--kv-cache-memory-gib", "0.05") as server, httpx.Client(timeout=30) as kept:
         assert kept.get(f"{server.url}/v1/models").status_code == 200  # the connection is open now
         body = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "stream": True, "ignore_eos": True}
-        events = []
         late: list[httpx.Response | Exception] = []
-        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
-            for line in response.iter_lines():
-                if not line:
-                    continue
-                events.append(line)
-                if len(events) == 2:
-                    server.process.terminate()  # SIGTERM mid-stream
-                    try:
-                        late.append(kept.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}))
-                    except httpx.TransportError as error:
-                        late.append(error)
+
+        def late_request() -> None:
+            try:
+                late.append(kept.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}))
+            except httpx.TransportError as error:
+                late.append(error)
+
+        events = _stream_with_sigterm(server, body, after_signal=late_request)
         assert server.process.wait(timeout=60) == 0
     [answer] = late
     if isinstance(answer, httpx.Response):
@@ -394,14 +408,7 @@ def test_a_grace_period_that_runs_out_ends_streams_with_abort_and_exits_0(
     process exits 0."""
     with running_server(tmp_path, "--kv-cache-memory-gib", "0.05", "--shutdown-grace-s", "1") as server:
         body = {"prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0, "stream": True, "ignore_eos": True}
-        events = []
-        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
-            for line in response.iter_lines():
-                if not line:
-                    continue
-                events.append(line)
-                if len(events) == 2:
-                    server.process.terminate()  # SIGTERM mid-stream
+        events = _stream_with_sigterm(server, body)
         assert server.process.wait(timeout=60) == 0
     assert events[-1] == "data: [DONE]"
     chunks = [json.loads(e[6:]) for e in events[:-1]]
