@@ -220,10 +220,7 @@ def _onednn_linear(
 @torch.library.impl("compiled_engine::packed_linear", "CompositeExplicitAutograd")
 def _packed_linear_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     rows = x.shape[0]
-    if weight.dim() == 3:  # a blocked view: up to four rows native, more through oneDNN
-        gemv = blocked_gemv_operator()
-        if 1 <= rows <= GEMV_MAX_ROWS and gemv is not None:
-            return gemv(x, weight, bias)
+    if weight.dim() == 3:  # a blocked view: up to four rows native, more through oneDNN (in pieces)
         owner = _owners.get(weight.data_ptr())
         if owner is None or rows == 0:  # not a view this module made: the reference
             return F.linear(x, unblocked(weight), bias)
