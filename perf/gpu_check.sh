@@ -32,7 +32,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAM
 # first use (about 30 s each), so it gets its own, longer, limit.
 GPU_TESTS="tests/test_cuda_graphs.py tests/test_gpu_eager.py tests/test_sampler.py"
 step pytest_gpu 200 python3 -m pytest -m gpu -k "not flashinfer" -q -rs -p no:cacheprovider $GPU_TESTS
-step pytest_flashinfer 360 python3 -m pytest -m gpu -k flashinfer -q -rs -p no:cacheprovider tests/test_flashinfer.py $GPU_TESTS
+step pytest_flashinfer 480 python3 -m pytest -m gpu -k flashinfer -q -rs -p no:cacheprovider tests/test_flashinfer.py $GPU_TESTS
 
 # No network and no room to carry real weights: random-weight models with real shapes.
 for shape in smollm2-135m qwen3-0.6b; do

@@ -171,13 +171,17 @@ def test_a_backend_without_graph_support_is_refused() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("backend", "dtype", "tolerance"),
-    [("torch", "float32", 1e-3), ("flashinfer", "bfloat16", 5e-2)],
+    [("torch", "float32", 1e-3), ("flashinfer", "bfloat16", 2e-2)],
 )
 @torch.inference_mode()
 def test_every_captured_size_replays_like_eager_on_cuda(
     tiny_model_factory: Callable[..., Path], backend: str, dtype: str, tolerance: float
 ) -> None:
-    """Graphed decode (compiled, with this backend) against eager decode with the torch backend."""
+    """Graphed decode (compiled, with this backend) against eager decode with the torch backend.
+
+    float32 is compared element by element; bf16 by each row's relative error norm, since a few of
+    320 bf16 logits can differ by more than any sane element tolerance while the row agrees.
+    """
     if backend == "flashinfer":
         pytest.importorskip("flashinfer")
     model_dir = tiny_model_factory(
@@ -207,4 +211,9 @@ def test_every_captured_size_replays_like_eager_on_cuda(
             tokens, positions, [t[: -(-length // graphed.page_size)] for t, length in zip(tables, lens, strict=True)]
         )
         assert got is not None
-        torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
+        if dtype == "float32":
+            torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
+        else:
+            got, want = got.float(), want.float()
+            row_error = (got - want).norm(dim=-1) / want.norm(dim=-1)
+            assert row_error.max().item() < tolerance, f"batch {n}: relative row errors {row_error.tolist()}"

@@ -51,7 +51,6 @@ from compiled_engine.errors import CompiledEngineError
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.gguf import gguf_file
 from compiled_engine.model.source import resolve_model_dir
-from compiled_engine.server.launch import serve_in_background
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -433,6 +432,8 @@ def bench_serve(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         async_engine = AsyncEngine(lambda: _engine(args), max_waiting_requests=4096)
         async_engine.start()
     engine = async_engine.engine if async_engine is not None else None
+    from compiled_engine.server.launch import serve_in_background  # the server stack only where it serves
+
     server = serve_in_background(async_engine) if async_engine is not None else nullcontext(args.base_url.rstrip("/"))
     points: list[dict[str, Any]] = []
     with server as base_url:
