@@ -6,11 +6,14 @@ the decoder layer's products faster than F.linear on the CPU (figures in docs/be
 same packed memory (kernels/blocked_gemv.c) at close to memory bandwidth. So the packed copy is
 the only copy: the dense [out, in] weight is released once it is packed.
 
-On AVX2 machines oneDNN stores an fp32 weight as blocks of 64 output rows, each input-major:
-`packed[o // 64, i, o % 64] = weight[o, i]`. `pack` reads the packed memory through a tensor of
-that shape ("the blocked view") and keeps it only if it equals the weight, element for element.
-Where it does not (another layout, padding) or the kernel cannot be built, the weight stays
-dense and the packed copy is kept beside it, as two copies, with one warning saying why.
+On AVX2 machines oneDNN stores an fp32 weight as blocks of B output rows, each input-major:
+`packed[o // B, i, o % B] = weight[o, i]`. B is oneDNN's choice, per shape and per machine (16
+and 64 were seen for different shapes on one CPU model; docs/benchmarks.md). `pack` reads the
+packed memory through a tensor of that shape ("the blocked view") for each width the native
+kernel takes (BLOCK_WIDTHS) and keeps the view whose elements equal the weight's, one for one;
+the kernel reads B from the view's shape. Where no width reads back the weight (another layout,
+padding) or the kernel cannot be built, the weight stays dense and the packed copy is kept beside
+it, as two copies, with one warning saying why.
 
 oneDNN is given only a few row counts (`onednn_pieces`): it keeps a primitive, with a buffer of
 its output's size, for every row count it sees.
@@ -25,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import weakref
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -36,8 +40,12 @@ from compiled_engine.native_build import KernelBuildError, TorchOperatorLibrary
 
 logger = logging.getLogger(__name__)
 
-BLOCK = 64  # output rows per block of the blocked view (kernels/blocked_gemv.c: BLOCK)
+# The widths (output rows per block) that the native kernel takes (kernels/blocked_gemv.c:
+# multiples of LANES up to MAX_BLOCK), widest first: the candidates for oneDNN's choice.
+BLOCK_WIDTHS = (64, 56, 48, 40, 32, 24, 16, 8)
 GEMV_MAX_ROWS = 4  # rows up to which the native kernel runs the product (kernels/blocked_gemv.c: MAX_ROWS)
+
+GemvOperator = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 _KERNELS = Path(__file__).with_name("kernels")
 BLOCKED_GEMV_OPERATOR = TorchOperatorLibrary(
@@ -66,47 +74,92 @@ def blocked_gemv_operator() -> torch._ops.OpOverload | None:
         return None
     torch.library.register_fake("compiled_engine::blocked_gemv_f32")(_out_shaped)
     op: torch._ops.OpOverload = torch.ops.compiled_engine.blocked_gemv_f32.default
-    return op
+    return op if agrees_with_f_linear(op) else None
+
+
+def agrees_with_f_linear(op: GemvOperator) -> bool:
+    """Whether the kernel `op` gives F.linear's products at every block width, on a small random
+    weight; if not, one warning says where (a miscompiled kernel then costs memory, not outputs)."""
+    wrong = _wrong_widths(op)
+    if wrong:
+        logger.warning(
+            "packed CPU weights keep a dense copy beside them (twice the memory), because the native kernel "
+            "disagrees with F.linear at block widths %s",
+            wrong,
+        )
+    return not wrong
+
+
+def block(weight: torch.Tensor, width: int) -> torch.Tensor:
+    """`weight` [out, in] laid out as the blocked view [out / width, in, width] (a new tensor)."""
+    out_features, in_features = weight.shape
+    return weight.reshape(out_features // width, width, in_features).transpose(1, 2).contiguous()
+
+
+def _wrong_widths(op: GemvOperator) -> list[int]:
+    """The widths at which the kernel's products differ from F.linear's on a small random weight."""
+    generator = torch.Generator().manual_seed(0)
+    wrong = []
+    for width in BLOCK_WIDTHS:
+        weight = torch.randn(2 * width, 24, generator=generator)
+        bias = torch.randn(2 * width, generator=generator)
+        x = torch.randn(GEMV_MAX_ROWS, 24, generator=generator)
+        with torch.inference_mode():
+            for rows in range(1, GEMV_MAX_ROWS + 1):
+                if not torch.allclose(
+                    op(x[:rows], block(weight, width), bias), F.linear(x[:rows], weight, bias), 1e-4, 1e-4
+                ):
+                    wrong.append(width)
+                    break
+    return wrong
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """Pack `weight` ([out, in], fp32, CPU) for oneDNN. Returns what its module should hold from
-    now on: the blocked view [out / 64, in, 64] of the packed memory (the one copy: drop `weight`),
-    or `weight` itself, with the packed copy kept beside it, where the view cannot be used."""
+    now on: the blocked view [out / B, in, B] of the packed memory (the one copy: drop `weight`),
+    or `weight` itself, with the packed copy kept beside it, where no view can be used."""
     if not can_pack(weight):
         raise ValueError(f"cannot pack a {weight.dtype} weight on {weight.device} for oneDNN")
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-    reason = _why_not_blocked(weight, packed)
-    if reason is None and blocked_gemv_operator() is None:
-        reason = "the native kernel is not built"
-    if reason is not None:
-        _warn_two_copies(reason)
+    width_or_reason = (
+        blocked_width(weight, packed) if blocked_gemv_operator() is not None else "the native kernel is not built"
+    )
+    if isinstance(width_or_reason, str):
+        _warn_two_copies(width_or_reason)
         _beside[weight] = packed
         return weight
-    return _blocked_view(packed, weight.shape[0], weight.shape[1])
+    return _blocked_view(packed, weight.shape[0], weight.shape[1], width_or_reason)
 
 
-def _why_not_blocked(weight: torch.Tensor, packed: torch.Tensor) -> str | None:
-    """Why the packed memory cannot be read as [out / 64, in, 64], or None if it can."""
+def blocked_width(weight: torch.Tensor, packed: torch.Tensor) -> int | str:
+    """The block width B at which oneDNN's packed memory reads back as `weight` through the view
+    [out / B, in, B], or why no width the kernel takes does."""
     out_features, in_features = weight.shape
-    if out_features % BLOCK != 0:
-        return f"{out_features} output rows are not whole blocks of {BLOCK}"
+    widths = [width for width in BLOCK_WIDTHS if out_features % width == 0]
+    if not widths:
+        return f"{out_features} output rows are not whole blocks of any width in {BLOCK_WIDTHS}"
     if torch.ops.mkldnn._nbytes(packed) != weight.numel() * 4:
         return "oneDNN padded the packed weight"
-    view = _blocked_view(packed, out_features, in_features)
-    if not torch.equal(view, weight.detach().view(out_features // BLOCK, BLOCK, in_features).transpose(1, 2)):
-        return "oneDNN chose another layout on this CPU"
-    return None
+    dense = weight.detach()
+    for width in widths:
+        view = _memory(packed, weight.numel()).view(out_features // width, in_features, width)
+        if torch.equal(view, dense.view(out_features // width, width, in_features).transpose(1, 2)):
+            return width
+    return f"oneDNN chose a layout on this CPU that is not [out / B, in, B] for B in {tuple(widths)}"
 
 
-def _blocked_view(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
-    """A CPU tensor [out / 64, in, 64] over the memory of the oneDNN tensor `packed`, which lives
-    as long as any tensor over that memory (the buffer object holds it)."""
-    address = torch.ops.mkldnn.data_ptr(packed)
-    memory = (ctypes.c_float * (out_features * in_features)).from_address(address)
+def _memory(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """A flat CPU tensor over the memory of the oneDNN tensor `packed`, which lives as long as any
+    tensor over that memory (the buffer object holds it)."""
+    memory = (ctypes.c_float * numel).from_address(torch.ops.mkldnn.data_ptr(packed))
     memory._owner = packed  # type: ignore[attr-defined]  # ctypes arrays take attributes
-    _owners[address] = packed
-    return torch.frombuffer(memory, dtype=torch.float32).view(out_features // BLOCK, in_features, BLOCK)
+    return torch.frombuffer(memory, dtype=torch.float32)
+
+
+def _blocked_view(packed: torch.Tensor, out_features: int, in_features: int, width: int) -> torch.Tensor:
+    """The blocked view [out / width, in, width] of `packed`, known to the operator as its own."""
+    _owners[torch.ops.mkldnn.data_ptr(packed)] = packed
+    return _memory(packed, out_features * in_features).view(out_features // width, in_features, width)
 
 
 _warned: set[str] = set()
@@ -142,7 +195,8 @@ def unblocked(blocked: torch.Tensor) -> torch.Tensor:
 def blocked_rows(blocked: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Rows `rows` of the weight a blocked view holds: the lookup of an embedding table that is
     also the (tied) head's packed weight."""
-    return blocked[rows // BLOCK, :, rows % BLOCK]
+    width = blocked.shape[2]
+    return blocked[rows // width, :, rows % width]
 
 
 def out_features(weight: torch.Tensor) -> int:

@@ -1,7 +1,7 @@
 // compiled_engine::blocked_gemv_f32: the product of a few fp32 rows with a weight in oneDNN's
 // blocked layout (blocked_gemv.c) as a native torch operator, so that a compiled graph calls the
-// kernel through the dispatcher alone. The weight is the [out / 64, in, 64] view of the packed
-// copy that compiled_engine/model/packed_linear.py makes.
+// kernel through the dispatcher alone. The weight is the [out / B, in, B] view of the packed
+// copy that compiled_engine/model/packed_linear.py makes, B being the block width oneDNN chose.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -10,20 +10,22 @@
 #include <optional>
 
 extern "C" {
-int blocked_gemv_block(void);
+int blocked_gemv_max_block(void);
+int blocked_gemv_lanes(void);
 int blocked_gemv_max_rows(void);
-int blocked_gemv_f32(const float *x, int64_t rows, int64_t in, const float *w, int64_t out, const float *bias,
-                     float *y, int threads);
+int blocked_gemv_f32(const float *x, int64_t rows, int64_t in, const float *w, int64_t out, int64_t block,
+                     const float *bias, float *y, int threads);
 }
 
 namespace {
 
 at::Tensor blocked_gemv_f32_op(const at::Tensor &x, const at::Tensor &blocked, const std::optional<at::Tensor> &bias) {
-    const int64_t block = blocked_gemv_block();
-    TORCH_CHECK(blocked.dim() == 3 && blocked.size(2) == block && blocked.is_contiguous() &&
-                    blocked.scalar_type() == at::kFloat && blocked.is_cpu(),
-                "blocked_gemv_f32: the weight must be a contiguous float32 [out / ", block, ", in, ", block,
-                "] on the CPU");
+    TORCH_CHECK(blocked.dim() == 3 && blocked.is_contiguous() && blocked.scalar_type() == at::kFloat &&
+                    blocked.is_cpu(),
+                "blocked_gemv_f32: the weight must be a contiguous float32 [out / B, in, B] on the CPU");
+    const int64_t block = blocked.size(2), lanes = blocked_gemv_lanes(), max_block = blocked_gemv_max_block();
+    TORCH_CHECK(block >= lanes && block <= max_block && block % lanes == 0, "blocked_gemv_f32: takes blocks of ",
+                lanes, " to ", max_block, " outputs in steps of ", lanes, ", got ", block);
     const int64_t in = blocked.size(1), out = blocked.size(0) * block;
     TORCH_CHECK(x.dim() == 2 && x.size(1) == in && x.scalar_type() == at::kFloat && x.is_cpu(),
                 "blocked_gemv_f32: x must be float32 [rows, ", in, "] on the CPU");
@@ -34,7 +36,7 @@ at::Tensor blocked_gemv_f32_op(const at::Tensor &x, const at::Tensor &blocked, c
                 "blocked_gemv_f32: bias must be float32 [", out, "]");
     const at::Tensor xc = x.contiguous();
     at::Tensor y = at::empty({rows, out}, x.options());
-    const int status = blocked_gemv_f32(xc.data_ptr<float>(), rows, in, blocked.data_ptr<float>(), out,
+    const int status = blocked_gemv_f32(xc.data_ptr<float>(), rows, in, blocked.data_ptr<float>(), out, block,
                                         bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(),
                                         at::get_num_threads());
     TORCH_CHECK(status == 0, "blocked_gemv_f32: the kernel refused [", out, ", ", in, "] (status ", status, ")");
