@@ -52,18 +52,19 @@ def metric(server: ServerProcess, name: str) -> float:
     raise AssertionError(f"metric {name} not found")
 
 
+IDLE = ("compiled_engine_kv_pages_used", "compiled_engine_running_requests", "compiled_engine_waiting_requests")
+
+
 def assert_idle_within(server: ServerProcess, seconds: float) -> None:
-    """No request running and no KV page in use, within `seconds`."""
+    """No request waiting or running and no KV page in use, within `seconds`. (The gauges are the
+    engine's state after its last step: a request sent during a long step counts as waiting.)"""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if (
-            metric(server, "compiled_engine_kv_pages_used") == 0
-            and metric(server, "compiled_engine_running_requests") == 0
-        ):
+        if all(metric(server, name) == 0 for name in IDLE):
             break
         time.sleep(0.1)
-    assert metric(server, "compiled_engine_kv_pages_used") == 0
-    assert metric(server, "compiled_engine_running_requests") == 0
+    for name in IDLE:
+        assert metric(server, name) == 0, f"{name} after {seconds} s"
 
 
 def test_health_ready_models(server: ServerProcess, client: openai.OpenAI) -> None:

@@ -18,7 +18,7 @@ KNOWN_PATHS = ("/health", "/ready", "/metrics", "/v1/models", "/v1/completions",
 
 
 class _EngineCollector(Collector):
-    """Reads the engine's gauges at scrape time."""
+    """The engine's gauges at scrape time, from the snapshot its loop published last (`stats()`)."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
