@@ -4,6 +4,7 @@ openai client and by raw HTTP for the error cases."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ from compiled_engine import LLM, SamplingParams
 from tests.server_process import ServerProcess, running_server
 
 KEY_A, KEY_B = "key-a", "key-b"
+AUTH = {"Authorization": f"Bearer {KEY_A}"}
 MODEL = "smol"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -50,6 +52,44 @@ def metric(server: ServerProcess, name: str) -> float:
         if line.startswith(name + " ") or line.startswith(name + "{"):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"metric {name} not found")
+
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+SAMPLE_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$")
+LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def scrape(server: ServerProcess) -> Samples:
+    """Every sample of one /metrics scrape, by name and labels."""
+    response = httpx.get(f"{server.url}/metrics", timeout=30)
+    assert response.status_code == 200, response.text
+    samples: Samples = {}
+    for line in response.text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        match = SAMPLE_LINE.match(line)
+        assert match is not None, f"a /metrics line that is not a sample: {line!r}"
+        name, labels, value = match.groups()
+        samples[(name, frozenset(LABEL.findall(labels or "")))] = float(value)
+    return samples
+
+
+def sample(samples: Samples, name: str, **labels: str) -> float:
+    key = (name, frozenset(labels.items()))
+    if key not in samples:
+        same_name = sorted(str(dict(found)) for found_name, found in samples if found_name == name)
+        raise AssertionError(f"/metrics has no {name} with labels {labels}; with that name: {same_name}")
+    return samples[key]
+
+
+def wait_for_sample(server: ServerProcess, name: str, value: float, **labels: str) -> Samples:
+    """Scrape until `name{labels}` equals `value` (30 s only bound a failure); the last scrape."""
+    deadline = time.monotonic() + 30.0
+    while True:
+        samples = scrape(server)
+        if sample(samples, name, **labels) == value or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.05)
 
 
 IDLE = ("compiled_engine_kv_pages_used", "compiled_engine_running_requests", "compiled_engine_waiting_requests")
@@ -462,12 +502,22 @@ def test_a_client_that_gives_up_on_a_whole_reply_aborts_it(server: ServerProcess
     are counted for it."""
     body: dict[str, Any] = {"max_tokens": 1000, "ignore_eos": True, "temperature": 0}
     body |= {"prompt": "Once upon a time"} if route == "/v1/completions" else {"messages": QUESTION}
-    generated = metric(server, "compiled_engine_generated_tokens_total")
-    auth = {"Authorization": f"Bearer {KEY_A}"}
+    before = scrape(server)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}{route}", json=body, headers=auth, timeout=httpx.Timeout(60, read=1.5))
+        httpx.post(f"{server.url}{route}", json=body, headers=AUTH, timeout=httpx.Timeout(60, read=1.5))
     assert_idle_within(server, 5)  # 1000 tokens take this model well over 6.5 s
-    assert metric(server, "compiled_engine_generated_tokens_total") == generated
+    abort = {"finished_reason": "abort", "model_name": MODEL}
+    after = wait_for_sample(
+        server, "vllm:request_success_total", sample(before, "vllm:request_success_total", **abort) + 1, **abort
+    )
+    for name, labels in (
+        ("vllm:request_success_total", abort),
+        ("compiled_engine_finished_requests_total", {"finish_reason": "abort"}),
+    ):
+        assert sample(after, name, **labels) == sample(before, name, **labels) + 1, f"the abandoned reply in {name}"
+    assert sample(after, "compiled_engine_generated_tokens_total") == sample(
+        before, "compiled_engine_generated_tokens_total"
+    )
 
 
 def test_a_draining_or_dead_server_refuses_new_requests_with_503_and_is_not_ready(default_model_dir: Path) -> None:
