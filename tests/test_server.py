@@ -4,8 +4,11 @@ openai client and by raw HTTP for the error cases."""
 from __future__ import annotations
 
 import json
+import re
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,7 @@ from compiled_engine import LLM, SamplingParams
 from tests.server_process import ServerProcess, running_server
 
 KEY_A, KEY_B = "key-a", "key-b"
+AUTH = {"Authorization": f"Bearer {KEY_A}"}
 MODEL = "smol"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -52,18 +56,57 @@ def metric(server: ServerProcess, name: str) -> float:
     raise AssertionError(f"metric {name} not found")
 
 
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+SAMPLE_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$")
+LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def scrape(server: ServerProcess) -> Samples:
+    """Every sample of one /metrics scrape, by name and labels."""
+    response = httpx.get(f"{server.url}/metrics", timeout=30)
+    assert response.status_code == 200, response.text
+    samples: Samples = {}
+    for line in response.text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        match = SAMPLE_LINE.match(line)
+        assert match is not None, f"a /metrics line that is not a sample: {line!r}"
+        name, labels, value = match.groups()
+        samples[(name, frozenset(LABEL.findall(labels or "")))] = float(value)
+    return samples
+
+
+def sample(samples: Samples, name: str, **labels: str) -> float:
+    key = (name, frozenset(labels.items()))
+    if key not in samples:
+        same_name = sorted(str(dict(found)) for found_name, found in samples if found_name == name)
+        raise AssertionError(f"/metrics has no {name} with labels {labels}; with that name: {same_name}")
+    return samples[key]
+
+
+def wait_for_sample(server: ServerProcess, name: str, value: float, **labels: str) -> Samples:
+    """Scrape until `name{labels}` equals `value` (30 s only bound a failure); the last scrape."""
+    deadline = time.monotonic() + 30.0
+    while True:
+        samples = scrape(server)
+        if sample(samples, name, **labels) == value or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.05)
+
+
+IDLE = ("compiled_engine_kv_pages_used", "compiled_engine_running_requests", "compiled_engine_waiting_requests")
+
+
 def assert_idle_within(server: ServerProcess, seconds: float) -> None:
-    """No request running and no KV page in use, within `seconds`."""
+    """No request waiting or running and no KV page in use, within `seconds`. (The gauges are the
+    engine's state after its last step: a request sent during a long step counts as waiting.)"""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if (
-            metric(server, "compiled_engine_kv_pages_used") == 0
-            and metric(server, "compiled_engine_running_requests") == 0
-        ):
+        if all(metric(server, name) == 0 for name in IDLE):
             break
         time.sleep(0.1)
-    assert metric(server, "compiled_engine_kv_pages_used") == 0
-    assert metric(server, "compiled_engine_running_requests") == 0
+    for name in IDLE:
+        assert metric(server, name) == 0, f"{name} after {seconds} s"
 
 
 def test_health_ready_models(server: ServerProcess, client: openai.OpenAI) -> None:
@@ -461,12 +504,22 @@ def test_a_client_that_gives_up_on_a_whole_reply_aborts_it(server: ServerProcess
     are counted for it."""
     body: dict[str, Any] = {"max_tokens": 1000, "ignore_eos": True, "temperature": 0}
     body |= {"prompt": "Once upon a time"} if route == "/v1/completions" else {"messages": QUESTION}
-    generated = metric(server, "compiled_engine_generated_tokens_total")
-    auth = {"Authorization": f"Bearer {KEY_A}"}
+    before = scrape(server)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}{route}", json=body, headers=auth, timeout=httpx.Timeout(60, read=1.5))
+        httpx.post(f"{server.url}{route}", json=body, headers=AUTH, timeout=httpx.Timeout(60, read=1.5))
     assert_idle_within(server, 5)  # 1000 tokens take this model well over 6.5 s
-    assert metric(server, "compiled_engine_generated_tokens_total") == generated
+    abort = {"finished_reason": "abort", "model_name": MODEL}
+    after = wait_for_sample(
+        server, "vllm:request_success_total", sample(before, "vllm:request_success_total", **abort) + 1, **abort
+    )
+    for name, labels in (
+        ("vllm:request_success_total", abort),
+        ("compiled_engine_finished_requests_total", {"finish_reason": "abort"}),
+    ):
+        assert sample(after, name, **labels) == sample(before, name, **labels) + 1, f"the abandoned reply in {name}"
+    assert sample(after, "compiled_engine_generated_tokens_total") == sample(
+        before, "compiled_engine_generated_tokens_total"
+    )
 
 
 def test_a_draining_or_dead_server_refuses_new_requests_with_503_and_is_not_ready(default_model_dir: Path) -> None:
@@ -553,27 +606,168 @@ def test_json_logs_carry_the_request_and_its_prompt_when_asked(tmp_path: Path, d
     assert any(entry["logger"].startswith("uvicorn") for entry in entries)  # the server's own lines too
 
 
-def test_vllm_named_metrics_count_requests_with_the_model_name(server: ServerProcess, client: openai.OpenAI) -> None:
-    label = f'model_name="{MODEL}"'
-    before = metric(server, "vllm:generation_tokens_total")
-    client.completions.create(
-        model=MODEL, prompt="Hello there", max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
-    )
-    text = httpx.get(f"{server.url}/metrics").text
-    assert metric(server, "vllm:generation_tokens_total") == before + 3
-    assert f'vllm:request_success_total{{finished_reason="length",{label}}}' in text
+def test_vllm_named_metrics_match_a_known_workload(server: ServerProcess, client: openai.OpenAI) -> None:
+    """Three requests that run to max_tokens, one ended by a stop string and one stream cut by its
+    client, with token-id prompts of known lengths: every vLLM-named series (and ours beside it)
+    moves by exactly what they did; the gauges show the open stream, and nothing once it is gone."""
+    label = {"model_name": MODEL}
+    before = scrape(server)
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
-        assert f"{name}{{{label}}}" in text
-    assert 0 <= metric(server, "vllm:kv_cache_usage_perc") <= 1
-    for name in (
-        "time_to_first_token",
-        "e2e_request_latency",
-        "request_queue_time",
-        "request_prefill_time",
-        "request_decode_time",
+        assert sample(before, name, **label) == 0, f"{name} before the workload: the server should be idle"
+
+    prompts = [[504, 2365, 3903, 5063], [504, 2365, 3903, 5063, 359], [1, 2, 3, 4, 5, 6]]
+    lengths = [2, 3, 4]
+    texts = []
+    for prompt, max_tokens in zip(prompts, lengths, strict=True):
+        reply = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert reply.choices[0].finish_reason == "length"
+        assert reply.usage is not None and (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (
+            len(prompt),
+            max_tokens,
+        )
+        texts.append(reply.choices[0].text)
+    assert texts[1], "the second prompt's 3 tokens decode to no text: it cannot be a stop string"
+    stopped = client.completions.create(
+        model=MODEL, prompt=prompts[1], max_tokens=50, temperature=0, stop=[texts[1]], extra_body={"ignore_eos": True}
+    )
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage is not None
+    prompt_tokens = sum(len(p) for p in prompts) + len(prompts[1])
+    generated = sum(lengths) + stopped.usage.completion_tokens
+
+    body = {"prompt": [5, 6, 7], "max_tokens": 1000, "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=60) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        next(line for line in lines if line)
+        during = scrape(server)
+    running = sample(during, "vllm:num_requests_running", **label)
+    waiting = sample(during, "vllm:num_requests_waiting", **label)
+    usage = sample(during, "vllm:kv_cache_usage_perc", **label)
+    assert (running, waiting) == (1, 0) and 0 < usage <= 1, (running, waiting, usage)
+
+    abort = {"finished_reason": "abort", **label}
+    after = wait_for_sample(
+        server, "vllm:request_success_total", sample(before, "vllm:request_success_total", **abort) + 1, **abort
+    )
+
+    def delta(name: str, **labels: str) -> float:
+        return sample(after, name, **labels) - sample(before, name, **labels)
+
+    expected = {
+        ("vllm:request_success_total", "length"): 3,
+        ("vllm:request_success_total", "stop"): 1,
+        ("vllm:request_success_total", "abort"): 1,
+        ("compiled_engine_finished_requests_total", "length"): 3,
+        ("compiled_engine_finished_requests_total", "stop"): 1,
+        ("compiled_engine_finished_requests_total", "abort"): 1,
+    }
+    for (name, reason), count in expected.items():
+        labels = {"finished_reason": reason, **label} if name.startswith("vllm:") else {"finish_reason": reason}
+        assert delta(name, **labels) == count, f"{name}{{{reason}}}"
+    # The cut stream counts as `abort` and in nothing else: its tokens and latencies are left out.
+    finished = 4
+    for name, value in (
+        ("vllm:prompt_tokens_total", prompt_tokens),
+        ("vllm:generation_tokens_total", generated),
+        ("vllm:request_prompt_tokens_count", finished),
+        ("vllm:request_prompt_tokens_sum", prompt_tokens),
+        ("vllm:request_generation_tokens_count", finished),
+        ("vllm:request_generation_tokens_sum", generated),
+        ("vllm:inter_token_latency_seconds_count", finished - (stopped.usage.completion_tokens < 2)),
+        ("vllm:num_preemptions_total", 0),
     ):
-        assert metric(server, f"vllm:{name}_seconds_count") > 0
-    assert metric(server, "vllm:prefix_cache_queries_total") >= metric(server, "vllm:prefix_cache_hits_total") >= 0
+        assert delta(name, **label) == value, name
+    for name in ("time_to_first_token", "e2e_request_latency", "request_queue_time", "request_prefill_time"):
+        assert delta(f"vllm:{name}_seconds_count", **label) == finished, name
+    assert delta("vllm:request_decode_time_seconds_count", **label) == finished
+    assert delta("compiled_engine_prompt_tokens_total") == prompt_tokens
+    assert delta("compiled_engine_generated_tokens_total") == generated
+    assert delta("compiled_engine_e2e_request_latency_seconds_count") == finished
+    assert delta("vllm:prefix_cache_queries_total", **label) >= delta("vllm:prefix_cache_hits_total", **label) >= 0
+
+    assert_idle_within(server, 10)
+    idle = scrape(server)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        assert sample(idle, name, **label) == 0, f"{name} once the cut stream is gone"
+
+
+def test_scrapes_never_fail_while_streams_start_finish_and_are_cut(tmp_path: Path, default_model_dir: Path) -> None:
+    """Four threads scrape /metrics over and over while streamed requests queue, start, run to the
+    end, or are cut by their clients: not one scrape fails, and each cut stream counts once as
+    `abort`. The scrapes read the engine loop's published snapshot, never the scheduler it is
+    changing. A server of its own, two sequences at a time, so that requests wait in the queue (the
+    deque that a scrape iterating it would see mutated)."""
+    args = ["--kv-cache-memory-gib", "0.05", "--max-num-seqs", "2", "--served-model-name", MODEL]
+    with running_server(tmp_path, *args) as server:
+        _scrape_while_streaming(server)
+
+
+def _scrape_while_streaming(server: ServerProcess) -> None:
+    label = {"model_name": MODEL}
+    before = scrape(server)
+    stop, queued = threading.Event(), threading.Event()  # queued: a scrape saw a request waiting
+    scrapes, failures = [0] * 4, []
+
+    def scraper(index: int) -> None:
+        with httpx.Client(timeout=30) as http:
+            while not stop.is_set():
+                try:
+                    reply = http.get(f"{server.url}/metrics")
+                    if reply.status_code != 200 or "vllm:num_requests_running{" not in reply.text:
+                        failures.append(f"{reply.status_code}: {reply.text[:500]}")
+                    waiting = re.search(r"^vllm:num_requests_waiting\{.*\} (\S+)$", reply.text, re.MULTILINE)
+                    if waiting is not None and float(waiting.group(1)) > 0:
+                        queued.set()
+                except httpx.HTTPError as exc:
+                    failures.append(repr(exc))
+                scrapes[index] += 1
+                stop.wait(0.02)  # a breath between scrapes, so that they leave the engine CPU time
+
+    def stream(max_tokens: int, cut_after: int | None) -> list[str]:
+        """The stream's events; with `cut_after`, the client leaves after that many."""
+        body = {"prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0, "stream": True}
+        events: list[str] = []
+        with httpx.stream(
+            "POST", f"{server.url}/v1/completions", json={**body, "ignore_eos": True}, headers=AUTH, timeout=60
+        ) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line:
+                    events.append(line)
+                if len(events) == cut_after:
+                    break  # leaving the block closes the connection mid-stream
+        return events
+
+    completed = cut = rounds = 0
+    with ThreadPoolExecutor(10) as pool:
+        scrapers = [pool.submit(scraper, i) for i in range(4)]
+        try:
+            while (rounds < 1 or min(scrapes) < 10 or not queued.is_set()) and rounds < 40:  # 40: only a cap
+                full = [pool.submit(stream, 6, None) for _ in range(3)]
+                cuts = [pool.submit(stream, 500, 2) for _ in range(3)]
+                assert all(f.result()[-1] == "data: [DONE]" for f in full)
+                assert all(len(f.result()) == 2 for f in cuts)
+                completed, cut, rounds = completed + len(full), cut + len(cuts), rounds + 1
+        finally:
+            stop.set()
+            for f in scrapers:
+                f.result()
+    assert not failures, f"{len(failures)} of {sum(scrapes)} scrapes failed; the first: {failures[:3]}"
+    assert min(scrapes) >= 10, f"scrapes per thread: {scrapes} in {rounds} rounds"
+    assert queued.is_set(), f"no scrape saw a request waiting in {rounds} rounds"
+
+    abort = {"finished_reason": "abort", **label}
+    want = sample(before, "vllm:request_success_total", **abort) + cut
+    after = wait_for_sample(server, "vllm:request_success_total", want, **abort)
+    for reason, count in (("abort", cut), ("length", completed)):
+        for name, labels in (
+            ("vllm:request_success_total", {"finished_reason": reason, **label}),
+            ("compiled_engine_finished_requests_total", {"finish_reason": reason}),
+        ):
+            assert sample(after, name, **labels) - sample(before, name, **labels) == count, f"{name}{{{reason}}}"
+    assert_idle_within(server, 10)
 
 
 def test_a_port_taken_before_the_server_binds_it_is_replaced(

@@ -10,6 +10,13 @@ compiling, warming up) before its first step, so every torch operation of the en
 one thread. That matters on CPU: once the main thread has run PyTorch's OpenMP-parallel kernels,
 the same kernels called from another thread ran markedly slower (docs/benchmarks.md has the
 measurement).
+
+The loop is also the only thread that reads the engine's state: after every step (and after
+starting, after an idle wake-up and after a `call`) it publishes an `EngineStats` snapshot, which
+`stats()` and `num_waiting()` (the `/metrics` scrape, admission) read from any thread. Reading the
+scheduler's queue and running list from another thread could meet them mid-change ("deque mutated
+during iteration"). Outputs are delivered after the step's snapshot is published, so a caller that
+has seen its request finish sees it finished in `stats()` too.
 """
 
 from __future__ import annotations
@@ -21,13 +28,14 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.outputs import RequestOutput
 from compiled_engine.engine.sampling_params import SamplingParams
+from compiled_engine.engine.sequence import Sequence
 from compiled_engine.errors import EngineDeadError, EngineOverloadedError, EngineShuttingDownError
 from compiled_engine.lora.manager import LoRARequest
 from compiled_engine.speculative.drafts import SpeculativeStats
@@ -60,6 +68,8 @@ class _Call:
 
 @dataclass(frozen=True)
 class EngineStats:
+    """The engine's state at one moment, read on the loop thread (`read`) and published whole."""
+
     running_requests: int
     waiting_requests: int
     kv_pages_total: int
@@ -76,6 +86,33 @@ class EngineStats:
     weight_bytes: int = 0  # the models' tensors, each held once (packed on the compiled CPU path)
     kv_cache_bytes: int = 0  # the page pool (a draft model's included)
 
+    @classmethod
+    def read(cls, engine: LLMEngine) -> EngineStats:
+        """The snapshot of `engine`, only on the thread that steps it. `waiting_requests` counts
+        the scheduler's queue only (AsyncEngine adds the requests still in its inbox)."""
+        scheduler, manager, lora = engine.scheduler, engine.block_manager, engine.lora
+        return cls(
+            running_requests=len(scheduler.running),
+            waiting_requests=len(scheduler.waiting),
+            kv_pages_total=manager.num_pages,
+            kv_pages_free=manager.num_free_pages,
+            prefix_queried_tokens=manager.stats.queried_tokens,
+            prefix_hit_tokens=manager.stats.hit_tokens,
+            lora_loaded=len(lora.adapters) if lora is not None else 0,
+            lora_resident=lora.num_resident if lora is not None else 0,
+            speculative=None if engine.speculative is None else engine.speculative_stats.copy(),
+            num_preemptions=scheduler.num_preemptions,
+            weight_bytes=engine.weight_bytes,
+            kv_cache_bytes=engine.kv_cache_bytes,
+            lora_max=engine.config.max_loras if lora is not None else None,
+            lora_running=_adapters(scheduler.running) if lora is not None else (),
+            lora_waiting=_adapters(scheduler.waiting) if lora is not None else (),
+        )
+
+
+def _adapters(seqs: Iterable[Sequence]) -> tuple[str, ...]:
+    return tuple(sorted({s.lora_name for s in seqs if s.lora_name}))
+
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], max_waiting_requests: int = 256) -> None:
@@ -91,7 +128,9 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | BaseException]]] = {}
         self._lock = threading.Lock()
-        self._pending_adds = 0
+        self._pending_adds = 0  # adds sent to the loop and not yet counted in a published snapshot
+        self._taken_adds = 0  # adds the loop has taken from the inbox since it last published (loop only)
+        self._published: EngineStats | None = None  # the loop's latest snapshot (under `_lock`)
         self._stop = threading.Event()
         self._accepting = True
         self.error: BaseException | None = None
@@ -209,27 +248,17 @@ class AsyncEngine:
             self.abort(request_id)
 
     def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting) + self._pending_adds
+        """Requests waiting: the scheduler's queue in the latest snapshot, plus those sent since."""
+        return self.stats().waiting_requests
 
     def stats(self) -> EngineStats:
-        manager, lora = self.engine.block_manager, self.engine.lora
-        return EngineStats(
-            running_requests=len(self.engine.scheduler.running),
-            waiting_requests=self.num_waiting(),
-            kv_pages_total=manager.num_pages,
-            kv_pages_free=manager.num_free_pages,
-            prefix_queried_tokens=manager.stats.queried_tokens,
-            prefix_hit_tokens=manager.stats.hit_tokens,
-            lora_loaded=len(lora.adapters) if lora is not None else 0,
-            lora_resident=lora.num_resident if lora is not None else 0,
-            speculative=None if self.engine.speculative is None else self.engine.speculative_stats.copy(),
-            num_preemptions=self.engine.scheduler.num_preemptions,
-            weight_bytes=self.engine.weight_bytes,
-            kv_cache_bytes=self.engine.kv_cache_bytes,
-            lora_max=self.engine.config.max_loras if lora is not None else None,
-            lora_running=tuple(sorted({s.lora_name for s in self.engine.scheduler.running if s.lora_name})),
-            lora_waiting=tuple(sorted({s.lora_name for s in self.engine.scheduler.waiting if s.lora_name})),
-        )
+        """The loop's latest snapshot (safe from any thread: it never reads the live engine), its
+        waiting count including the requests not yet taken in by the loop."""
+        with self._lock:
+            published, pending = self._published, self._pending_adds
+        if published is None:
+            raise EngineDeadError("the engine loop has published no stats: it was never started, or failed to build")
+        return replace(published, waiting_requests=published.waiting_requests + pending) if pending else published
 
     # -- the loop thread ------------------------------------------------------------------------
 
@@ -253,11 +282,21 @@ class AsyncEngine:
         self._wake.set()
         return await future
 
+    def _publish(self) -> None:
+        """Publish the engine's snapshot (loop thread only); the adds taken in since the last one
+        move from the pending count to its waiting count in the same instant."""
+        snapshot = EngineStats.read(self.engine)
+        with self._lock:
+            self._published = snapshot
+            self._pending_adds -= self._taken_adds
+        self._taken_adds = 0
+
     def _answer(self, command: _Call) -> None:
         try:
             result, error = command.function(self.engine), None
         except Exception as exc:  # handed to the caller, the loop goes on
             result, error = None, exc
+        self._publish()  # what the call changed (adapters) is in the stats before its caller resumes
 
         def settle() -> None:
             if command.future.done():  # the caller gave up
@@ -282,8 +321,8 @@ class AsyncEngine:
             if isinstance(command, _Call):
                 self._answer(command)
                 continue
+            self._taken_adds += 1
             with self._lock:
-                self._pending_adds -= 1
                 listening = command.request_id in self._streams
             if not listening:
                 continue  # the caller left before the loop saw the request
@@ -298,6 +337,7 @@ class AsyncEngine:
         try:
             if self._build is not None:
                 self.engine = self._build()
+            self._publish()
         except BaseException as exc:
             self.error = exc
             return
@@ -307,9 +347,12 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._drain_inbox()
                 if self.engine.has_unfinished_requests():
-                    for output in self.engine.step():
+                    outputs = self.engine.step()
+                    self._publish()
+                    for output in outputs:
                         self._deliver(output.request_id, output)
                 else:
+                    self._publish()  # the inbox's aborts and refused adds
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
         except BaseException as exc:

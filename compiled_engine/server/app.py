@@ -324,8 +324,11 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
 
     request_log = RequestLog(settings.request_log, settings.log_prompts, server.tokenizer.decode)
 
-    async def observed(stream: AsyncIterator[RequestOutput], adapter: str | None) -> AsyncIterator[RequestOutput]:
-        """Counts and logs each request once it finishes, or once its client has gone away."""
+    async def observed(
+        stream: AsyncIterator[RequestOutput], adapter: str | None, n: int
+    ) -> AsyncIterator[RequestOutput]:
+        """Counts and logs each request once it finishes, or once its client has gone away (the
+        stream closed at a yield, or cancelled while waiting: counted with finish reason `abort`)."""
         last, logged = None, False
         try:
             async for output in stream:
@@ -335,6 +338,10 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
                     request_log.record(output, adapter or settings.served_model_name)
                     logged = True
                 yield output
+        except (GeneratorExit, asyncio.CancelledError):
+            if not logged:
+                metrics.observe_abandoned(last, n)
+            raise
         finally:
             if last is not None and not logged:
                 request_log.record(last, adapter or settings.served_model_name, aborted=True)
@@ -342,7 +349,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
     def generate(
         prompt: list[int], params: SamplingParams, request_id: str, salt: str | None, lora: LoRARequest | None
     ) -> AsyncIterator[RequestOutput]:
-        return observed(engine.generate(prompt, params, request_id, salt, lora), lora.name if lora else None)
+        stream = engine.generate(prompt, params, request_id, salt, lora)
+        return observed(stream, lora.name if lora else None, params.n)
 
     @get("/metrics", sync_to_thread=False, media_type="text/plain; version=0.0.4")
     def prometheus() -> bytes:

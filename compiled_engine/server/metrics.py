@@ -11,14 +11,15 @@ from prometheus_client.registry import Collector
 
 from compiled_engine.engine.async_engine import AsyncEngine
 from compiled_engine.engine.outputs import RequestOutput
-from compiled_engine.server.vllm_metrics import VllmMetrics
+from compiled_engine.engine.sequence import FinishReason
+from compiled_engine.server.vllm_metrics import VllmMetrics, finish_reasons
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 KNOWN_PATHS = ("/health", "/ready", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
 
 
 class _EngineCollector(Collector):
-    """Reads the engine's gauges at scrape time."""
+    """The engine's gauges at scrape time, from the snapshot its loop published last (`stats()`)."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
@@ -106,6 +107,14 @@ class ServerMetrics:
         self.generated_tokens = Counter(
             "compiled_engine_generated_tokens", "Tokens generated for finished requests", registry=self.registry
         )
+        self.finished = Counter(
+            "compiled_engine_finished_requests",
+            "Finished completions by finish reason (a request with n counts n); abort: aborted, or its client went away",
+            ["finish_reason"],
+            registry=self.registry,
+        )
+        for reason in FinishReason:
+            self.finished.labels(str(reason))
         self.lora_requests = Counter(
             "compiled_engine_lora_requests",
             "Finished requests by LoRA adapter",
@@ -138,6 +147,8 @@ class ServerMetrics:
         if adapter is not None:
             self.lora_requests.labels(adapter).inc()
         self.vllm.observe(output)
+        for reason in finish_reasons(output):
+            self.finished.labels(reason).inc()
         self.prompt_tokens.inc(len(output.prompt_token_ids))
         self.generated_tokens.inc(sum(len(c.token_ids) for c in output.outputs))
         m = output.metrics
@@ -146,6 +157,15 @@ class ServerMetrics:
         for histogram, value in ((self.ttft, m.ttft), (self.itl, m.tpot), (self.e2e, m.e2e)):
             if value is not None:
                 histogram.observe(value)
+
+    def observe_abandoned(self, last: RequestOutput | None, n: int) -> None:
+        """Record a request whose client went away before it finished (`last`: the last output it
+        was given, None if none yet; `n`: its completions): its unfinished completions count as
+        `abort`, here and in vLLM's `request_success`; its tokens and latencies are not counted."""
+        reasons = finish_reasons(last, n)
+        for reason in reasons:
+            self.finished.labels(reason).inc()
+        self.vllm.count_finished(reasons)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -6,6 +6,10 @@ LoRA slots). docs/grafana-dashboard.json is built on these names only.
 
 Where we measure less finely than vLLM it is said here: `vllm:inter_token_latency_seconds`
 observes each request's mean gap between output tokens, not every gap.
+
+A request whose client went away before it finished (a cut stream, a closed connection) counts in
+`vllm:request_success_total{finished_reason="abort"}` (vLLM's name for it) and in no other
+series here: no tokens, no lengths, no latencies.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from prometheus_client.registry import Collector
 
 from compiled_engine.engine.async_engine import AsyncEngine
 from compiled_engine.engine.outputs import RequestOutput
+from compiled_engine.engine.sequence import FinishReason
 
 BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_BUCKETS = (1, 8, 32, 128, 512, 2048, 8192)
@@ -107,6 +112,8 @@ class VllmMetrics:
             series.labels(model_name)  # exported from the start, at zero
         for series in (self.prefill, self.decode, self.prompt_len, self.generation_len):
             series.labels(model_name)
+        for reason in FinishReason:
+            self.success.labels(model_name, str(reason))
         registry.register(_VllmEngineCollector(engine, model_name))
 
     def observe(self, output: RequestOutput) -> None:
@@ -116,8 +123,7 @@ class VllmMetrics:
         self.generation_tokens.labels(name).inc(generated)
         self.prompt_len.labels(name).observe(len(output.prompt_token_ids))
         self.generation_len.labels(name).observe(generated)
-        for completion in output.outputs:
-            self.success.labels(name, completion.finish_reason or "abort").inc()
+        self.count_finished(finish_reasons(output))
         m = output.metrics
         if m is None:
             return
@@ -136,3 +142,16 @@ class VllmMetrics:
         for histogram, value in spans.items():
             if value is not None:
                 histogram.labels(name).observe(value)
+
+    def count_finished(self, reasons: list[str]) -> None:
+        """Count finished completions, one finish reason each."""
+        for reason in reasons:
+            self.success.labels(self.model_name, reason).inc()
+
+
+def finish_reasons(output: RequestOutput | None, n: int = 1) -> list[str]:
+    """Each completion's finish reason, `abort` for those not finished: `output` is the request's
+    last output (None when it had none yet, then its `n` completions all count as aborted)."""
+    if output is None:
+        return [str(FinishReason.ABORT)] * n
+    return [completion.finish_reason or str(FinishReason.ABORT) for completion in output.outputs]
