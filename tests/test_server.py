@@ -4,7 +4,6 @@ openai client and by raw HTTP for the error cases."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ import pytest
 
 from compiled_engine import LLM, SamplingParams
 from tests.server_process import ServerProcess, running_server
+from tests.waiting import wait_until
 
 KEY_A, KEY_B = "key-a", "key-b"
 MODEL = "smol"
@@ -44,26 +44,37 @@ def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY_A, max_retries=0)
 
 
-def metric(server: ServerProcess, name: str) -> float:
-    text = httpx.get(f"{server.url}/metrics").text
+def metric(server: ServerProcess, name: str, text: str | None = None) -> float:
+    """`name`'s value in `text`, or in a fresh scrape of /metrics."""
+    text = httpx.get(f"{server.url}/metrics").text if text is None else text
     for line in text.splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{"):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"metric {name} not found")
 
 
-def assert_idle_within(server: ServerProcess, seconds: float) -> None:
-    """No request running and no KV page in use, within `seconds`."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if (
-            metric(server, "compiled_engine_kv_pages_used") == 0
-            and metric(server, "compiled_engine_running_requests") == 0
-        ):
-            break
-        time.sleep(0.1)
-    assert metric(server, "compiled_engine_kv_pages_used") == 0
-    assert metric(server, "compiled_engine_running_requests") == 0
+ABORTED = "compiled_engine_aborted_requests_total"
+
+
+def wait_until_aborted_and_idle(server: ServerProcess, before: float) -> None:
+    """Wait until the engine has counted one abort more than `before` (it ended the request before
+    it finished) and nothing runs or holds a KV page. A request that was never aborted never gets
+    counted, however long it runs: the wait then fails at its hang guard."""
+
+    def state() -> dict[str, float]:
+        text = httpx.get(f"{server.url}/metrics").text
+        names = (ABORTED, "compiled_engine_running_requests", "compiled_engine_kv_pages_used")
+        return {name: metric(server, name, text) for name in names}
+
+    def done() -> bool:
+        now = state()
+        return (
+            now[ABORTED] > before
+            and now["compiled_engine_running_requests"] == now["compiled_engine_kv_pages_used"] == 0
+        )
+
+    wait_until(done, "the request aborted and the server idle", state)
+    assert metric(server, ABORTED) == before + 1
 
 
 def test_health_ready_models(server: ServerProcess, client: openai.OpenAI) -> None:
@@ -301,12 +312,13 @@ def test_the_engines_refusal_names_the_field(
 
 def test_a_refused_prompt_in_a_batch_leaves_nothing_running(server: ServerProcess) -> None:
     body = {"prompt": [[5, 6, 7], [5, 10**6]], "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+    before = metric(server, ABORTED)
     response = httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY_A}"})
     assert response.status_code == 400, response.text
     assert "outside the vocabulary" in response.json()["error"]["message"]
-    # The valid prompt may be admitted before its sibling is refused: it must be aborted then,
-    # not left to run its 1000 tokens (far longer than this wait) for nobody.
-    assert_idle_within(server, seconds=5)
+    # The valid prompt reaches the engine before its sibling is refused (the engine takes them in
+    # order): it must be aborted then, not left to run its 1000 tokens for nobody.
+    wait_until_aborted_and_idle(server, before)
 
 
 def test_closing_a_stream_frees_its_pages(server: ServerProcess, client: openai.OpenAI) -> None:
@@ -318,12 +330,13 @@ def test_closing_a_stream_frees_its_pages(server: ServerProcess, client: openai.
         stream=True,  # type: ignore[arg-type]
         extra_body={"ignore_eos": True},
     )
+    before = metric(server, ABORTED)
     for i, _ in enumerate(stream):
         if i == 3:
             break
     assert metric(server, "compiled_engine_kv_pages_used") > 0
     stream.close()
-    assert_idle_within(server, seconds=10)
+    wait_until_aborted_and_idle(server, before)
 
 
 def test_openapi_schema_describes_every_route(server: ServerProcess) -> None:
@@ -456,16 +469,17 @@ def test_a_batch_of_prompts_gives_each_its_choices(client: openai.OpenAI) -> Non
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
 def test_a_client_that_gives_up_on_a_whole_reply_aborts_it(server: ServerProcess, route: str) -> None:
-    """A non-streamed request whose client disconnects is aborted at once: running requests and
-    pages in use are back to 0 long before 1000 tokens could have been generated, and no tokens
-    are counted for it."""
+    """A non-streamed request whose client disconnects is aborted: the engine counts it as aborted
+    (ended before its 1000 tokens), running requests and pages in use are back to 0, and no
+    tokens are counted for it."""
     body: dict[str, Any] = {"max_tokens": 1000, "ignore_eos": True, "temperature": 0}
     body |= {"prompt": "Once upon a time"} if route == "/v1/completions" else {"messages": QUESTION}
     generated = metric(server, "compiled_engine_generated_tokens_total")
+    before = metric(server, ABORTED)
     auth = {"Authorization": f"Bearer {KEY_A}"}
-    with pytest.raises(httpx.ReadTimeout):
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up after 1.5 s
         httpx.post(f"{server.url}{route}", json=body, headers=auth, timeout=httpx.Timeout(60, read=1.5))
-    assert_idle_within(server, 5)  # 1000 tokens take this model well over 6.5 s
+    wait_until_aborted_and_idle(server, before)
     assert metric(server, "compiled_engine_generated_tokens_total") == generated
 
 
@@ -544,8 +558,15 @@ def test_json_logs_carry_the_request_and_its_prompt_when_asked(tmp_path: Path, d
         stream = {**body, "max_tokens": 500, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", f"{server.url}/v1/completions", json=stream, timeout=60) as response:
             next(response.iter_lines())  # one event, then the client goes away
-        assert_idle_within(server, 10)
-        entries = [json.loads(line) for line in server.log_text().splitlines() if line.startswith("{")]
+        wait_until_aborted_and_idle(server, before=0)
+
+        def logged() -> list[dict[str, Any]]:
+            text = server.log_text()
+            whole = text[: text.rfind("\n") + 1]  # not a line still being written
+            return [json.loads(line) for line in whole.splitlines() if line.startswith("{")]
+
+        wait_until(lambda: sum("request" in entry for entry in logged()) == 2, "both requests logged", logged)
+        entries = logged()
     assert entries and all({"time", "level", "logger", "message"} <= set(entry) for entry in entries)
     requests = [entry["request"] for entry in entries if "request" in entry]
     assert [r["finish_reason"] for r in requests] == ["length", "abort"]
