@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from compiled_engine import LLM, SamplingParams
-from tests.server_process import ServerProcess, running_server
+from tests.server_process import ABORTED, ServerProcess, metric, running_server, wait_until_aborted_and_idle
 from tests.waiting import wait_until
 
 KEY_A, KEY_B = "key-a", "key-b"
@@ -42,39 +42,6 @@ def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) ->
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY_A, max_retries=0)
-
-
-def metric(server: ServerProcess, name: str, text: str | None = None) -> float:
-    """`name`'s value in `text`, or in a fresh scrape of /metrics."""
-    text = httpx.get(f"{server.url}/metrics").text if text is None else text
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"metric {name} not found")
-
-
-ABORTED = "compiled_engine_aborted_requests_total"
-
-
-def wait_until_aborted_and_idle(server: ServerProcess, before: float) -> None:
-    """Wait until the engine has counted one abort more than `before` (it ended the request before
-    it finished) and nothing runs or holds a KV page. A request that was never aborted never gets
-    counted, however long it runs: the wait then fails at its hang guard."""
-
-    def state() -> dict[str, float]:
-        text = httpx.get(f"{server.url}/metrics").text
-        names = (ABORTED, "compiled_engine_running_requests", "compiled_engine_kv_pages_used")
-        return {name: metric(server, name, text) for name in names}
-
-    def done() -> bool:
-        now = state()
-        return (
-            now[ABORTED] > before
-            and now["compiled_engine_running_requests"] == now["compiled_engine_kv_pages_used"] == 0
-        )
-
-    wait_until(done, "the request aborted and the server idle", state)
-    assert metric(server, ABORTED) == before + 1
 
 
 def test_health_ready_models(server: ServerProcess, client: openai.OpenAI) -> None:
