@@ -590,6 +590,8 @@ def test_auto_parses_a_call_from_the_reply_and_tool_turns_come_back(server: Serv
             assert [(p.function.name, json.loads(p.function.arguments or "")) for p in parts] == [
                 ("get_weather", {"city": "Paris", "unit": "c"})
             ]  # type: ignore[union-attr]
+            reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+            assert reasons == ["tool_calls"]  # one end, saying the reply is a call
         else:
             reply = client.chat.completions.create(**request, extra_body=extra)
             call = (reply.choices[0].message.tool_calls or [])[0]
