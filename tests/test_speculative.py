@@ -473,12 +473,22 @@ def test_a_draft_models_sampled_rows_keep_the_target_distribution(
     df = len(cells) - 1
     assert df >= 2, "too few distinct tokens to test"
     assert statistic < _chi_square_critical(df), f"chi-square {statistic:.1f} with {df} degrees of freedom"
-    [out] = near.generate([prompt], SamplingParams(temperature=1.0, seed=3, max_tokens=8, logprobs=2), use_tqdm=False)
-    logprobs = out.outputs[0].logprobs
-    assert logprobs is not None
-    for token, entry in zip(out.outputs[0].token_ids, logprobs, strict=True):
-        assert entry.token_id == token  # a replaced draw reports its own token
-        if token in entry.top_token_ids:
+    # Each token's logprob is the target's, whether its draft stood or rejection sampling replaced
+    # it: the plain engine's prompt logprob of the same token after the same tokens. top_k=6 keeps
+    # every token among the target's 6 most likely, so it is always among the 6 reported too.
+    seeded = [
+        SamplingParams(temperature=1.0, top_k=6, seed=s, max_tokens=8, ignore_eos=True, logprobs=6) for s in range(4)
+    ]
+    for seed, out in enumerate(near.generate([prompt] * len(seeded), seeded, use_tqdm=False)):
+        tokens, logprobs = out.outputs[0].token_ids, out.outputs[0].logprobs
+        assert logprobs is not None and len(logprobs) == len(tokens) > 0
+        [scored] = plain.generate([prompt + tokens], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        assert scored.prompt_logprobs is not None
+        for position, (token, entry) in enumerate(zip(tokens, logprobs, strict=True)):
+            assert entry.token_id == token  # a replaced draw reports its own token
+            target = scored.prompt_logprobs[len(prompt) + position]
+            assert target is not None and target.token_id == token
+            assert entry.logprob == pytest.approx(target.logprob, abs=1e-4), (seed, position)
             assert entry.logprob == pytest.approx(entry.top_logprobs[entry.top_token_ids.index(token)], abs=1e-5)
     _pool_is_whole(near)
 
