@@ -1,4 +1,5 @@
-"""Start a real `compiled_engine serve` process on a free loopback port, for the server tests."""
+"""Start a real `compiled_engine serve` process on a free loopback port, for the server tests, and
+read its /metrics."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+
+from tests.waiting import wait_until
 
 
 def free_port() -> int:
@@ -86,3 +89,36 @@ def _start(tmp_dir: Path, args: tuple[str, ...], startup_timeout_s: float) -> Se
             process.kill()
             process.wait()
         raise
+
+
+def metric(server: ServerProcess, name: str, text: str | None = None) -> float:
+    """`name`'s value in `text`, or in a fresh scrape of /metrics."""
+    text = httpx.get(f"{server.url}/metrics").text if text is None else text
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"metric {name} not found")
+
+
+ABORTED = "compiled_engine_aborted_requests_total"
+
+
+def wait_until_aborted_and_idle(server: ServerProcess, before: float) -> None:
+    """Wait until the engine has counted one abort more than `before` (it ended the request before
+    it finished) and nothing runs or holds a KV page. A request that was never aborted never gets
+    counted, however long it runs: the wait then fails at its hang guard."""
+
+    def state() -> dict[str, float]:
+        text = httpx.get(f"{server.url}/metrics").text
+        names = (ABORTED, "compiled_engine_running_requests", "compiled_engine_kv_pages_used")
+        return {name: metric(server, name, text) for name in names}
+
+    def done() -> bool:
+        now = state()
+        return (
+            now[ABORTED] > before
+            and now["compiled_engine_running_requests"] == now["compiled_engine_kv_pages_used"] == 0
+        )
+
+    wait_until(done, "the request aborted and the server idle", state)
+    assert metric(server, ABORTED) == before + 1

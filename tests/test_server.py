@@ -17,7 +17,8 @@ import openai
 import pytest
 
 from compiled_engine import LLM, SamplingParams
-from tests.server_process import ServerProcess, running_server
+from tests.server_process import ABORTED, ServerProcess, metric, running_server, wait_until_aborted_and_idle
+from tests.waiting import wait_until
 
 KEY_A, KEY_B = "key-a", "key-b"
 AUTH = {"Authorization": f"Bearer {KEY_A}"}
@@ -46,14 +47,6 @@ def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) ->
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY_A, max_retries=0)
-
-
-def metric(server: ServerProcess, name: str) -> float:
-    text = httpx.get(f"{server.url}/metrics").text
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"metric {name} not found")
 
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -97,16 +90,14 @@ def wait_for_sample(server: ServerProcess, name: str, value: float, **labels: st
 IDLE = ("compiled_engine_kv_pages_used", "compiled_engine_running_requests", "compiled_engine_waiting_requests")
 
 
-def assert_idle_within(server: ServerProcess, seconds: float) -> None:
-    """No request waiting or running and no KV page in use, within `seconds`. (The gauges are the
-    engine's state after its last step: a request sent during a long step counts as waiting.)"""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if all(metric(server, name) == 0 for name in IDLE):
-            break
-        time.sleep(0.1)
-    for name in IDLE:
-        assert metric(server, name) == 0, f"{name} after {seconds} s"
+def wait_until_idle(server: ServerProcess) -> None:
+    """Wait until no request waits or runs and no KV page is in use. (The gauges are the engine's
+    state after its last step: a request sent during a long step counts as waiting.)"""
+    wait_until(
+        lambda: all(metric(server, name) == 0 for name in IDLE),
+        "the server idle",
+        lambda: {name: metric(server, name) for name in IDLE},
+    )
 
 
 def test_health_ready_models(server: ServerProcess, client: openai.OpenAI) -> None:
@@ -344,12 +335,13 @@ def test_the_engines_refusal_names_the_field(
 
 def test_a_refused_prompt_in_a_batch_leaves_nothing_running(server: ServerProcess) -> None:
     body = {"prompt": [[5, 6, 7], [5, 10**6]], "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+    before = metric(server, ABORTED)
     response = httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY_A}"})
     assert response.status_code == 400, response.text
     assert "outside the vocabulary" in response.json()["error"]["message"]
-    # The valid prompt may be admitted before its sibling is refused: it must be aborted then,
-    # not left to run its 1000 tokens (far longer than this wait) for nobody.
-    assert_idle_within(server, seconds=5)
+    # The valid prompt reaches the engine before its sibling is refused (the engine takes them in
+    # order): it must be aborted then, not left to run its 1000 tokens for nobody.
+    wait_until_aborted_and_idle(server, before)
 
 
 def test_closing_a_stream_frees_its_pages(server: ServerProcess, client: openai.OpenAI) -> None:
@@ -361,12 +353,13 @@ def test_closing_a_stream_frees_its_pages(server: ServerProcess, client: openai.
         stream=True,  # type: ignore[arg-type]
         extra_body={"ignore_eos": True},
     )
+    before = metric(server, ABORTED)
     for i, _ in enumerate(stream):
         if i == 3:
             break
     assert metric(server, "compiled_engine_kv_pages_used") > 0
     stream.close()
-    assert_idle_within(server, seconds=10)
+    wait_until_aborted_and_idle(server, before)
 
 
 def test_openapi_schema_describes_every_route(server: ServerProcess) -> None:
@@ -499,15 +492,16 @@ def test_a_batch_of_prompts_gives_each_its_choices(client: openai.OpenAI) -> Non
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
 def test_a_client_that_gives_up_on_a_whole_reply_aborts_it(server: ServerProcess, route: str) -> None:
-    """A non-streamed request whose client disconnects is aborted at once: running requests and
-    pages in use are back to 0 long before 1000 tokens could have been generated, and no tokens
-    are counted for it."""
+    """A non-streamed request whose client disconnects is aborted: the engine counts it as aborted
+    (ended before its 1000 tokens), running requests and pages in use are back to 0, and no
+    tokens are counted for it."""
     body: dict[str, Any] = {"max_tokens": 1000, "ignore_eos": True, "temperature": 0}
     body |= {"prompt": "Once upon a time"} if route == "/v1/completions" else {"messages": QUESTION}
     before = scrape(server)
-    with pytest.raises(httpx.ReadTimeout):
+    aborted = metric(server, ABORTED)
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up after 1.5 s
         httpx.post(f"{server.url}{route}", json=body, headers=AUTH, timeout=httpx.Timeout(60, read=1.5))
-    assert_idle_within(server, 5)  # 1000 tokens take this model well over 6.5 s
+    wait_until_aborted_and_idle(server, aborted)
     abort = {"finished_reason": "abort", "model_name": MODEL}
     after = wait_for_sample(
         server, "vllm:request_success_total", sample(before, "vllm:request_success_total", **abort) + 1, **abort
@@ -597,8 +591,15 @@ def test_json_logs_carry_the_request_and_its_prompt_when_asked(tmp_path: Path, d
         stream = {**body, "max_tokens": 500, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", f"{server.url}/v1/completions", json=stream, timeout=60) as response:
             next(response.iter_lines())  # one event, then the client goes away
-        assert_idle_within(server, 10)
-        entries = [json.loads(line) for line in server.log_text().splitlines() if line.startswith("{")]
+        wait_until_aborted_and_idle(server, before=0)
+
+        def logged() -> list[dict[str, Any]]:
+            text = server.log_text()
+            whole = text[: text.rfind("\n") + 1]  # not a line still being written
+            return [json.loads(line) for line in whole.splitlines() if line.startswith("{")]
+
+        wait_until(lambda: sum("request" in entry for entry in logged()) == 2, "both requests logged", logged)
+        entries = logged()
     assert entries and all({"time", "level", "logger", "message"} <= set(entry) for entry in entries)
     requests = [entry["request"] for entry in entries if "request" in entry]
     assert [r["finish_reason"] for r in requests] == ["length", "abort"]
@@ -687,7 +688,7 @@ def test_vllm_named_metrics_match_a_known_workload(server: ServerProcess, client
     assert delta("compiled_engine_e2e_request_latency_seconds_count") == finished
     assert delta("vllm:prefix_cache_queries_total", **label) >= delta("vllm:prefix_cache_hits_total", **label) >= 0
 
-    assert_idle_within(server, 10)
+    wait_until_idle(server)
     idle = scrape(server)
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
         assert sample(idle, name, **label) == 0, f"{name} once the cut stream is gone"
@@ -767,7 +768,7 @@ def _scrape_while_streaming(server: ServerProcess) -> None:
             ("compiled_engine_finished_requests_total", {"finish_reason": reason}),
         ):
             assert sample(after, name, **labels) - sample(before, name, **labels) == count, f"{name}{{{reason}}}"
-    assert_idle_within(server, 10)
+    wait_until_idle(server)
 
 
 def test_a_port_taken_before_the_server_binds_it_is_replaced(

@@ -18,6 +18,7 @@ import torch
 from compiled_engine import LLM, SamplingParams
 from compiled_engine.config import EngineConfig
 from compiled_engine.speculative.config import SpeculativeConfig
+from compiled_engine.speculative.drafts import SpeculativeStats
 from compiled_engine.speculative.ngram import propose_ngram
 
 # No batch-size limit: the tests batch up to 40 speculating sequences.
@@ -150,6 +151,19 @@ def _pool_is_whole(llm: LLM) -> None:
     assert not llm.engine.has_unfinished_requests()
 
 
+def _since(llm: LLM, before: SpeculativeStats) -> SpeculativeStats:
+    """The engine's speculative counts since `before` (a copy taken earlier): what a test's own
+    requests did, whatever other tests ran on the module's engine first."""
+    now = llm.engine.speculative_stats
+    earlier = before.accepted_at + [0] * (len(now.accepted_at) - len(before.accepted_at))
+    return SpeculativeStats(
+        now.drafts - before.drafts,
+        now.draft_tokens - before.draft_tokens,
+        now.accepted_tokens - before.accepted_tokens,
+        [n - e for n, e in zip(now.accepted_at, earlier, strict=True)],
+    )
+
+
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
@@ -169,10 +183,11 @@ def _abort_midway(llm: LLM, prompts: list[Any], params: SamplingParams) -> None:
 
 def test_greedy_output_is_unchanged_alone_and_batched(smol_plain: LLM, smol_spec: LLM) -> None:
     expected = _ids(smol_plain, LOOPS, GREEDY)
+    before = smol_spec.engine.speculative_stats.copy()
     for prompt, want in zip(LOOPS, expected, strict=True):
         assert _ids(smol_spec, [prompt], GREEDY) == [want]
     assert _ids(smol_spec, LOOPS, GREEDY) == expected
-    stats = smol_spec.engine.speculative_stats
+    stats = _since(smol_spec, before)
     assert stats.accepted_tokens > stats.draft_tokens / 2  # mostly accepted: whole runs verified
     assert stats.accepted_at[0] >= stats.accepted_at[-1] > 0 and 2 < stats.mean_acceptance_length <= 5
     _pool_is_whole(smol_spec)
@@ -180,9 +195,10 @@ def test_greedy_output_is_unchanged_alone_and_batched(smol_plain: LLM, smol_spec
 
 def test_mostly_wrong_drafts_change_nothing(plain: LLM, spec: LLM) -> None:
     expected = _ids(plain, TINY_PROMPTS, GREEDY)
+    before = spec.engine.speculative_stats.copy()
     assert _ids(spec, TINY_PROMPTS, GREEDY) == expected
     assert [_ids(spec, [prompt], GREEDY)[0] for prompt in TINY_PROMPTS] == expected
-    stats = spec.engine.speculative_stats
+    stats = _since(spec, before)
     assert stats.draft_tokens > 3 * stats.accepted_tokens  # rejected: the rollback ran
     _pool_is_whole(spec)
 
@@ -436,11 +452,12 @@ def near_draft_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 def test_a_draft_model_keeps_greedy_output_alone_and_batched(plain: LLM, wrong_draft: LLM, self_draft: LLM) -> None:
     expected = _ids(plain, TINY_PROMPTS, GREEDY)
+    before = {llm: llm.engine.speculative_stats.copy() for llm in (wrong_draft, self_draft)}
     for llm in (wrong_draft, self_draft):
         assert _ids(llm, TINY_PROMPTS, GREEDY) == expected
         assert [_ids(llm, [prompt], GREEDY)[0] for prompt in TINY_PROMPTS] == expected
         _pool_is_whole(llm)
-    wrong, right = wrong_draft.engine.speculative_stats, self_draft.engine.speculative_stats
+    wrong, right = _since(wrong_draft, before[wrong_draft]), _since(self_draft, before[self_draft])
     assert wrong.draft_tokens > 5 * wrong.accepted_tokens  # the rejection path
     assert right.accepted_tokens > 0.9 * right.draft_tokens  # whole runs accepted
     assert right.accepted_at[0] >= right.accepted_at[2] > 0 and right.mean_acceptance_length > 3
@@ -473,12 +490,22 @@ def test_a_draft_models_sampled_rows_keep_the_target_distribution(
     df = len(cells) - 1
     assert df >= 2, "too few distinct tokens to test"
     assert statistic < _chi_square_critical(df), f"chi-square {statistic:.1f} with {df} degrees of freedom"
-    [out] = near.generate([prompt], SamplingParams(temperature=1.0, seed=3, max_tokens=8, logprobs=2), use_tqdm=False)
-    logprobs = out.outputs[0].logprobs
-    assert logprobs is not None
-    for token, entry in zip(out.outputs[0].token_ids, logprobs, strict=True):
-        assert entry.token_id == token  # a replaced draw reports its own token
-        if token in entry.top_token_ids:
+    # Each token's logprob is the target's, whether its draft stood or rejection sampling replaced
+    # it: the plain engine's prompt logprob of the same token after the same tokens. top_k=6 keeps
+    # every token among the target's 6 most likely, so it is always among the 6 reported too.
+    seeded = [
+        SamplingParams(temperature=1.0, top_k=6, seed=s, max_tokens=8, ignore_eos=True, logprobs=6) for s in range(4)
+    ]
+    for seed, out in enumerate(near.generate([prompt] * len(seeded), seeded, use_tqdm=False)):
+        tokens, logprobs = out.outputs[0].token_ids, out.outputs[0].logprobs
+        assert logprobs is not None and len(logprobs) == len(tokens) > 0
+        [scored] = plain.generate([prompt + tokens], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        assert scored.prompt_logprobs is not None
+        for position, (token, entry) in enumerate(zip(tokens, logprobs, strict=True)):
+            assert entry.token_id == token  # a replaced draw reports its own token
+            target = scored.prompt_logprobs[len(prompt) + position]
+            assert target is not None and target.token_id == token
+            assert entry.logprob == pytest.approx(target.logprob, abs=1e-4), (seed, position)
             assert entry.logprob == pytest.approx(entry.top_logprobs[entry.top_token_ids.index(token)], abs=1e-5)
     _pool_is_whole(near)
 

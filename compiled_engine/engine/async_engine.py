@@ -80,6 +80,7 @@ class EngineStats:
     lora_resident: int = 0  # of those, in device slots
     speculative: SpeculativeStats | None = None  # a copy of the engine's, when it speculates
     num_preemptions: int = 0
+    aborted_requests: int = 0  # requests ended by an abort before they finished
     lora_max: int | None = None  # adapter slots (None: no adapters)
     lora_running: tuple[str, ...] = ()  # adapters of running requests
     lora_waiting: tuple[str, ...] = ()  # adapters of waiting ones
@@ -102,6 +103,7 @@ class EngineStats:
             lora_resident=lora.num_resident if lora is not None else 0,
             speculative=None if engine.speculative is None else engine.speculative_stats.copy(),
             num_preemptions=scheduler.num_preemptions,
+            aborted_requests=engine.num_aborted_requests,
             weight_bytes=engine.weight_bytes,
             kv_cache_bytes=engine.kv_cache_bytes,
             lora_max=engine.config.max_loras if lora is not None else None,

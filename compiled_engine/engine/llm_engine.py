@@ -114,6 +114,7 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._requests: dict[str, _Request] = {}
         self._pending_aborts: set[str] = set()
+        self.num_aborted_requests = 0  # requests `abort_request` ended before they finished
         self._seq_ids = itertools.count()
 
     @property
@@ -292,9 +293,11 @@ class LLMEngine:
             request = self._requests.get(request_id)
             if request is None:
                 continue
-            for seq in request.seqs:
-                if not seq.is_finished:
-                    self.scheduler.finish(seq, FinishReason.ABORT)
+            unfinished = [seq for seq in request.seqs if not seq.is_finished]
+            for seq in unfinished:
+                self.scheduler.finish(seq, FinishReason.ABORT)
+            if unfinished:  # counted once its pages are back
+                self.num_aborted_requests += 1
             request.changed = True
         self._pending_aborts.clear()
 

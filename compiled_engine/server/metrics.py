@@ -56,6 +56,11 @@ class _EngineCollector(Collector):
             "Prompt tokens found in the prefix cache",
             stats.prefix_hit_tokens,
         )
+        yield CounterMetricFamily(
+            "compiled_engine_aborted_requests",
+            "Requests the engine ended by an abort before they finished (client gone, grace period over)",
+            stats.aborted_requests,
+        )
         yield GaugeMetricFamily("compiled_engine_lora_adapters_loaded", "LoRA adapters loaded", stats.lora_loaded)
         yield GaugeMetricFamily(
             "compiled_engine_lora_adapters_resident", "LoRA adapters in device slots", stats.lora_resident
