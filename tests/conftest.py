@@ -5,20 +5,60 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from compiled_engine.cache_paths import CACHE_ENV, MODELS_ENV
 from compiled_engine.config import ENFORCE_EAGER_ENV
 from compiled_engine.model.default_model import load_default_model_dir
+from tests.cache_isolation import Snapshot, isolate
+
+# Compile artefacts (saved traces, Inductor's caches, native kernels) go to a temporary cache of
+# this session's own, set here, before any test module is imported, and inherited by the servers
+# and command-line processes the tests start; the prepared models are read from the user's.
+USER_CACHE, TEST_CACHE = isolate()
+USER_CACHE_AT_START = Snapshot.take(USER_CACHE)
 
 # Engines in tests run eager unless a test asks for the compiled path (tests/test_compile.py and
 # the compiled end-to-end runs): one process compiling many different models would spend the
 # suite's time in Inductor. Server subprocesses inherit this.
 os.environ.setdefault(ENFORCE_EAGER_ENV, "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def user_cache_untouched() -> Iterator[None]:
+    """After the last test (as an error in its teardown): nothing under the user's engine cache,
+    models included, was created, modified or deleted during the session."""
+    yield
+    changes = USER_CACHE_AT_START.changes(Snapshot.take(USER_CACHE))
+    if changes:
+        shown = "\n".join(changes[:30]) + (f"\n... and {len(changes) - 30} more" if len(changes) > 30 else "")
+        pytest.fail(
+            f"the tests changed the user's engine cache ({', '.join(map(str, USER_CACHE_AT_START.roots))}); "
+            f"tests must build in the session's cache ({TEST_CACHE.root}), or in their own (`private_cache`), "
+            f"unless another process used the user's cache meanwhile:\n{shown}",
+            pytrace=False,
+        )
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(TEST_CACHE.root, ignore_errors=True)
+
+
+@pytest.fixture
+def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An engine cache of the test's own, its models directory inside it (not the user's), for
+    tests that prepare or look for models."""
+    root = tmp_path / "engine-cache"
+    root.mkdir()
+    monkeypatch.setenv(CACHE_ENV, str(root))
+    monkeypatch.delenv(MODELS_ENV)
+    return root
 
 
 @pytest.fixture(scope="session")

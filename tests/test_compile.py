@@ -19,10 +19,9 @@ from torch._dynamo.utils import counters
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from compiled_engine.attention.metadata import AttentionMetadata
-from compiled_engine.cache_paths import CACHE_ENV
+from compiled_engine.cache_paths import CACHE_ENV, INDUCTOR_CACHE_ENV
 from compiled_engine.config import ENFORCE_EAGER_ENV, EngineConfig
 from compiled_engine.engine.compilation import (
-    INDUCTOR_CACHE_ENV,
     CompiledForward,
     CpuLinear,
     use_compile_cache,

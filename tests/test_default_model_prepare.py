@@ -22,10 +22,9 @@ from compiled_engine.model.default_model import (
 
 
 @pytest.fixture
-def empty_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("COMPILED_ENGINE_CACHE", str(tmp_path))
+def empty_cache(private_cache: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.delenv("COMPILED_ENGINE_GGUF", raising=False)
-    return tmp_path
+    return private_cache
 
 
 def test_prepared_directory_has_what_the_engine_needs(default_model_dir: Path) -> None:

@@ -53,11 +53,9 @@ def one_thread() -> Iterator[None]:
 
 
 @pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def cache(private_cache: Path) -> Path:
     """A private engine cache, so prepared directories land in the test's own folder."""
-    root = tmp_path / "cache"
-    monkeypatch.setenv("COMPILED_ENGINE_CACHE", str(root))
-    return root
+    return private_cache
 
 
 # --- running our model, and reading its weights back --------------------------------------------

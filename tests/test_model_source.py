@@ -100,9 +100,8 @@ def forbid_download(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 # --- the embedded default --------------------------------------------------------------------
 
 
-def test_default_model_not_prepared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("COMPILED_ENGINE_CACHE", str(tmp_path))
-    manifest = tmp_path / "models" / DEFAULT_MODEL_NAME / MANIFEST
+def test_default_model_not_prepared(private_cache: Path) -> None:
+    manifest = private_cache / "models" / DEFAULT_MODEL_NAME / MANIFEST
     with pytest.raises(ModelSourceError) as info:
         resolve_model_dir(None)
     assert str(info.value) == (
@@ -128,15 +127,13 @@ def _prepare_fake_default(root: Path) -> Path:
     return model_dir
 
 
-def test_default_model_prepared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("COMPILED_ENGINE_CACHE", str(tmp_path))
-    model_dir = _prepare_fake_default(tmp_path)
+def test_default_model_prepared(private_cache: Path) -> None:
+    model_dir = _prepare_fake_default(private_cache)
     assert resolve_model_dir(None) == model_dir == default_model_dir()
 
 
-def test_default_model_with_a_changed_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("COMPILED_ENGINE_CACHE", str(tmp_path))
-    model_dir = _prepare_fake_default(tmp_path)
+def test_default_model_with_a_changed_file(private_cache: Path) -> None:
+    model_dir = _prepare_fake_default(private_cache)
     (model_dir / "model.safetensors").write_bytes(b"truncat")  # same size: only prepare's hash check sees it
     assert resolve_model_dir(None) == model_dir
     (model_dir / "model.safetensors").write_bytes(b"trunc")
@@ -158,11 +155,8 @@ def test_default_model_with_a_changed_file(tmp_path: Path, monkeypatch: pytest.M
         ('{"version": 99, "files": {}}', f"has version 99, expected {MANIFEST_VERSION}"),
     ],
 )
-def test_default_model_with_a_bad_manifest(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, manifest: str, problem: str
-) -> None:
-    monkeypatch.setenv("COMPILED_ENGINE_CACHE", str(tmp_path))
-    model_dir = _prepare_fake_default(tmp_path)
+def test_default_model_with_a_bad_manifest(private_cache: Path, manifest: str, problem: str) -> None:
+    model_dir = _prepare_fake_default(private_cache)
     (model_dir / MANIFEST).write_text(manifest)
     with pytest.raises(ModelSourceError, match=f"the default model is not prepared .*{problem}"):
         resolve_model_dir(None)

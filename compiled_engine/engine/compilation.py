@@ -44,13 +44,12 @@ from torch import nn
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from torch.distributed.tensor import DTensor
 
+from compiled_engine.cache_paths import INDUCTOR_CACHE_ENV
 from compiled_engine.engine.precompiled import PrecompiledFunction
 from compiled_engine.model.llama import Linear, Transformer, TransformerBlock
 from compiled_engine.model.packed_linear import blocked_rows, can_pack, pack, packed_linear
 
 logger = logging.getLogger(__name__)
-
-INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 
 def use_compile_cache(cache_dir: Path) -> Path:
