@@ -290,6 +290,46 @@ def test_a_dead_or_hung_worker_fails_the_engine_instead_of_hanging(
         assert "EngineDeadError" in message and "tp-rank-1" in message
 
 
+class StandInWorker:
+    """A worker process stand-in that records how it was stopped."""
+
+    def __init__(self, name: str, alive: bool) -> None:
+        self.name, self.alive, self.exitcode = name, alive, None if alive else -9
+        self.joined: list[float | None] = []
+        self.killed = False
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def join(self, timeout: float | None = None) -> None:
+        self.joined.append(timeout)
+
+    def kill(self) -> None:
+        self.killed, self.alive = True, False
+
+
+@pytest.mark.parametrize("lost", [False, True])
+def test_stopping_a_group_waits_for_its_workers_unless_one_is_lost(lost: bool) -> None:
+    """All alive: each worker gets the grace period to leave after rank 0's stop message (and is
+    killed if it stays). One lost: the others wait in a collective that cannot complete, so they
+    are killed at once, and the stop message, which would wait for the lost rank, is not sent."""
+    from compiled_engine.parallel.launch import TensorParallelGroup
+
+    workers = [StandInWorker("tp-rank-1", alive=not lost), StandInWorker("tp-rank-2", alive=True)]
+    group = TensorParallelGroup(TPShard(0, 3), None, workers)  # type: ignore[arg-type]  # no mesh needed to stop
+    assert group.all_alive() == (not lost)
+    stopped: list[bool] = []
+    engine = LLMEngine.__new__(LLMEngine)  # only what shutdown touches
+    engine.tensor_parallel = group
+    engine.runner = type("Runner", (), {"stop_workers": lambda self: stopped.append(True)})()  # type: ignore[assignment]
+    engine.shutdown()
+    assert engine.tensor_parallel is None
+    assert stopped == ([] if lost else [True])
+    survivor = workers[1]
+    assert survivor.joined[0] == (0.0 if lost else 10.0)
+    assert survivor.killed  # the stand-in never leaves by itself
+
+
 def test_server_with_a_lost_worker_reports_not_ready_and_exits_non_zero(tmp_path: Path) -> None:
     import httpx
 

@@ -230,10 +230,13 @@ class LLMEngine:
     # -- the loop -------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel ranks, if any (the engine is unusable afterwards)."""
+        """Stop the tensor-parallel ranks, if any (the engine is unusable afterwards). With a rank
+        lost, the others are not told to stop: that broadcast would wait for the lost one until
+        the collective timeout."""
         if self.tensor_parallel is not None:
             try:
-                self.runner.stop_workers()
+                if self.tensor_parallel.all_alive():
+                    self.runner.stop_workers()
             finally:
                 self.tensor_parallel.stop()
                 self.tensor_parallel = None

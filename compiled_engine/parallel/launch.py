@@ -82,11 +82,20 @@ class TensorParallelGroup:
             if not worker.is_alive():
                 raise EngineDeadError(f"tensor-parallel worker {worker.name} exited with code {worker.exitcode}")
 
+    def all_alive(self) -> bool:
+        return all(worker.is_alive() for worker in self.workers)
+
     def stop(self, timeout_s: float = 10.0) -> None:
+        """Wait up to `timeout_s` for each worker to leave (after rank 0 told them to), then kill
+        it. Once a rank is lost the group is broken: the others can only be waiting in a
+        collective that will never complete, so they are killed without waiting."""
+        if not self.all_alive():
+            timeout_s = 0.0
         for worker in self.workers:
             worker.join(timeout=timeout_s)
             if worker.is_alive():
                 worker.kill()
+                worker.join()
         if dist.is_initialized():
             dist.destroy_process_group()
 
