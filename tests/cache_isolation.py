@@ -3,7 +3,9 @@
 `isolate` (called by conftest.py when pytest imports it, before any test module) points the
 engine's cache root and Inductor's cache at a new temporary directory, through the environment,
 so the compile-and-save paths run cold in every session and the servers and command-line
-processes the tests start build there too. The models directory stays the user's: the prepared
+processes the tests start build there too. The native kernels the user's cache already holds are
+copied in (read, never written): `make test` builds them with `prepare` just before, and the
+tests of building a kernel use caches of their own. The models directory stays the user's: the prepared
 default model is read from it, never written (tests that prepare models use `private_cache`).
 `Snapshot` records every path under the user's cache (kind, size, modification time) so the
 session can end by comparing it with what is there then.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import stat
 import tempfile
 from dataclasses import dataclass
@@ -28,6 +31,10 @@ def isolate() -> tuple[CacheLayout, CacheLayout]:
     os.environ.update(tests.environment())
     # Also covers a TORCHINDUCTOR_CACHE_DIR the user set, and torch.compile outside an engine.
     os.environ[INDUCTOR_CACHE_ENV] = str(tests.inductor)
+    if user.kernels.is_dir():
+        tests.kernels.mkdir(parents=True)
+        for built in user.kernels.glob("*.so"):
+            shutil.copy2(built, tests.kernels / built.name)
     return user, tests
 
 
