@@ -26,29 +26,37 @@ typedef float vec_u __attribute__((vector_size(32), aligned(4)));
 static inline vec load(const float *p) { return *(const vec_u *)p; }
 static inline vec splat(float x) { return (vec){x, x, x, x, x, x, x, x}; }
 
-/* One block's sums for R rows of x over a block of V vectors (B = 8 V outputs): sums[r][v] holds
- * outputs v * 8 .. v * 8 + 7 of the block. Always inlined into passes with constant R and V, so
- * that every loop is unrolled and the sums stay in registers. */
-static inline __attribute__((always_inline)) void block_pass(const float *x, int64_t in, const float *w, int R,
-                                                             int V, vec sums[MAX_ROWS][MAX_VECS]) {
+static inline void store(float *p, vec v) { *(vec_u *)p = v; }
+
+/* One block of B = 8 V outputs for R rows of x: y[r, o] for the block's outputs o, the block's
+ * bias added (when there is one). Always inlined into passes with constant R and V, so that every
+ * loop is unrolled and the sums stay in registers (a local array: sums in memory that could alias
+ * x would cost a store per multiply-add). */
+static inline __attribute__((always_inline)) void block_pass(const float *x, int64_t in, const float *w,
+                                                             const float *bias, float *y, int64_t out, int R,
+                                                             int V) {
+    vec acc[MAX_ROWS][MAX_VECS];
     for (int r = 0; r < R; r++)
-        for (int v = 0; v < V; v++) sums[r][v] = splat(0.0f);
+        for (int v = 0; v < V; v++) acc[r][v] = bias ? load(bias + v * LANES) : splat(0.0f);
     for (int64_t i = 0; i < in; i++) {
         const float *wi = w + i * V * LANES;
         vec wv[MAX_VECS];
         for (int v = 0; v < V; v++) wv[v] = load(wi + v * LANES);
         for (int r = 0; r < R; r++) {
             const vec xr = splat(x[r * in + i]);
-            for (int v = 0; v < V; v++) sums[r][v] += xr * wv[v];
+            for (int v = 0; v < V; v++) acc[r][v] += xr * wv[v];
         }
     }
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < V; v++) store(y + r * out + v * LANES, acc[r][v]);
 }
 
-typedef void (*pass_fn)(const float *x, int64_t in, const float *w, vec sums[MAX_ROWS][MAX_VECS]);
+typedef void (*pass_fn)(const float *x, int64_t in, const float *w, const float *bias, float *y, int64_t out);
 
-#define PASS(R, V)                                                                                      \
-    static void pass_##R##_##V(const float *x, int64_t in, const float *w, vec sums[MAX_ROWS][MAX_VECS]) { \
-        block_pass(x, in, w, R, V, sums);                                                               \
+#define PASS(R, V)                                                                                     \
+    static void pass_##R##_##V(const float *x, int64_t in, const float *w, const float *bias, float *y, \
+                               int64_t out) {                                                          \
+        block_pass(x, in, w, bias, y, out, R, V);                                                      \
     }
 #define PASSES(R) PASS(R, 1) PASS(R, 2) PASS(R, 3) PASS(R, 4) PASS(R, 5) PASS(R, 6) PASS(R, 7) PASS(R, 8)
 PASSES(1)
@@ -67,19 +75,10 @@ int blocked_gemv_f32(const float *x, int64_t rows, int64_t in, const float *w, i
     if (rows < 1 || rows > MAX_ROWS || in < 1) return 1;
     if (block < LANES || block > MAX_BLOCK || block % LANES != 0) return 2;
     if (out < block || out % block != 0) return 3;
-    const int vecs = (int)(block / LANES);
-    const pass_fn pass = PASS_TABLE[rows - 1][vecs - 1];
+    const pass_fn pass = PASS_TABLE[rows - 1][block / LANES - 1];
     const int64_t blocks = out / block;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        vec sums[MAX_ROWS][MAX_VECS];
-        pass(x, in, w + b * in * block, sums);
-        for (int64_t r = 0; r < rows; r++)
-            for (int v = 0; v < vecs; v++)
-                for (int l = 0; l < LANES; l++) {
-                    const int64_t o = b * block + v * LANES + l;
-                    y[r * out + o] = sums[r][v][l] + (bias ? bias[o] : 0.0f);
-                }
-    }
+    for (int64_t b = 0; b < blocks; b++)
+        pass(x, in, w + b * in * block, bias ? bias + b * block : 0, y + b * block, out);
     return 0;
 }
