@@ -5,8 +5,9 @@ engine's cache root and Inductor's cache at a new temporary directory, through t
 so the compile-and-save paths run cold in every session and the servers and command-line
 processes the tests start build there too. The native kernels the user's cache already holds are
 copied in (read, never written): `make test` builds them with `prepare` just before, and the
-tests of building a kernel use caches of their own. The models directory stays the user's: the prepared
-default model is read from it, never written (tests that prepare models use `private_cache`).
+tests of building a kernel use caches of their own. The models directory stays the user's: the
+prepared default model is read from it, never written (tests that prepare models use
+`private_cache`).
 `Snapshot` records every path under the user's cache (kind, size, modification time) so the
 session can end by comparing it with what is there then.
 """

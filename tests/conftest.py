@@ -18,8 +18,8 @@ from compiled_engine.config import ENFORCE_EAGER_ENV
 from compiled_engine.model.default_model import load_default_model_dir
 from tests.cache_isolation import Snapshot, isolate
 
-# Compile artefacts (saved traces, Inductor's caches, native kernels) go to a temporary cache of
-# this session's own, set here, before any test module is imported, and inherited by the servers
+# Compile artefacts (saved traces, Inductor's caches, native kernels not yet built) go to a
+# temporary cache of this session's own, set here, before any test module is imported, and inherited by the servers
 # and command-line processes the tests start; the prepared models are read from the user's.
 USER_CACHE, TEST_CACHE = isolate()
 USER_CACHE_AT_START = Snapshot.take(USER_CACHE)

@@ -140,9 +140,9 @@ def blocked_width(weight: torch.Tensor, packed: torch.Tensor) -> int | str:
         return f"{out_features} output rows are not whole blocks of any width in {BLOCK_WIDTHS}"
     if torch.ops.mkldnn._nbytes(packed) != weight.numel() * 4:
         return "oneDNN padded the packed weight"
-    dense = weight.detach()
+    dense, memory = weight.detach(), _memory(packed, weight.numel())
     for width in widths:
-        view = _memory(packed, weight.numel()).view(out_features // width, in_features, width)
+        view = memory.view(out_features // width, in_features, width)
         if torch.equal(view, dense.view(out_features // width, width, in_features).transpose(1, 2)):
             return width
     return f"oneDNN chose a layout on this CPU that is not [out / B, in, B] for B in {tuple(widths)}"
