@@ -168,28 +168,39 @@ def test_a_backend_without_graph_support_is_refused() -> None:
         backend.prepare_graph(buffers.metadata(2))
 
 
+def relative_row_error(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    got, want = got.float(), want.float()
+    return (got - want).norm(dim=-1) / want.norm(dim=-1)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    ("backend", "dtype", "tolerance"),
-    [("torch", "float32", 1e-3), ("flashinfer", "bfloat16", 2e-2)],
-)
+@pytest.mark.parametrize(("backend", "dtype"), [("torch", "float32"), ("flashinfer", "bfloat16")])
 @torch.inference_mode()
 def test_every_captured_size_replays_like_eager_on_cuda(
-    tiny_model_factory: Callable[..., Path], backend: str, dtype: str, tolerance: float
+    tiny_model_factory: Callable[..., Path], backend: str, dtype: str
 ) -> None:
     """Graphed decode (compiled, with this backend) against eager decode with the torch backend.
 
-    float32 is compared element by element; bf16 by each row's relative error norm, since a few of
-    320 bf16 logits can differ by more than any sane element tolerance while the row agrees.
+    float32 is compared element by element (1e-3). In bf16 this random model moves some rows by up to
+    13% from their float32 values (seen on an H200 and on the CPU alike), so no fixed tolerance
+    separates rounding from a wrong replay. Each graphed row must instead be as close to the eager
+    bf16 row as twice what bf16 itself costs that row (eager bf16 against eager float32), plus 0.02;
+    a replay that read another sequence's token, length or pages would move a row by about as much
+    as two different rows differ, which the test checks is beyond that bound.
     """
     if backend == "flashinfer":
         pytest.importorskip("flashinfer")
     model_dir = tiny_model_factory(
         "llama", hidden_size=256, num_attention_heads=4
     )  # head_dim 64, which FlashInfer runs
-    config = dict(model=str(model_dir), device="cuda", dtype=dtype, kv_cache_memory_gib=0.05, max_num_seqs=20)
-    graphed = ModelRunner(model_dir, EngineConfig(**config, enforce_eager=False, attention_backend=backend))  # type: ignore[arg-type]  # the tests default to eager
-    eager = ModelRunner(model_dir, EngineConfig(**config, enforce_eager=True, attention_backend="torch"))  # type: ignore[arg-type]
+    config = dict(model=str(model_dir), device="cuda", kv_cache_memory_gib=0.05, max_num_seqs=20)
+    graphed = ModelRunner(
+        model_dir, EngineConfig(**config, dtype=dtype, enforce_eager=False, attention_backend=backend)
+    )  # type: ignore[arg-type]  # the tests default to eager
+    eager = ModelRunner(model_dir, EngineConfig(**config, dtype=dtype, enforce_eager=True, attention_backend="torch"))  # type: ignore[arg-type]
+    reference = ModelRunner(
+        model_dir, EngineConfig(**config, dtype="float32", enforce_eager=True, attention_backend="torch")
+    )  # type: ignore[arg-type]
     assert graphed.backend.name == backend
     assert graphed.graphs is not None and sorted(graphed.graphs.graphs) == capture_sizes(20)
     gen = torch.Generator().manual_seed(0)
@@ -198,22 +209,17 @@ def test_every_captured_size_replays_like_eager_on_cuda(
         tables = [[i * 3 + j for j in range(3)] for i in range(n)]
         tokens = torch.randint(3, 320, (n,), generator=gen).tolist()
         positions = [length - 1 for length in lens]
-        want = eager.execute(
-            StepInputs(
-                tokens,
-                positions,
-                [1] * n,
-                lens,
-                [t[: -(-length // graphed.page_size)] for t, length in zip(tables, lens, strict=True)],
-            )
-        )
-        got = graphed.graphs.replay(
-            tokens, positions, [t[: -(-length // graphed.page_size)] for t, length in zip(tables, lens, strict=True)]
-        )
+        used_tables = [t[: -(-length // graphed.page_size)] for t, length in zip(tables, lens, strict=True)]
+        inputs = StepInputs(tokens, positions, [1] * n, lens, used_tables)
+        want = eager.execute(inputs)
+        got = graphed.graphs.replay(tokens, positions, used_tables)
         assert got is not None
         if dtype == "float32":
-            torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
-        else:
-            got, want = got.float(), want.float()
-            row_error = (got - want).norm(dim=-1) / want.norm(dim=-1)
-            assert row_error.max().item() < tolerance, f"batch {n}: relative row errors {row_error.tolist()}"
+            torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+            continue
+        allowed = 2 * relative_row_error(want, reference.execute(inputs)) + 0.02
+        error = relative_row_error(got, want)
+        assert (error < allowed).all(), f"batch {n}: row errors {error.tolist()}, allowed {allowed.tolist()}"
+        if n > 1:  # the bound still catches a mix-up between rows
+            swapped = relative_row_error(want.roll(1, dims=0), want)
+            assert (swapped > allowed).all(), f"batch {n}: rows too alike {swapped.tolist()}"
