@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
+from typing import Any
 
 import msgspec
 import torch
-
-from compiled_engine.cache.kv_cache import DEFAULT_PAGE_SIZE
-from compiled_engine.engine.sampler import SAMPLERS
-from compiled_engine.speculative.config import SpeculativeConfig
 
 ENFORCE_EAGER_ENV = "COMPILED_ENGINE_ENFORCE_EAGER"
 DEVICES = ("cpu", "cuda")
@@ -17,6 +15,78 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 QUANTIZATIONS = ("none", "int8", "int4")
+SAMPLERS = ("torch", "flashinfer")
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+DEFAULT_PAGE_SIZE = 16  # tokens per KV page
+
+
+class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How the engine proposes tokens to verify, in vLLM's shape: `--speculative-config '{"method":
+    "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'` or
+    `'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 3}'` on the command line,
+    `LLM(speculative_config={...})` offline. EngineConfig holds it parsed (speculative/ runs it)."""
+
+    method: str
+    num_speculative_tokens: int = 4  # draft tokens verified per sequence and step, at most
+    # ngram: the longest suffix of the sequence, of prompt_lookup_max tokens down to
+    # prompt_lookup_min, that occurred before proposes the tokens that followed it.
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    # draft_model: the draft's directory, GGUF file or Hub id; a smaller model with the target's
+    # vocabulary (speculative/draft_model.py).
+    model: str | None = None
+    # No drafts in a step with more running sequences than this (None: no limit): a big batch
+    # already fills the products, and verifying k tokens a sequence then costs k times as much
+    # (16 repetitive requests at once ran at 0.72x with drafts on the CPU, docs/benchmarks.md).
+    disable_by_batch_size: int | None = 8
+    # A sequence whose drafts are accepted less often than this, once it has been offered
+    # `acceptance_probe` draft tokens, stops speculating (its drafts cost more than they bring).
+    min_acceptance_rate: float = 0.1
+    acceptance_probe: int = 32
+    # Each sequence's draft length follows its acceptance, as transformers' assisted generation
+    # does: two more after a draft accepted whole, one less after a rejection, between 1 and
+    # num_speculative_tokens. A verify row is not free (on the CPU each costs about a quarter of
+    # a one-token step), so rows that would mostly be rejected are not drafted. False: always
+    # num_speculative_tokens.
+    adaptive_draft_length: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative method {self.method!r} is not supported (yet); the methods are {', '.join(SPECULATIVE_METHODS)}"
+            )
+        if self.method == "draft_model" and not self.model:
+            raise ValueError('the draft_model method needs "model": the draft model\'s directory or GGUF file')
+        if self.method != "draft_model" and self.model is not None:
+            raise ValueError(f'"model" is for the draft_model method, not {self.method!r}')
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} "
+                f"and {self.prompt_lookup_max}"
+            )
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"disable_by_batch_size must be at least 1, got {self.disable_by_batch_size}")
+        if not 0 <= self.min_acceptance_rate <= 1:
+            raise ValueError(f"min_acceptance_rate must be in [0, 1], got {self.min_acceptance_rate}")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | str | dict[str, Any] | None) -> SpeculativeConfig | None:
+        """From the JSON text of `--speculative-config`, a dict (`LLM(speculative_config={...})`, as in
+        vLLM) or a config; None stays None. A ValueError names what is wrong."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        try:
+            data = json.loads(value) if isinstance(value, str) else value
+        except json.JSONDecodeError as error:
+            raise ValueError(f"speculative_config is not JSON: {error}") from None
+        if not isinstance(data, dict):
+            raise ValueError("speculative_config must be a JSON object")
+        try:
+            return msgspec.convert(data, cls)
+        except msgspec.ValidationError as error:
+            raise ValueError(f"speculative_config: {error}") from None
 
 
 class EngineConfig(msgspec.Struct, frozen=True):
@@ -62,9 +132,10 @@ class EngineConfig(msgspec.Struct, frozen=True):
     max_loras: int = 4
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
-    # Speculative decoding (speculative/): the JSON of a SpeculativeConfig, as vLLM's
-    # --speculative-config, e.g. '{"method": "ngram", "num_speculative_tokens": 4}'; None: off.
-    speculative_config: str | None = None
+    # Speculative decoding (speculative/): a SpeculativeConfig, given as one, as a dict or as the
+    # JSON of vLLM's --speculative-config, e.g. '{"method": "ngram", "num_speculative_tokens": 4}',
+    # and held parsed (`speculative`); None: off.
+    speculative_config: SpeculativeConfig | str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -75,7 +146,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
             raise ValueError(f"sampler must be {' or '.join(SAMPLERS)}, got {self.sampler!r}")
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError("LoRA adapters with tensor parallelism are not supported yet")
-        self.resolved_speculative()  # a bad speculative config fails here, before any work
+        # Parsed once, here: a bad one fails before any work.
+        msgspec.structs.force_setattr(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         for name in (
@@ -97,8 +169,11 @@ class EngineConfig(msgspec.Struct, frozen=True):
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
-    def resolved_speculative(self) -> SpeculativeConfig | None:
-        return None if self.speculative_config is None else SpeculativeConfig.parse(self.speculative_config)
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed speculative config (`speculative_config` after construction)."""
+        assert self.speculative_config is None or isinstance(self.speculative_config, SpeculativeConfig)
+        return self.speculative_config
 
     def resolved_device(self) -> torch.device:
         name = self.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -18,8 +18,7 @@ from typing import Any, Union, get_args, get_origin
 import msgspec
 
 from compiled_engine.attention.backend import BACKENDS
-from compiled_engine.config import DEVICES, DTYPES, ENFORCE_EAGER_ENV, QUANTIZATIONS, EngineConfig
-from compiled_engine.engine.sampler import SAMPLERS
+from compiled_engine.config import DEVICES, DTYPES, ENFORCE_EAGER_ENV, QUANTIZATIONS, SAMPLERS, EngineConfig
 
 # The namespace attribute that records which fields a parser declared, so that
 # engine_config_from_args reads those and never a command's own option of the same name

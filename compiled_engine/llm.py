@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,7 +12,7 @@ from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.outputs import RequestOutput
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.errors import RequestError
-from compiled_engine.lora.manager import LoRARequest
+from compiled_engine.lora.manager import LoRARequest, per_prompt
 from compiled_engine.tokenizer import Message
 
 Prompt = str | list[int]
@@ -24,10 +23,7 @@ class LLM:
     the fields of EngineConfig (device, dtype, max_num_seqs, max_num_batched_tokens, ...)."""
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
-        """`speculative_config` may be a dict, as in vLLM (EngineConfig holds its JSON)."""
-        speculative = engine_options.get("speculative_config")
-        if isinstance(speculative, dict):
-            engine_options["speculative_config"] = json.dumps(speculative)
+        """`speculative_config` may be a dict, as in vLLM."""
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
 
     @property
@@ -46,13 +42,7 @@ class LLM:
         model); the engine needs enable_lora."""
         batch = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(batch))
-        loras: list[LoRARequest | None] = (
-            [lora_request] * len(batch)
-            if lora_request is None or isinstance(lora_request, LoRARequest)
-            else list(lora_request)
-        )
-        if len(loras) != len(batch):
-            raise ValueError(f"{len(loras)} lora requests for {len(batch)} prompts")
+        loras = per_prompt(lora_request, len(batch))
         request_ids = []
         try:
             for prompt, p, lora in zip(batch, params, loras, strict=True):

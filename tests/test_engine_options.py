@@ -11,8 +11,7 @@ import pytest
 from compiled_engine.attention.backend import BACKENDS
 from compiled_engine.bench import __main__ as bench
 from compiled_engine.cli import build_parser
-from compiled_engine.config import DEVICES, DTYPES, EngineConfig
-from compiled_engine.engine.sampler import SAMPLERS
+from compiled_engine.config import DEVICES, DTYPES, SAMPLERS, EngineConfig
 from compiled_engine.engine_options import (
     ENGINE_OPTIONS,
     add_engine_options,

@@ -156,7 +156,7 @@ def test_speculative_decoding_with_adapters_matches_peft(
     stats = llm.engine.speculative_stats
     assert stats.accepted_tokens > 0 and stats.draft_tokens > stats.accepted_tokens  # accepted and rejected
     manager = llm.engine.block_manager
-    assert manager.num_free_pages == manager.num_pages and not llm.engine.lora.in_use
+    assert manager.num_free_pages == manager.num_pages and not llm.engine.adapters.in_use
 
 
 @pytest.mark.gpu
@@ -199,7 +199,7 @@ def test_at_most_max_loras_adapters_run_at_once_and_slots_are_reused(lora_setup:
     ids = [engine.add_request(PROMPTS[0], params, lora_request=lora) for lora in (first, second, None)]
     finished: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
-        running = {s.lora_name for s in engine.scheduler.running if s.lora_name is not None}
+        running = {s.adapter.name for s in engine.scheduler.running if s.adapter is not None}
         assert len(running) <= 1
         for out in engine.step():
             if out.finished:
@@ -594,7 +594,7 @@ def test_adapter_churn_under_load_leaks_no_pages_and_no_uses(
     )
     llm = _lora_llm(lora_setup, max_loras=2, max_cpu_loras=3, max_num_seqs=4)
     engine = llm.engine
-    manager = engine.lora
+    manager = engine.adapters
     assert manager is not None
     copies = [tmp_path / "first-again", tmp_path / "first-once-more"]  # the same weights as "first"
     for copy in copies:

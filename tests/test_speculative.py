@@ -16,9 +16,8 @@ import pytest
 import torch
 
 from compiled_engine import LLM, SamplingParams
-from compiled_engine.config import EngineConfig
-from compiled_engine.speculative.config import SpeculativeConfig
-from compiled_engine.speculative.drafts import SpeculativeStats
+from compiled_engine.config import EngineConfig, SpeculativeConfig
+from compiled_engine.engine.drafting import SpeculativeStats
 from compiled_engine.speculative.ngram import propose_ngram
 
 # No batch-size limit: the tests batch up to 40 speculating sequences.
@@ -86,7 +85,7 @@ def test_rejection_sampling_emits_the_target_distribution_whatever_the_draft() -
     (the draft's, accepted with probability min(1, p/q), or a draw from max(p - q, 0)) follows p
     (chi-square goodness of fit at the 0.1% level over 6000 seeds), and the draft is accepted
     as often as the sum of min(p, q) says."""
-    from compiled_engine.speculative.rejection import rejection_sample
+    from compiled_engine.engine.verifier import rejection_sample
 
     p = torch.tensor([[0.40, 0.25, 0.15, 0.10, 0.06, 0.04], [0.1, 0.1, 0.2, 0.2, 0.2, 0.2]])
     q = torch.tensor([[0.05, 0.10, 0.15, 0.20, 0.20, 0.30]])

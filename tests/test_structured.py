@@ -18,8 +18,8 @@ import torch
 
 from compiled_engine import LLM, SamplingParams
 from compiled_engine.engine.sampler import Sampler, SamplingBatch
+from compiled_engine.engine.structured_outputs import StructuredOutputs
 from compiled_engine.errors import RequestError
-from compiled_engine.structured.params import StructuredOutputs
 from tests.server_process import ServerProcess, running_server
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -154,7 +154,7 @@ def test_every_token_the_mask_allows_keeps_the_output_a_prefix_of_the_regex(llm:
     """Along a generated path, each allowed token's text appended to the output so far can still
     complete to a match (the `regex` package's partial matching), and the mask is far from all-open."""
     pattern = r"[0-9]{3}-[a-z]{2,4}(, [0-9]{3}-[a-z]{2,4})*"
-    compiler = llm.engine.grammar_compiler()
+    compiler = llm.engine.grammars.compiler()
     spec = StructuredOutputs.of({"regex": pattern})
     matcher = compiler.matcher(spec)
     tokenizer = llm.tokenizer
@@ -413,7 +413,7 @@ def test_a_repeated_constraint_is_built_once_errors_too(llm: LLM, monkeypatch: p
     matcher made from it take the grammar built the first time; an invalid one is refused each
     time from one build."""
     built = _count_grammar_builds(monkeypatch)
-    compiler = llm.engine.grammar_compiler()
+    compiler = llm.engine.grammars.compiler()
     schema = {"type": "object", "properties": {"cache_test": {"type": "integer"}}, "required": ["cache_test"]}
     first = compiler.compile(StructuredOutputs.of({"json": schema}))
     assert compiler.compile(StructuredOutputs.of({"json": schema})) == first

@@ -25,7 +25,7 @@ from compiled_engine.bench.workload import random_workload
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.lora.adapter import CONFIG_NAME, TARGETS, WEIGHTS_NAME, product_shapes
-from compiled_engine.lora.manager import LoRARequest
+from compiled_engine.lora.manager import LoRAManager, LoRARequest
 from compiled_engine.model.config import ModelConfig
 
 
@@ -86,9 +86,9 @@ def bench_lora_runs(
     vocab = config.vocab_size
     with tempfile.TemporaryDirectory() as scratch:
         paths = [write_random_adapter(Path(scratch) / f"a{i}", config, rank, seed + i) for i in range(num_adapters)]
-        assert lora.lora is not None
+        assert isinstance(lora.adapters, LoRAManager)
         started = time.perf_counter()
-        lora.lora.add(LoRARequest("a0", str(paths[0])))
+        lora.adapters.add(LoRARequest("a0", str(paths[0])))
         load_s = time.perf_counter() - started
         requests = [LoRARequest(f"a{i}", str(path)) for i, path in enumerate(paths)]
         one = random_workload(vocab, 1, (prompt_len, prompt_len), (output_len, output_len), seed)

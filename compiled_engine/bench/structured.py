@@ -17,7 +17,8 @@ from typing import Any
 
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.sampling_params import SamplingParams
-from compiled_engine.structured.params import StructuredOutputs
+from compiled_engine.engine.structured_outputs import StructuredOutputs
+from compiled_engine.structured.grammar_set import LLGuidanceGrammars
 
 TOPICS = ["the sea", "mountains", "bread", "trains", "the moon", "coffee", "bees", "libraries"]
 # Long enough to keep a batch decoding for a while: up to 40 short facts.
@@ -90,7 +91,8 @@ def bench_structured_runs(engine: LLMEngine, batch: int, output_len: int, rounds
     free_rate = batch / statistics.median(free_steps)
     constrained_rate = batch / statistics.median(constrained_steps)
 
-    compiler = engine.grammar_compiler()
+    assert isinstance(engine.grammars, LLGuidanceGrammars)
+    compiler = engine.grammars.compiler()
     cold, warm, matchers = [], [], []
     for round_index in range(rounds):
         spec = StructuredOutputs.of({"json": wide_schema(20, f"r{round_index}")})

@@ -11,13 +11,13 @@ freed first. Partially filled pages are never registered, so never shared.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from compiled_engine.errors import OutOfPagesError
 
 
-def page_key(parent_key: int | None, token_ids: Sequence[int], salt: str | None) -> int:
+def page_key(parent_key: int | None, token_ids: Sequence[int], salt: Hashable) -> int:
     return hash((parent_key, tuple(token_ids), salt))
 
 
@@ -129,7 +129,7 @@ class BlockManager:
 
     # -- prefix cache ---------------------------------------------------------------------------
 
-    def match_prefix(self, token_ids: Sequence[int], salt: str | None) -> tuple[list[int], list[int]]:
+    def match_prefix(self, token_ids: Sequence[int], salt: Hashable) -> tuple[list[int], list[int]]:
         """The cached pages (and their keys) that hold the leading full pages of `token_ids`.
         The last token is never covered: its logits must be computed."""
         pages: list[int] = []
@@ -158,7 +158,7 @@ class BlockManager:
         page_keys: list[int],
         token_ids: Sequence[int],
         num_computed: int,
-        salt: str | None,
+        salt: Hashable,
     ) -> None:
         """Give keys to the pages that became full with computed K/V; extends `page_keys`."""
         if not self.enable_prefix_caching:

@@ -6,8 +6,6 @@ from dataclasses import dataclass
 
 import torch
 
-DEFAULT_PAGE_SIZE = 16
-
 
 @dataclass(frozen=True)
 class KVCacheSpec:

@@ -28,17 +28,16 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from compiled_engine.engine.adapters import AdapterRequest, AdapterStats
+from compiled_engine.engine.drafting import SpeculativeStats
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.outputs import RequestOutput
 from compiled_engine.engine.sampling_params import SamplingParams
-from compiled_engine.engine.sequence import Sequence
 from compiled_engine.errors import EngineDeadError, EngineOverloadedError, EngineShuttingDownError
-from compiled_engine.lora.manager import LoRARequest
-from compiled_engine.speculative.drafts import SpeculativeStats
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +48,7 @@ class _Add:
     prompt: str | list[int]
     params: SamplingParams
     cache_salt: str | None
-    lora_request: LoRARequest | None = None
+    lora_request: AdapterRequest | None = None
 
 
 @dataclass(frozen=True)
@@ -91,7 +90,7 @@ class EngineStats:
     def read(cls, engine: LLMEngine) -> EngineStats:
         """The snapshot of `engine`, only on the thread that steps it. `waiting_requests` counts
         the scheduler's queue only (AsyncEngine adds the requests still in its inbox)."""
-        scheduler, manager, lora = engine.scheduler, engine.block_manager, engine.lora
+        scheduler, manager = engine.scheduler, engine.block_manager
         return cls(
             running_requests=len(scheduler.running),
             waiting_requests=len(scheduler.waiting),
@@ -99,21 +98,25 @@ class EngineStats:
             kv_pages_free=manager.num_free_pages,
             prefix_queried_tokens=manager.stats.queried_tokens,
             prefix_hit_tokens=manager.stats.hit_tokens,
-            lora_loaded=len(lora.adapters) if lora is not None else 0,
-            lora_resident=lora.num_resident if lora is not None else 0,
-            speculative=None if engine.speculative is None else engine.speculative_stats.copy(),
+            speculative=engine.drafter.snapshot(),
             num_preemptions=scheduler.num_preemptions,
             aborted_requests=engine.num_aborted_requests,
             weight_bytes=engine.weight_bytes,
             kv_cache_bytes=engine.kv_cache_bytes,
-            lora_max=engine.config.max_loras if lora is not None else None,
-            lora_running=_adapters(scheduler.running) if lora is not None else (),
-            lora_waiting=_adapters(scheduler.waiting) if lora is not None else (),
+            **_adapter_fields(engine.adapters.stats(scheduler.running, scheduler.waiting)),
         )
 
 
-def _adapters(seqs: Iterable[Sequence]) -> tuple[str, ...]:
-    return tuple(sorted({s.lora_name for s in seqs if s.lora_name}))
+def _adapter_fields(found: AdapterStats | None) -> dict[str, Any]:
+    if found is None:  # no adapters: the fields' defaults
+        return {}
+    return {
+        "lora_loaded": found.loaded,
+        "lora_resident": found.resident,
+        "lora_max": found.max_slots,
+        "lora_running": found.running,
+        "lora_waiting": found.waiting,
+    }
 
 
 class AsyncEngine:
@@ -204,7 +207,7 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
-        lora_request: LoRARequest | None = None,
+        lora_request: AdapterRequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs as they come; the last one has `finished` set. Raises the
         engine's RequestError for an invalid request, and the overload / dead / shutdown errors."""

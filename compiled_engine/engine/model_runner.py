@@ -25,6 +25,7 @@ from compiled_engine.attention.op import attention_forward
 from compiled_engine.cache.kv_cache import KVCacheSpec
 from compiled_engine.cache_paths import compiled_dir, inductor_dir
 from compiled_engine.config import EngineConfig
+from compiled_engine.engine.adapters import AdapterInstall, install_no_adapters
 from compiled_engine.engine.compilation import CompiledForward, ModelForward, model_forward, use_compile_cache
 from compiled_engine.engine.cuda_graphs import MAX_CAPTURE_SIZE, CudaGraphRunner, DecodeBuffers, capture_sizes
 from compiled_engine.engine.memory_budget import kv_budget_bytes
@@ -32,7 +33,6 @@ from compiled_engine.engine.precompiled import artifact_dir, model_signature
 from compiled_engine.engine.step_inputs import ScheduledBatch, StepInputs
 from compiled_engine.engine.weight_loading import load_weights
 from compiled_engine.errors import ModelConfigError
-from compiled_engine.lora.layers import install_lora
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.llama import Transformer
 from compiled_engine.parallel.distributed import broadcast_step
@@ -62,9 +62,12 @@ class ModelRunner:
         shard: TPShard = NO_SHARD,
         mesh: DeviceMesh | None = None,
         shared_pool: SharedPool | None = None,
+        install_adapters: AdapterInstall = install_no_adapters,
     ) -> None:
         """`shard` and `mesh`: this rank's part of a tensor-parallel model (parallel/).
-        `shared_pool`: what a second model under the same page ids adds (a draft model)."""
+        `shared_pool`: what a second model under the same page ids adds (a draft model).
+        `install_adapters`: puts the adapter products into the model before it is compiled
+        (engine/adapters.py)."""
         self.shard = shard
         self.shared_pool = shared_pool or SharedPool()
         self.device = config.resolved_device()
@@ -81,18 +84,8 @@ class ModelRunner:
         )
         self.backend = self._choose_backend(config)
         self.model = self._load(model_dir, config, mesh)
-        self.lora_slots = (
-            install_lora(
-                self.model,
-                self.model_config,
-                config.max_loras,
-                config.max_lora_rank,
-                max(config.max_num_batched_tokens, WARM_UP_TOKENS, MAX_CAPTURE_SIZE),
-                self.dtype,
-            )
-            if config.enable_lora
-            else None
-        )
+        max_tokens = max(config.max_num_batched_tokens, WARM_UP_TOKENS, MAX_CAPTURE_SIZE)
+        self.adapter_slots = install_adapters(self.model, self.model_config, max_tokens, self.dtype)
         self.forward, self.compile_seconds = self._compile_and_warm_up(config)
         # With tensor parallelism every rank captures the same sizes in the same order and replays
         # the same padded size each step (`execute`), so the all-reduces match.
@@ -268,9 +261,8 @@ class ModelRunner:
         """`lora_slots`: each sequence's adapter slot (-1 or None: the base model)."""
         with nvtx_range("attention plan"):
             plan = self.backend.prepare(metadata, kv_cache)
-            if self.lora_slots is not None:
-                starts = metadata.query_start_loc_cpu
-                self.lora_slots.set_tokens([end - start for start, end in itertools.pairwise(starts)], lora_slots)
+            starts = metadata.query_start_loc_cpu
+            self.adapter_slots.set_tokens([end - start for start, end in itertools.pairwise(starts)], lora_slots)
         with attention_forward(self.backend, plan):
             return self.forward.hidden(input_ids, positions, kv_cache)
 
@@ -299,7 +291,7 @@ class ModelRunner:
         return self._hidden(input_ids, positions, self.kv_cache, metadata, inputs.lora_slots)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, lora_slots: dict[str, int] | None = None) -> torch.Tensor:
+    def run(self, batch: ScheduledBatch, lora_slots: list[int] | None = None) -> torch.Tensor:
         """Run the new tokens of every sequence in `batch` (pages must already be allocated) and
         return the logits after each sequence's last new token, fp32 [num_seqs, vocab]; a
         sequence with draft tokens gets rows for its last 1 + drafts tokens instead. The one way
@@ -319,8 +311,8 @@ class ModelRunner:
         other batch runs the model. Only rank 0 asks for the logits of eager steps."""
         with nvtx_range("forward"):
             if self.graphs is not None and inputs.decode_only:
-                if self.lora_slots is not None:  # the graphs read each row's slot from this buffer
-                    self.lora_slots.set_tokens(inputs.query_lens, inputs.lora_slots, self.graphs.buffers.max_size)
+                # The graphs read each row's adapter slot from the slots' buffer.
+                self.adapter_slots.set_tokens(inputs.query_lens, inputs.lora_slots, self.graphs.buffers.max_size)
                 replayed = self.graphs.replay(inputs.token_ids, inputs.positions, inputs.block_tables)
                 if replayed is not None:
                     return replayed.clone()  # the graph's output buffer is rewritten by the next replay

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from compiled_engine.config import SAMPLERS
 from compiled_engine.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -105,9 +106,6 @@ def _row_index(pairs: list[tuple[int, list[int]]], device: torch.device) -> tupl
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
-
-
-SAMPLERS = ("torch", "flashinfer")
 
 
 def make_sampler(name: str | None, device: torch.device, seed: int | None = None) -> Sampler:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from compiled_engine.engine.structured_outputs import StructuredOutputs
 from compiled_engine.errors import RequestError
-from compiled_engine.structured.params import StructuredOutputs
 
 GREEDY_BELOW = 1e-5
 

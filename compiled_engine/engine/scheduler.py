@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from compiled_engine.cache.block_manager import BlockManager
@@ -44,12 +45,17 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_loras: int | None = None
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        must_wait: Callable[[Sequence, list[Sequence]], bool] = lambda seq, running: False,
     ) -> None:
-        """`max_loras`: at most this many distinct adapters among the running sequences (the
-        device slots), so every step's adapters fit; None: no adapters."""
+        """`must_wait(seq, running)`: whether a waiting sequence cannot join the running ones yet
+        for a reason of its own, such as an adapter that would need a device slot while every
+        slot is taken (engine/adapters.py); it keeps its place, and the queue behind it goes on."""
         self.block_manager = block_manager
-        self.max_loras = max_loras
+        self.must_wait = must_wait
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -89,7 +95,7 @@ class Scheduler:
             position < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted
         ):
             seq = self.waiting[position]
-            if self._waits_for_fork_parent(seq) or self._waits_for_adapter_slot(seq):
+            if self._waits_for_fork_parent(seq) or self.must_wait(seq, self.running):
                 # It waits for pages that are on their way, or for a running adapter to finish,
                 # not for free pages: the queue behind it goes on, and it keeps its place.
                 position += 1
@@ -116,13 +122,6 @@ class Scheduler:
                 return False
         return True
 
-    def _waits_for_adapter_slot(self, seq: Sequence) -> bool:
-        """Its adapter is not among the running ones, and those already fill every slot."""
-        if seq.lora_name is None or self.max_loras is None:
-            return False
-        running = {s.lora_name for s in self.running if s.lora_name is not None}
-        return seq.lora_name not in running and len(running) >= self.max_loras
-
     @staticmethod
     def _waits_for_fork_parent(seq: Sequence) -> bool:
         """An n > 1 sibling whose fork parent is still computing the shared prompt: admitted now,
@@ -141,7 +140,7 @@ class Scheduler:
         elif seq.wants_prompt_logprobs:  # every prompt token's logits are needed: nothing cached
             hits, keys = [], []
         else:
-            hits, keys = self.block_manager.match_prefix(seq.token_ids, seq.cache_salt)
+            hits, keys = self.block_manager.match_prefix(seq.token_ids, seq.prefix_salt)
         cached = len(hits) * self.block_manager.page_size
         num_new = min(seq.num_tokens - cached, budget)
         needed = self.block_manager.pages_for_tokens(cached + num_new) - len(hits)
@@ -178,7 +177,7 @@ class Scheduler:
             seq = item.seq
             seq.num_computed_tokens += item.num_tokens - len(seq.draft_token_ids)
             self.block_manager.register_full_pages(
-                seq.block_table, seq.page_keys, seq.token_ids, seq.num_computed_tokens, seq.cache_salt
+                seq.block_table, seq.page_keys, seq.token_ids, seq.num_computed_tokens, seq.prefix_salt
             )
             if seq.num_computed_tokens == seq.num_tokens:
                 due.append(seq)
@@ -192,7 +191,7 @@ class Scheduler:
         seq.num_computed_tokens += accepted
         seq.draft_token_ids = []
         self.block_manager.register_full_pages(
-            seq.block_table, seq.page_keys, seq.token_ids, seq.num_computed_tokens, seq.cache_salt
+            seq.block_table, seq.page_keys, seq.token_ids, seq.num_computed_tokens, seq.prefix_salt
         )
         self.block_manager.truncate(seq.block_table, seq.num_tokens)
 

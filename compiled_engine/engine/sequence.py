@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 from compiled_engine.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from compiled_engine.structured.grammar import GrammarMatcher
+    from compiled_engine.engine.adapters import AdapterKey
+    from compiled_engine.engine.grammars import GrammarState
 
 
 class FinishReason(enum.StrEnum):
@@ -38,7 +39,7 @@ class Sequence:
     index: int = 0  # which of the request's n completions
     seed: int = 0
     cache_salt: str | None = None
-    lora_name: str | None = None  # the adapter it runs with (lora/), None for the base model
+    adapter: AdapterKey | None = None  # the adapter it runs with (engine/adapters.py), None for the base model
     arrival_time: float = 0.0
     fork_of: Sequence | None = None  # n > 1: share this sibling's prompt pages once it has them
     status: SequenceStatus = SequenceStatus.WAITING
@@ -56,7 +57,7 @@ class Sequence:
     num_accepted_tokens: int = 0
     speculating: bool = True
     draft_length: int | None = None  # its next draft's length, at most (None: the config's)
-    grammar: GrammarMatcher | None = None  # structured outputs: what it may emit next
+    grammar: GrammarState | None = None  # structured outputs: what it may emit next (engine/grammars.py)
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     # Timestamps (time.perf_counter()) for the request metrics.
@@ -67,6 +68,12 @@ class Sequence:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def prefix_salt(self) -> tuple[str | None, AdapterKey | None]:
+        """Its part of the prefix-cache key: pages are shared only under the same user salt and
+        the same adapter (the same files)."""
+        return (self.cache_salt, self.adapter)
 
     @property
     def num_tokens(self) -> int:

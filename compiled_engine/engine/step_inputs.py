@@ -29,8 +29,8 @@ class StepInputs:
         return len(self.token_ids) == len(self.query_lens)
 
     @classmethod
-    def from_batch(cls, batch: ScheduledBatch, lora_slots: dict[str, int] | None = None) -> StepInputs:
-        """`lora_slots`: the slot of each adapter the batch's sequences use (None: none do)."""
+    def from_batch(cls, batch: ScheduledBatch, lora_slots: list[int] | None = None) -> StepInputs:
+        """`lora_slots`: each sequence's adapter slot (engine/adapters.py; None: no adapters)."""
         token_ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens = [], []
@@ -47,13 +47,10 @@ class StepInputs:
             positions.extend(range(start, end))
             query_lens.append(num_new)
             seq_lens.append(end)
-        slots = None
-        if lora_slots is not None:
-            slots = [-1 if seq.lora_name is None else lora_slots[seq.lora_name] for seq, _ in batch]
         every = [logit_count(seq, num_new) for seq, num_new in batch]
         counts = None if all(count == 1 for count in every) else every
         tables = [list(seq.block_table) for seq, _ in batch]
-        return cls(token_ids, positions, query_lens, seq_lens, tables, slots, counts)
+        return cls(token_ids, positions, query_lens, seq_lens, tables, lora_slots, counts)
 
 
 def logit_count(seq: Sequence, num_new: int) -> int:

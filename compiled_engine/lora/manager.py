@@ -1,4 +1,5 @@
-"""Which adapters the engine knows and which sit in device slots.
+"""Which adapters the engine knows and which sit in device slots: the engine's adapter set
+(engine/adapters.py) for LoRA.
 
 `LoRAManager` keeps the adapters loaded from disk by name (at most `max_cpu_loras`, least
 recently used dropped first, never one a request still uses) and assigns device slots to the
@@ -11,12 +12,19 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from compiled_engine.config import EngineConfig
+from compiled_engine.engine.adapters import AdapterKey, AdapterRequest, AdapterSet, AdapterSlots, AdapterStats
+from compiled_engine.engine.sequence import Sequence
 from compiled_engine.lora.adapter import LoRAAdapter, LoRAError, load_adapter
-from compiled_engine.lora.layers import LoRASlots
+from compiled_engine.lora.layers import LoRASlots, install_lora
 from compiled_engine.model.config import ModelConfig
+from compiled_engine.model.llama import Transformer
 
 
 @dataclass(frozen=True)
@@ -25,6 +33,16 @@ class LoRARequest:
 
     name: str
     path: str
+
+
+def per_prompt(
+    request: LoRARequest | Sequence_[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None]:
+    """The adapter of each of `num_prompts` prompts: one for all (None: the base model), or one each."""
+    requests = [request] * num_prompts if request is None or isinstance(request, LoRARequest) else list(request)
+    if len(requests) != num_prompts:
+        raise ValueError(f"{len(requests)} lora requests for {num_prompts} prompts")
+    return requests
 
 
 class LoRAManager:
@@ -37,7 +55,42 @@ class LoRAManager:
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # least recently used first
         self._free = list(range(slots.num_slots))
 
-    def add(self, request: LoRARequest) -> LoRAAdapter:
+    # -- the engine's adapter set ----------------------------------------------------------------
+
+    def admit(self, request: AdapterRequest | None) -> AdapterKey | None:
+        if request is None:
+            return None
+        adapter = self.add(request)
+        self.acquire(request.name)
+        return AdapterKey(request.name, adapter.digest)
+
+    def release(self, key: AdapterKey | None) -> None:
+        if key is None:
+            return
+        self.in_use[key.name] -= 1
+        if not self.in_use[key.name]:
+            del self.in_use[key.name]
+
+    def must_wait(self, seq: Sequence, running: list[Sequence]) -> bool:
+        """Its adapter is not among the running ones, and those already fill every slot."""
+        if seq.adapter is None:
+            return False
+        names = {s.adapter.name for s in running if s.adapter is not None}
+        return seq.adapter.name not in names and len(names) >= self.slots.num_slots
+
+    def slots_for(self, seqs: Iterable[Sequence]) -> list[int] | None:
+        seqs = list(seqs)
+        slot_of = self.slots_of(s.adapter.name for s in seqs if s.adapter is not None)
+        return [-1 if s.adapter is None else slot_of[s.adapter.name] for s in seqs]
+
+    def stats(self, running: list[Sequence], waiting: Iterable[Sequence]) -> AdapterStats | None:
+        return AdapterStats(
+            len(self.adapters), self.num_resident, self.slots.num_slots, _names(running), _names(waiting)
+        )
+
+    # -- loading and slots ----------------------------------------------------------------------
+
+    def add(self, request: AdapterRequest) -> LoRAAdapter:
         """The adapter `request` names, loaded now if the engine does not hold it. The same name
         with another path is refused while requests use it, and replaced otherwise. A failure
         leaves every adapter already loaded as it was."""
@@ -75,12 +128,7 @@ class LoRAManager:
     def acquire(self, name: str) -> None:
         self.in_use[name] = self.in_use.get(name, 0) + 1
 
-    def release(self, name: str) -> None:
-        self.in_use[name] -= 1
-        if not self.in_use[name]:
-            del self.in_use[name]
-
-    def slots_for(self, names: Iterable[str]) -> dict[str, int]:
+    def slots_of(self, names: Iterable[str]) -> dict[str, int]:
         """A slot for each adapter of a step (at most num_slots distinct ones)."""
         wanted = list(dict.fromkeys(names))
         if len(wanted) > self.slots.num_slots:
@@ -97,3 +145,24 @@ class LoRAManager:
             self.slots.load(slot, self.adapters[name])
             self._slot_of[name] = slot
         return {name: self._slot_of[name] for name in wanted}
+
+
+def _names(seqs: Iterable[Sequence]) -> tuple[str, ...]:
+    return tuple(sorted({s.adapter.name for s in seqs if s.adapter is not None}))
+
+
+class LoRAPlan:
+    """What the engine builds for `enable_lora`: LoRA products with `max_loras` slots of rank up to
+    `max_lora_rank` in every layer, then the manager over those slots."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    def install(
+        self, model: Transformer, model_config: ModelConfig, max_tokens: int, dtype: torch.dtype
+    ) -> AdapterSlots:
+        return install_lora(model, model_config, self.config.max_loras, self.config.max_lora_rank, max_tokens, dtype)
+
+    def start(self, slots: AdapterSlots, model_config: ModelConfig) -> AdapterSet:
+        assert isinstance(slots, LoRASlots)
+        return LoRAManager(slots, model_config, self.config.max_cpu_loras or self.config.max_loras)

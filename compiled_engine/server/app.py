@@ -26,6 +26,7 @@ from compiled_engine.engine.async_engine import AsyncEngine
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.outputs import CompletionOutput, RequestOutput
 from compiled_engine.engine.sampling_params import SamplingParams
+from compiled_engine.engine.structured_outputs import StructuredOutputs
 from compiled_engine.errors import PromptError, RequestError
 from compiled_engine.lora.adapter import LoRAError
 from compiled_engine.lora.manager import LoRAManager, LoRARequest
@@ -67,14 +68,13 @@ from compiled_engine.server.protocol import (
 from compiled_engine.server.request_log import RequestLog
 from compiled_engine.server.structured import structured_outputs_of
 from compiled_engine.server.tools import ToolPlan, checked_tool_calls, held_back, render_turns, tool_plan
-from compiled_engine.structured.params import StructuredOutputs
 from compiled_engine.tokenizer import Tokenizer
 
 
 def _lora_manager(engine: LLMEngine) -> LoRAManager:
-    if engine.lora is None:
+    if not isinstance(engine.adapters, LoRAManager):
         raise LoRAError("this server serves no LoRA adapters: start it with --enable-lora")
-    return engine.lora
+    return engine.adapters
 
 
 T = TypeVar("T")
@@ -163,7 +163,7 @@ class OpenAIServer:
         before the request reaches the engine; a RequestError (a 400) if it is invalid."""
         spec = structured_outputs_of(body)
         if spec is not None:
-            await self.engine.engine.grammar_compiler().compile_async(spec)
+            await self.engine.engine.grammars.prepare(spec)
         return spec
 
     def default_max_tokens(self, prompt_ids: list[int], max_tokens: int | None) -> int:
@@ -526,7 +526,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
                     f"tool_choice {data.tool_choice!r} constrains the output itself: drop the output constraint",
                     param="tool_choice",
                 )
-            await server.engine.engine.grammar_compiler().compile_async(forced)
+            await server.engine.engine.grammars.prepare(forced)
             structured = forced
         params = sampling_params(data, max_tokens, top if data.logprobs else None, structured)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -17,7 +17,7 @@ from compiled_engine.config import EngineConfig
 from compiled_engine.engine.async_engine import AsyncEngine
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.errors import EngineDeadError
-from compiled_engine.lora.manager import LoRARequest
+from compiled_engine.lora.manager import LoRAManager, LoRARequest
 from compiled_engine.server.app import ServerSettings, create_app
 
 logger = logging.getLogger("compiled_engine.server")
@@ -50,8 +50,8 @@ def run_server(
     def build() -> LLMEngine:
         engine = LLMEngine(config)
         for lora_name, path in lora_modules.items():  # each checked now: a bad adapter stops the start
-            assert engine.lora is not None
-            engine.lora.add(LoRARequest(lora_name, path))
+            assert isinstance(engine.adapters, LoRAManager)
+            engine.adapters.add(LoRARequest(lora_name, path))
         return engine
 
     # The engine is built on the loop thread that will run it (see AsyncEngine).

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from compiled_engine.engine.structured_outputs import StructuredOutputs
 from compiled_engine.errors import RequestError
 from compiled_engine.server.protocol import ChatCompletionRequest, CompletionRequest
-from compiled_engine.structured.params import StructuredOutputs
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 

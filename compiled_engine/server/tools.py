@@ -21,8 +21,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from compiled_engine.engine.structured_outputs import StructuredOutputs
 from compiled_engine.errors import RequestError
-from compiled_engine.structured.params import StructuredOutputs
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*(?:" + re.escape(CLOSE) + r"|$)", re.DOTALL)

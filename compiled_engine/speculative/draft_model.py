@@ -16,7 +16,7 @@ the shared pages (the same tokens at the same positions), so sharers never see a
 
 Greedy rows draft the argmax of the draft's filtered logits; sampled rows draw from the draft's
 distribution with noise of their own stream, and that distribution is kept for the target's
-rejection sampling (speculative/rejection.py).
+rejection sampling (engine/verifier.py).
 """
 
 from __future__ import annotations
@@ -29,19 +29,23 @@ import msgspec
 import torch
 
 from compiled_engine.cache.kv_cache import KVCacheSpec
-from compiled_engine.config import EngineConfig
+from compiled_engine.config import EngineConfig, SpeculativeConfig
+from compiled_engine.engine.drafting import DraftProbs, SpeculativeStats
 from compiled_engine.engine.model_runner import ModelRunner, SharedPool
 from compiled_engine.engine.sampler import Sampler, SamplingBatch, gumbel_noise
 from compiled_engine.engine.sequence import Sequence
 from compiled_engine.engine.step_inputs import StepInputs
 from compiled_engine.errors import ModelConfigError
 from compiled_engine.model.config import ModelConfig
+from compiled_engine.model.source import resolve_model_dir
+from compiled_engine.speculative.drafts import propose_drafts, record_verify
 from compiled_engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 DRAFT_NOISE_STREAM = 0x2545F4914F6CDD1D  # xor-ed into a sequence's seed for the draft's own draws
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
+PENDING = -1  # a draft place reserved before scheduling, filled by the draft model after it
 
 
 @dataclass(frozen=True)
@@ -223,3 +227,56 @@ class DraftModel:
                 self._advanced[seq.seq_id] = len(drafts[seq.seq_id])
             if seq.seq_id in probs:
                 probs[seq.seq_id].append(torch.softmax(filtered[i], dim=-1))
+
+
+class DraftModelDrafter:
+    """The engine's drafter (engine/drafting.py) for the "draft_model" method: places reserved
+    before scheduling, filled by the draft model after it, verified by rejection sampling where
+    the sequence samples."""
+
+    def __init__(self, config: SpeculativeConfig, model: DraftModel) -> None:
+        self.config = config
+        self.model = model
+        self.stats = SpeculativeStats()
+
+    @staticmethod
+    def plan(config: SpeculativeConfig, engine_config: EngineConfig, model_dir: Path) -> DraftModelPlan:
+        """Checks the draft against the target before any weight is read."""
+        assert config.model is not None  # SpeculativeConfig requires it for this method
+        target = ModelConfig.from_model_dir(model_dir)
+        plan = plan_draft_model(
+            resolve_model_dir(config.model), model_dir, target, engine_config, engine_config.resolved_dtype()
+        )
+        return DraftModelPlan(config, engine_config, plan)
+
+    @property
+    def runners(self) -> list[ModelRunner]:
+        return [self.model.runner]
+
+    def propose(self, running: list[Sequence], max_model_len: int) -> None:
+        propose_drafts(self.config, running, max_model_len, lambda config, seq, k: [PENDING] * k)
+
+    def fill(self, scheduled: list[Sequence], running: list[Sequence]) -> DraftProbs:
+        return self.model.propose([seq for seq in scheduled if seq.draft_token_ids], running)
+
+    def record(self, seq: Sequence, num_draft: int, num_accepted: int) -> None:
+        record_verify(self.config, self.stats, seq, num_draft, num_accepted)
+
+    def snapshot(self) -> SpeculativeStats | None:
+        return self.stats.copy()
+
+
+@dataclass(frozen=True)
+class DraftModelPlan:
+    config: SpeculativeConfig
+    engine_config: EngineConfig
+    draft: DraftPlan
+
+    @property
+    def shared_pool(self) -> SharedPool:
+        return self.draft.shared_pool
+
+    def start(self, runner: ModelRunner) -> DraftModelDrafter:
+        """The draft model, on this rank alone, keeps its K/V under the runner's page ids."""
+        model = DraftModel(self.draft, self.engine_config, runner.num_pages, runner.max_model_len)
+        return DraftModelDrafter(self.config, model)

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from compiled_engine.engine.structured_outputs import StructuredOutputs
 from compiled_engine.errors import RequestError
-from compiled_engine.structured.params import StructuredOutputs
 
 CACHE_SIZE = 512
 SPACED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

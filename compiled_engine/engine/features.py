@@ -1,0 +1,109 @@
+"""Which optional features an engine runs, picked once when it is built.
+
+The engine declares each seam (engine/drafting.py, engine/adapters.py, engine/grammars.py) and
+never imports a feature package. The feature packages register their implementations in
+`REGISTRY`; compiled_engine/features.py holds every registration line, and the package imports
+it first thing, so the registry is full before any engine is built.
+
+Building happens in two phases, because a draft model shares the target's page pool and adapters
+are put into the model before it is compiled: `plan_features` says what the runner must know
+before it loads the model, and the plans' `start` builds each feature around the loaded runner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+from compiled_engine.config import EngineConfig, SpeculativeConfig
+from compiled_engine.engine.adapters import AdapterSet, AdapterSlots, NoAdapters, install_no_adapters
+from compiled_engine.engine.drafting import Drafter, NoDrafter
+from compiled_engine.engine.grammars import GrammarSet
+from compiled_engine.errors import ModelConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from compiled_engine.engine.model_runner import ModelRunner, SharedPool
+    from compiled_engine.model.config import ModelConfig
+    from compiled_engine.model.llama import Transformer
+
+
+class DrafterPlan(Protocol):
+    @property
+    def shared_pool(self) -> SharedPool | None:
+        """What the drafter's own model adds to each page and to the memory budget (None: nothing)."""
+        ...
+
+    def start(self, runner: ModelRunner) -> Drafter: ...
+
+
+class AdapterPlan(Protocol):
+    def install(self, model: Transformer, config: ModelConfig, max_tokens: int, dtype: torch.dtype) -> AdapterSlots:
+        """Put the adapter products into the loaded model, before it is compiled."""
+        ...
+
+    def start(self, slots: AdapterSlots, model_config: ModelConfig) -> AdapterSet: ...
+
+
+DrafterFactory = Callable[[SpeculativeConfig, EngineConfig, Path], DrafterPlan]
+AdapterFactory = Callable[[EngineConfig], AdapterPlan]
+GrammarFactory = Callable[[Path | None, int, frozenset[int]], GrammarSet]  # tokenizer.json, vocab, eos ids
+
+
+@dataclass
+class FeatureRegistry:
+    drafters: dict[str, DrafterFactory] = field(default_factory=dict)  # by SpeculativeConfig.method
+    adapters: dict[str, AdapterFactory] = field(default_factory=dict)  # "lora"
+    grammars: dict[str, GrammarFactory] = field(default_factory=dict)  # "llguidance"
+
+
+REGISTRY = FeatureRegistry()
+
+
+class _NoDrafterPlan:
+    shared_pool = None
+
+    def start(self, runner: ModelRunner) -> Drafter:
+        return NoDrafter()
+
+
+class _NoAdapterPlan:
+    def install(self, model: Transformer, config: ModelConfig, max_tokens: int, dtype: torch.dtype) -> AdapterSlots:
+        return install_no_adapters(model, config, max_tokens, dtype)
+
+    def start(self, slots: AdapterSlots, model_config: ModelConfig) -> AdapterSet:
+        return NoAdapters()
+
+
+@dataclass(frozen=True)
+class FeaturePlan:
+    drafter: DrafterPlan
+    adapters: AdapterPlan
+    grammars: GrammarFactory
+
+
+def plan_features(config: EngineConfig, model_dir: Path) -> FeaturePlan:
+    """The features `config` asks for. A drafter that cannot draft for this model fails here,
+    before any weight is read."""
+    drafter: DrafterPlan = _NoDrafterPlan()
+    if config.speculative is not None:
+        drafter = _registered(REGISTRY.drafters, config.speculative.method, "speculative method")(
+            config.speculative, config, model_dir
+        )
+    adapters: AdapterPlan = _NoAdapterPlan()
+    if config.enable_lora:
+        adapters = _registered(REGISTRY.adapters, "lora", "adapter kind")(config)
+    return FeaturePlan(drafter, adapters, _registered(REGISTRY.grammars, "llguidance", "grammar set"))
+
+
+T = TypeVar("T")
+
+
+def _registered(table: dict[str, T], name: str, what: str) -> T:
+    if name not in table:
+        known = ", ".join(sorted(table)) or "none"
+        raise ModelConfigError(f"no {what} {name!r} is registered (registered: {known})")
+    return table[name]
