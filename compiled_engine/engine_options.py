@@ -167,11 +167,14 @@ def engine_config_fields() -> dict[str, msgspec.structs.FieldInfo]:
 
 def value_type(annotation: Any) -> type:
     """The type a field's value is parsed as: the one non-None member of its annotation
-    (`int | None` is int). Anything else is refused here rather than parsed as a string."""
+    (`int | None` is int), or str for a field that also takes its value as text (the JSON of
+    --speculative-config). Anything else is refused here rather than parsed as a string."""
     if isinstance(annotation, types.UnionType) or get_origin(annotation) is Union:
         members = [member for member in get_args(annotation) if member is not type(None)]
     else:
         members = [annotation]
+    if str in members:
+        members = [str]
     if len(members) != 1 or members[0] not in _VALUE_TYPES:
         raise TypeError(f"an engine option must be one of str, int, float or bool, not {annotation!r}")
     kind: type = members[0]
