@@ -19,9 +19,10 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from compiled_engine.attention.backend import AttentionBackend, AttentionShape, get_backend
+from compiled_engine.attention.backend import AttentionBackend, AttentionShape
 from compiled_engine.attention.metadata import AttentionMetadata
 from compiled_engine.attention.op import attention_forward
+from compiled_engine.attention.selector import get_backend
 from compiled_engine.cache.kv_cache import KVCacheSpec
 from compiled_engine.cache_paths import compiled_dir, inductor_dir
 from compiled_engine.config import EngineConfig
