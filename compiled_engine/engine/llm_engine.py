@@ -30,9 +30,9 @@ from compiled_engine.lora.adapter import LoRAError
 from compiled_engine.lora.manager import LoRAManager, LoRARequest
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.packed_linear import packed_bytes
+from compiled_engine.model.shard import TPShard
 from compiled_engine.model.source import resolve_model_dir
 from compiled_engine.parallel.launch import TensorParallelGroup
-from compiled_engine.parallel.shard import TPShard
 from compiled_engine.parallel.threads import set_threads
 from compiled_engine.profiling import nvtx_range
 from compiled_engine.speculative.draft_model import DraftModel, plan_draft_model

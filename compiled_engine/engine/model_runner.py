@@ -36,9 +36,9 @@ from compiled_engine.errors import ModelConfigError
 from compiled_engine.lora.layers import install_lora
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.llama import Transformer
+from compiled_engine.model.shard import NO_SHARD, TPShard
 from compiled_engine.parallel.distributed import broadcast_step
 from compiled_engine.parallel.plan import parallelize
-from compiled_engine.parallel.shard import NO_SHARD, TPShard
 from compiled_engine.profiling import nvtx_range
 
 logger = logging.getLogger(__name__)

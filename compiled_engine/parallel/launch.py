@@ -22,8 +22,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from compiled_engine.config import EngineConfig
 from compiled_engine.errors import EngineDeadError
+from compiled_engine.model.shard import TPShard
 from compiled_engine.parallel.distributed import init_tensor_parallel
-from compiled_engine.parallel.shard import TPShard
 from compiled_engine.parallel.threads import set_threads
 
 logger = logging.getLogger(__name__)
