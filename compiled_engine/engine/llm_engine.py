@@ -25,6 +25,7 @@ from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.engine.scheduler import Scheduler, SchedulerOutput
 from compiled_engine.engine.sequence import FinishReason, Sequence
 from compiled_engine.engine.step_inputs import logit_count
+from compiled_engine.engine.tp_worker import run_worker
 from compiled_engine.errors import RequestError
 from compiled_engine.lora.adapter import LoRAError
 from compiled_engine.lora.manager import LoRAManager, LoRARequest
@@ -80,7 +81,7 @@ class LLMEngine:
         if config.tensor_parallel_size > 1:
             # Uneven head counts fail here, before any process starts or weight is read.
             TPShard(0, config.tensor_parallel_size).check(ModelConfig.from_model_dir(self.model_dir))
-            self.tensor_parallel = TensorParallelGroup.start(self.model_dir, config)
+            self.tensor_parallel = TensorParallelGroup.start(self.model_dir, config, run_worker)
             shard, mesh = self.tensor_parallel.shard, self.tensor_parallel.mesh
             self.runner = ModelRunner(self.model_dir, config, shard, mesh, shared_pool)
         else:
