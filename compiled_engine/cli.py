@@ -226,8 +226,8 @@ def _torchrun_worker_rank() -> int | None:
 
 def _run_torchrun_worker(args: argparse.Namespace) -> int:
     """Ranks 1..N-1 under torchrun run the model's shard; rank 0 runs the command itself."""
+    from compiled_engine.engine.tp_worker import run_worker
     from compiled_engine.model.source import resolve_model_dir
-    from compiled_engine.parallel.launch import run_worker
 
     rank = _torchrun_worker_rank()
     assert rank is not None

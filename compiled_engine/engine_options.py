@@ -17,7 +17,7 @@ from typing import Any, Union, get_args, get_origin
 
 import msgspec
 
-from compiled_engine.attention.backend import BACKENDS
+from compiled_engine.attention.selector import BACKENDS
 from compiled_engine.config import DEVICES, DTYPES, ENFORCE_EAGER_ENV, QUANTIZATIONS, SAMPLERS, EngineConfig
 
 # The namespace attribute that records which fields a parser declared, so that

@@ -10,9 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compiled_engine.attention.backend import AttentionShape, get_backend
+from compiled_engine.attention.backend import AttentionShape
 from compiled_engine.attention.metadata import AttentionMetadata
-from compiled_engine.attention.torch_backend import TorchAttentionBackend, write_kv
+from compiled_engine.attention.paged import write_kv
+from compiled_engine.attention.selector import get_backend
+from compiled_engine.attention.torch_backend import TorchAttentionBackend
 
 CPU = torch.device("cpu")
 

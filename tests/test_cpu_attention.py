@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from compiled_engine.attention import native_decode
-from compiled_engine.attention.backend import AttentionShape, get_backend
+from compiled_engine.attention.backend import AttentionShape
 from compiled_engine.attention.cpu_backend import CpuAttentionBackend
 from compiled_engine.attention.metadata import AttentionMetadata
 from compiled_engine.attention.native_decode import KernelBuildError, chunk_size, load_native_decode
+from compiled_engine.attention.selector import get_backend
 from compiled_engine.attention.torch_backend import TorchAttentionBackend
 from compiled_engine.native_build import NativeLibrary
 

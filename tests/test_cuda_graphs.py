@@ -13,7 +13,8 @@ import torch
 from compiled_engine.attention.cpu_backend import CpuAttentionBackend
 from compiled_engine.attention.metadata import GraphMetadata
 from compiled_engine.attention.native_decode import load_native_decode
-from compiled_engine.attention.torch_backend import TorchAttentionBackend, TorchPlan
+from compiled_engine.attention.paged import TorchPlan
+from compiled_engine.attention.torch_backend import TorchAttentionBackend
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine.cuda_graphs import (
     CudaGraphRunner,

@@ -8,7 +8,7 @@ from collections.abc import Callable, Collection
 
 import pytest
 
-from compiled_engine.attention.backend import BACKENDS
+from compiled_engine.attention.selector import BACKENDS
 from compiled_engine.bench import __main__ as bench
 from compiled_engine.cli import build_parser
 from compiled_engine.config import DEVICES, DTYPES, SAMPLERS, EngineConfig

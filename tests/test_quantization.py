@@ -331,7 +331,7 @@ def test_tensor_parallelism_takes_the_dense_weights_or_refuses(
 ) -> None:
     from compiled_engine.engine.weight_loading import load_weights
     from compiled_engine.model.config import ModelConfig
-    from compiled_engine.parallel.shard import TPShard
+    from compiled_engine.model.shard import TPShard
 
     config = ModelConfig.from_model_dir(default_model_dir)
     cpu = torch.device("cpu")

@@ -1,18 +1,39 @@
-"""The interface every attention backend implements, and the lookup by name."""
+"""The interface every attention backend implements, and what it is asked to run (`AttentionShape`).
+
+Which backend runs is chosen in `attention/selector.py`; this module knows no implementation."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import ClassVar, Generic, Self, TypeVar
 
 import torch
 
 from compiled_engine.attention.metadata import AttentionMetadata, GraphMetadata
 
-logger = logging.getLogger(__name__)
-
 Plan = TypeVar("Plan")
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What a backend needs to know of the model on this rank."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: torch.dtype
+    device: torch.device
+    scale: float | None = None  # None = head_dim ** -0.5, the Llama family's
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.head_dim**-0.5 if self.scale is None else self.scale
+
+
+class BackendUnavailableError(Exception):
+    """Raised by a backend's `create` when it cannot run after all (its kernel failed to build);
+    the message says why."""
 
 
 class AttentionBackend(Generic[Plan]):
@@ -36,11 +57,26 @@ class AttentionBackend(Generic[Plan]):
       buffers so that a replay recomputes it;
     - `scale`: the softmax scale the backend was built for, when it must know it before the
       first forward (graph plans); None when it takes the model's at every call.
+
+    What the selector asks of the class before building one:
+    - `unsupported_reason(shape)`: why it cannot run this model here (device, dtype, head size),
+      or None when it can;
+    - `create(shape)`: the backend for this model; raises `BackendUnavailableError` when it
+      cannot run after all.
     """
 
     name: ClassVar[str]
     supports_cuda_graphs: ClassVar[bool] = False
     scale: float | None = None
+
+    @classmethod
+    def unsupported_reason(cls, shape: AttentionShape) -> str | None:
+        """Why this backend cannot run `shape` here, or None when it can (the default: anywhere)."""
+        return None
+
+    @classmethod
+    def create(cls, shape: AttentionShape) -> Self:
+        raise NotImplementedError
 
     def prepare(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> Plan:
         """This forward's plan; `kv_cache` is the whole pool, [layers, pages, 2, page_size,
@@ -71,73 +107,3 @@ class AttentionBackend(Generic[Plan]):
 
     def prepare_graph(self, metadata: GraphMetadata) -> Plan:
         raise NotImplementedError(f"the {self.name} attention backend cannot be captured in a CUDA graph")
-
-
-BACKENDS = ("torch", "cpu", "flashinfer")
-
-
-@dataclass(frozen=True)
-class AttentionShape:
-    """What a backend needs to know of the model on this rank."""
-
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    page_size: int
-    dtype: torch.dtype
-    device: torch.device
-    scale: float | None = None  # None = head_dim ** -0.5, the Llama family's
-
-    @property
-    def softmax_scale(self) -> float:
-        return self.head_dim**-0.5 if self.scale is None else self.scale
-
-
-def get_backend(name: str | None, shape: AttentionShape | None = None) -> AttentionBackend[Any]:
-    """`name` None picks FlashInfer on CUDA and the CPU backend (native decode kernel) on the CPU
-    when they can run this model, else the torch backend, with one warning saying why. An
-    explicit "cpu" or "flashinfer" that cannot run falls back to torch with a warning: never a
-    silently wrong result."""
-    if name is not None and name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r} (available: {', '.join(BACKENDS)})")
-    if name == "torch" or shape is None:
-        return _torch_backend(shape)
-    if name == "cpu" or (name is None and shape.device.type != "cuda"):
-        return _cpu_backend(shape)
-    from compiled_engine.attention.flashinfer_backend import (
-        FlashInferAttentionBackend,
-        flashinfer_unsupported_reason,
-    )
-
-    reason = flashinfer_unsupported_reason(shape.head_dim, shape.dtype, shape.device)
-    if reason is not None:
-        logger.warning("attention backend: torch, because %s", reason)
-        return _torch_backend(shape)
-    return FlashInferAttentionBackend(shape)
-
-
-def _torch_backend(shape: AttentionShape | None) -> AttentionBackend[Any]:
-    from compiled_engine.attention.torch_backend import TorchAttentionBackend
-
-    return TorchAttentionBackend(shape.dtype if shape is not None else torch.float32)
-
-
-def _cpu_backend(shape: AttentionShape) -> AttentionBackend[Any]:
-    from compiled_engine.attention.cpu_backend import CpuAttentionBackend
-    from compiled_engine.attention.native_decode import (
-        KernelBuildError,
-        load_native_decode,
-        unsupported_reason,
-    )
-
-    if shape.device.type != "cpu":
-        reason: str | None = f"the cpu backend runs on the CPU, not {shape.device.type}"
-    else:
-        reason = unsupported_reason(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.page_size, shape.dtype)
-    if reason is None:
-        try:
-            return CpuAttentionBackend(load_native_decode(), shape.num_heads)
-        except KernelBuildError as error:
-            reason = str(error)
-    logger.warning("attention backend: torch, because %s", reason)
-    return _torch_backend(shape)

@@ -6,25 +6,29 @@ so do sequences of a few new tokens (`SHORT_QUERY`: a speculative draft being ve
 prompt): each of their tokens is one row of the kernel, attending over the sequence's pages up to
 its own position. The kernel stores every row's K/V before any row attends, so a row sees the
 tokens before it in the same forward. Longer prompts and prompt chunks take the torch backend's
-SDPA path. The torch backend stays the reference this one is tested against.
+SDPA path (`attention/paged.py`). The torch backend stays the reference this one is tested
+against.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Self
 
 import torch
 
-from compiled_engine.attention.backend import AttentionBackend
+from compiled_engine.attention.backend import AttentionBackend, AttentionShape, BackendUnavailableError
 from compiled_engine.attention.metadata import AttentionMetadata
-from compiled_engine.attention.native_decode import DecodePlan, NativeDecode
-from compiled_engine.attention.torch_backend import (
-    TorchAttentionBackend,
-    TorchPlan,
-    attend_prompts,
-    prepare_torch_plan,
-    write_kv,
+from compiled_engine.attention.native_decode import (
+    DecodePlan,
+    KernelBuildError,
+    NativeDecode,
+    load_native_decode,
 )
+from compiled_engine.attention.native_decode import (
+    unsupported_reason as kernel_unsupported_reason,
+)
+from compiled_engine.attention.paged import TorchPlan, attend_prompts, paged_forward, prepare_torch_plan, write_kv
 
 SHORT_QUERY = 8  # new tokens of a sequence up to which its tokens run as rows of the native kernel
 
@@ -48,7 +52,21 @@ class CpuAttentionBackend(AttentionBackend[CpuPlan]):
     def __init__(self, kernel: NativeDecode, num_heads: int) -> None:
         self.kernel = kernel
         self.num_heads = num_heads  # this rank's query heads
-        self.reference = TorchAttentionBackend()
+
+    @classmethod
+    def unsupported_reason(cls, shape: AttentionShape) -> str | None:
+        if shape.device.type != "cpu":
+            return f"the cpu backend runs on the CPU, not {shape.device.type}"
+        return kernel_unsupported_reason(
+            shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.page_size, shape.dtype
+        )
+
+    @classmethod
+    def create(cls, shape: AttentionShape) -> Self:
+        try:
+            return cls(load_native_decode(), shape.num_heads)
+        except KernelBuildError as error:
+            raise BackendUnavailableError(str(error)) from error
 
     def prepare(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> CpuPlan:
         layer_shape = tuple(kv_cache.shape[-5:])
@@ -99,7 +117,7 @@ class CpuAttentionBackend(AttentionBackend[CpuPlan]):
             assert native is not None
             return native.run(q, k, v, kv_cache, scale)
         if native is None:  # prompts only, or not fp32
-            return self.reference.forward(q, k, v, kv_cache, prompts, scale)
+            return paged_forward(q, k, v, kv_cache, prompts, scale)
         write_kv(k, v, kv_cache, prompts.slot_mapping, prompts.write_rows)
         out = torch.empty_like(q)
         tokens = plan.decode_tokens

@@ -1,12 +1,12 @@
 """FlashInfer paged attention on CUDA, behind the same interface as the torch backend.
 
 Per forward, `prepare` plans (host-side scheduling of the batch over the GPU) before the model
-runs, and every layer runs: a paged prefill wrapper (causal, over each sequence's cached prefix plus its new
-tokens) for batches with prompt tokens, a decode wrapper (tensor cores, for grouped-query
-attention) for decode-only batches. New K/V are written with the same scatter as the torch
-backend. The page layout [pages, 2, page_size, kv_heads, head_dim] per layer is FlashInfer's NHD
-layout. The calls sit inside the `paged_attention` custom op, so torch.compile never traces into
-FlashInfer.
+runs, and every layer runs: a paged prefill wrapper (causal, over each sequence's cached prefix
+plus its new tokens) for batches with prompt tokens, a decode wrapper (tensor cores, for
+grouped-query attention) for decode-only batches. New K/V are written with the same scatter as
+the torch backend (`attention/paged.py`). The page layout [pages, 2, page_size, kv_heads,
+head_dim] per layer is FlashInfer's NHD layout. The calls sit inside the `paged_attention` custom
+op, so torch.compile never traces into FlashInfer.
 
 CUDA graphs: one decode wrapper per captured batch size, built with `use_cuda_graph=True` over
 fixed int32 index buffers. `plan_graph` plans it on the host before the graph is captured and
@@ -17,32 +17,17 @@ scatter and `run()` are recorded (see docs/backends.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import torch
 
 from compiled_engine.attention.backend import AttentionBackend, AttentionShape
 from compiled_engine.attention.metadata import AttentionMetadata, GraphMetadata
-from compiled_engine.attention.torch_backend import kv_rows, write_kv
+from compiled_engine.attention.paged import kv_rows, write_kv
 
 WORKSPACE_BYTES = 128 << 20
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def flashinfer_unsupported_reason(head_dim: int, dtype: torch.dtype, device: torch.device) -> str | None:
-    """Why FlashInfer cannot run this model here, or None if it can."""
-    if device.type != "cuda":
-        return "FlashInfer needs a CUDA device"
-    try:
-        import flashinfer  # noqa: F401
-    except ImportError:
-        return "flashinfer is not installed (pip install 'compiled_engine[cuda]')"
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        return f"head_dim {head_dim} is not one of FlashInfer's {SUPPORTED_HEAD_DIMS}"
-    if dtype not in SUPPORTED_DTYPES:
-        return f"dtype {dtype} is not float16 or bfloat16"
-    return None
 
 
 def _page_counts(seq_lens: list[int], page_size: int) -> tuple[list[int], list[int], list[int]]:
@@ -112,6 +97,24 @@ class FlashInferAttentionBackend(AttentionBackend[FlashInferPlan]):
             self.workspace, "NHD", use_tensor_cores=self.num_heads != self.num_kv_heads
         )
         self.graph_wrappers: dict[int, Any] = {}  # captured batch size -> its decode wrapper
+
+    @classmethod
+    def unsupported_reason(cls, shape: AttentionShape) -> str | None:
+        if shape.device.type != "cuda":
+            return "FlashInfer needs a CUDA device"
+        try:
+            import flashinfer  # noqa: F401
+        except ImportError:
+            return "flashinfer is not installed (pip install 'compiled_engine[cuda]')"
+        if shape.head_dim not in SUPPORTED_HEAD_DIMS:
+            return f"head_dim {shape.head_dim} is not one of FlashInfer's {SUPPORTED_HEAD_DIMS}"
+        if shape.dtype not in SUPPORTED_DTYPES:
+            return f"dtype {shape.dtype} is not float16 or bfloat16"
+        return None
+
+    @classmethod
+    def create(cls, shape: AttentionShape) -> Self:
+        return cls(shape)
 
     def plan_graph(
         self, size: int, metadata: GraphMetadata, seq_lens: list[int], block_tables: list[list[int]]

@@ -27,10 +27,6 @@ class PrefixCacheStats:
     hit_tokens: int = 0
     evictions: int = 0
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
-
 
 class BlockManager:
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True) -> None:

@@ -23,9 +23,6 @@ class KVCacheSpec:
         element = torch.empty((), dtype=self.dtype).element_size()
         return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * element
 
-    def pages_for_budget(self, budget_bytes: int) -> int:
-        return budget_bytes // self.bytes_per_page
-
     def pages_for_tokens(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 

@@ -31,13 +31,14 @@ from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.engine.scheduler import Scheduler, SchedulerOutput
 from compiled_engine.engine.sequence import FinishReason, Sequence
 from compiled_engine.engine.step_inputs import logit_count
+from compiled_engine.engine.tp_worker import run_worker
 from compiled_engine.engine.verifier import Verifier
 from compiled_engine.errors import RequestError
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.packed_linear import packed_bytes
+from compiled_engine.model.shard import TPShard
 from compiled_engine.model.source import resolve_model_dir
 from compiled_engine.parallel.launch import TensorParallelGroup
-from compiled_engine.parallel.shard import TPShard
 from compiled_engine.parallel.threads import set_threads
 from compiled_engine.profiling import nvtx_range
 from compiled_engine.tokenizer import Tokenizer
@@ -82,7 +83,7 @@ class LLMEngine:
             return ModelRunner(model_dir, config, shared_pool=shared_pool, install_adapters=install_adapters)
         # Uneven head counts fail here, before any process starts or weight is read.
         TPShard(0, config.tensor_parallel_size).check(ModelConfig.from_model_dir(model_dir))
-        self.tensor_parallel = TensorParallelGroup.start(model_dir, config)
+        self.tensor_parallel = TensorParallelGroup.start(model_dir, config, run_worker)
         shard, mesh = self.tensor_parallel.shard, self.tensor_parallel.mesh
         return ModelRunner(model_dir, config, shard, mesh, shared_pool, install_adapters)
 

@@ -19,9 +19,10 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from compiled_engine.attention.backend import AttentionBackend, AttentionShape, get_backend
+from compiled_engine.attention.backend import AttentionBackend, AttentionShape
 from compiled_engine.attention.metadata import AttentionMetadata
 from compiled_engine.attention.op import attention_forward
+from compiled_engine.attention.selector import get_backend
 from compiled_engine.cache.kv_cache import KVCacheSpec
 from compiled_engine.cache_paths import compiled_dir, inductor_dir
 from compiled_engine.config import EngineConfig
@@ -35,9 +36,9 @@ from compiled_engine.engine.weight_loading import load_weights
 from compiled_engine.errors import ModelConfigError
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.llama import Transformer
+from compiled_engine.model.shard import NO_SHARD, TPShard
 from compiled_engine.parallel.distributed import broadcast_step
 from compiled_engine.parallel.plan import parallelize
-from compiled_engine.parallel.shard import NO_SHARD, TPShard
 from compiled_engine.profiling import nvtx_range
 
 logger = logging.getLogger(__name__)

@@ -177,7 +177,7 @@ class Sampler:
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
 
-        logits = self._apply_penalties(logits, batch)
+        logits = self._adjust_logits(logits, batch)
 
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -210,7 +210,9 @@ class Sampler:
         return SamplerOutput(token_ids=chosen, logprobs=out_logprobs)
 
     @staticmethod
-    def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def _adjust_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The logits after each row's grammar mask, logit bias, banned tokens and repetition,
+        presence and frequency penalties."""
         params, device = batch.params, logits.device
         masked = [(i, m) for i, m in enumerate(batch.allowed_tokens or []) if m is not None]
         if masked:
@@ -270,7 +272,7 @@ class Sampler:
         and for sampled rows after temperature, top-k, top-p and min-p (filtered tokens are -inf).
         A greedy row's choice is their argmax; a sampled row's distribution is their softmax
         (what speculative decoding's rejection sampling compares)."""
-        logits = self._apply_penalties(logits.float(), batch)
+        logits = self._adjust_logits(logits.float(), batch)
         sampled_rows = [i for i, p in enumerate(batch.params) if not p.greedy]
         if sampled_rows:
             logits = logits.clone()

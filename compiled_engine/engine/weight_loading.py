@@ -21,7 +21,7 @@ from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.gguf import gguf_file, load_gguf_model
 from compiled_engine.model.llama import Transformer
 from compiled_engine.model.loader import INDEX_FILE, SINGLE_FILE, load_model
-from compiled_engine.parallel.shard import NO_SHARD, TPShard
+from compiled_engine.model.shard import NO_SHARD, TPShard
 from compiled_engine.quantization.apply import QuantizationScheme, quantize_model
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from torch import nn
 
 from compiled_engine.attention.op import paged_attention
 from compiled_engine.model.config import ModelConfig, RopeConfig
-from compiled_engine.parallel.shard import NO_SHARD, TPShard
+from compiled_engine.model.shard import NO_SHARD, TPShard
 
 
 class Linear(nn.Module):

@@ -14,7 +14,7 @@ from torch import nn
 from compiled_engine.errors import ModelLoadError
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.llama import RotaryEmbedding, Transformer, checkpoint_layout
-from compiled_engine.parallel.shard import NO_SHARD, TPShard
+from compiled_engine.model.shard import NO_SHARD, TPShard
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

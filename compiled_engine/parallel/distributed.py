@@ -1,23 +1,25 @@
 """Process groups and the per-step broadcast for tensor parallelism.
 
 Rank 0 owns the scheduler, the tokenizer and the server. Each step it broadcasts what the step
-runs (`StepInputs`, plain lists); every rank builds the same tensors and runs the forward, whose
-row-parallel layers all-reduce; rank 0 alone computes logits and samples. gloo on CPU, NCCL on
-CUDA; every collective has a timeout, so a dead or hung rank is an error, never a hang.
+runs (the engine's `StepInputs`: plain lists; any picklable object goes); every rank builds the
+same tensors and runs the forward, whose row-parallel layers all-reduce; rank 0 alone computes
+logits and samples. gloo on CPU, NCCL on CUDA; every collective has a timeout, so a dead or hung
+rank is an error, never a hang.
 """
 
 from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from compiled_engine.engine.step_inputs import StepInputs
-
 DEFAULT_TIMEOUT_S = 60.0
+
+Step = TypeVar("Step")
 
 
 def init_tensor_parallel(
@@ -32,8 +34,9 @@ def init_tensor_parallel(
     return init_device_mesh(device.type, (size,))
 
 
-def broadcast_step(inputs: StepInputs | None) -> StepInputs | None:
-    """Rank 0 sends the step (None = stop); the other ranks receive it."""
-    box: list[StepInputs | None] = [inputs]
+def broadcast_step(step: Step | None) -> Step | None:
+    """Rank 0 sends the step, any picklable object (None = stop); the other ranks pass None and
+    receive it."""
+    box: list[Step | None] = [step]
     dist.broadcast_object_list(box, src=0)
     return box[0]

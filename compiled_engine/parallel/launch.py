@@ -2,9 +2,12 @@
 
 On one machine, rank 0 (the process that serves) spawns ranks 1..N-1 as child processes that
 rendezvous over TCP on loopback. Under `torchrun` (several machines, `env://` rendezvous), every
-process is started by torchrun: rank 0 runs the command as usual and the others run
-`run_worker`. A rank that dies makes the next step fail on rank 0 (the child is checked before
-every step, and collectives time out), so the engine reports itself dead instead of hanging.
+process is started by torchrun: rank 0 runs the command as usual and the others run the rank's
+entry point. That entry point (load the shard, run the broadcast steps) is the engine's
+(`engine/tp_worker.py`): rank 0 hands it to `TensorParallelGroup.start`, so this package knows
+nothing of the engine. A rank that dies makes the next step fail on rank 0 (the child is checked
+before every step, and collectives time out), so the engine reports itself dead instead of
+hanging.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import logging
 import multiprocessing
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -22,11 +26,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from compiled_engine.config import EngineConfig
 from compiled_engine.errors import EngineDeadError
+from compiled_engine.model.shard import TPShard
 from compiled_engine.parallel.distributed import init_tensor_parallel
-from compiled_engine.parallel.shard import TPShard
-from compiled_engine.parallel.threads import set_threads
 
 logger = logging.getLogger(__name__)
+
+# What a spawned rank runs: (rank, size, init_method, model_dir, config). A module-level function,
+# so that the spawn start method can send it to the child.
+RankEntry = Callable[[int, int, str, str, EngineConfig], None]
 
 
 def under_torchrun() -> bool:
@@ -48,8 +55,9 @@ class TensorParallelGroup:
     workers: list[BaseProcess] = field(default_factory=list)
 
     @classmethod
-    def start(cls, model_dir: Path, config: EngineConfig) -> TensorParallelGroup:
-        """Rank 0's side: spawn the other ranks (unless torchrun did) and join the group."""
+    def start(cls, model_dir: Path, config: EngineConfig, entry: RankEntry) -> TensorParallelGroup:
+        """Rank 0's side: spawn the other ranks, each running `entry` (unless torchrun did),
+        and join the group."""
         size = config.tensor_parallel_size
         device = config.resolved_device()
         if under_torchrun():
@@ -66,7 +74,7 @@ class TensorParallelGroup:
         workers: list[BaseProcess] = []
         for rank in range(1, size):
             worker = context.Process(
-                target=run_worker,
+                target=entry,
                 args=(rank, size, init_method, str(model_dir), config),
                 name=f"tp-rank-{rank}",
                 daemon=True,
@@ -98,16 +106,3 @@ class TensorParallelGroup:
                 worker.join()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def run_worker(rank: int, size: int, init_method: str, model_dir: str, config: EngineConfig) -> None:
-    """Ranks 1..N-1: load this rank's shard, then run every step rank 0 broadcasts."""
-    from compiled_engine.engine.model_runner import ModelRunner  # the runner imports this package
-    from compiled_engine.engine.tp_worker import serve_as_worker
-
-    set_threads(config)
-    mesh = init_tensor_parallel(rank, size, init_method, config.resolved_device(), config.distributed_timeout_s)
-    try:
-        serve_as_worker(ModelRunner(Path(model_dir), config, TPShard(rank, size), mesh))
-    finally:
-        dist.destroy_process_group()
