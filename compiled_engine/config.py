@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 import torch
@@ -16,7 +16,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 QUANTIZATIONS = ("none", "int8", "int4")
 SAMPLERS = ("torch", "flashinfer")
-SPECULATIVE_METHODS = ("ngram", "draft_model")
 DEFAULT_PAGE_SIZE = 16  # tokens per KV page
 
 
@@ -25,6 +24,9 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'` or
     `'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 3}'` on the command line,
     `LLM(speculative_config={...})` offline. EngineConfig holds it parsed (speculative/ runs it)."""
+
+    METHODS: ClassVar[tuple[str, ...]] = ("ngram", "draft_model")  # each a drafter (compiled_engine/features.py)
+    MODEL_METHODS: ClassVar[tuple[str, ...]] = ("draft_model",)  # the methods that take a "model"
 
     method: str
     num_speculative_tokens: int = 4  # draft tokens verified per sequence and step, at most
@@ -51,14 +53,15 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     adaptive_draft_length: bool = True
 
     def __post_init__(self) -> None:
-        if self.method not in SPECULATIVE_METHODS:
+        if self.method not in self.METHODS:
             raise ValueError(
-                f"speculative method {self.method!r} is not supported (yet); the methods are {', '.join(SPECULATIVE_METHODS)}"
+                f"speculative method {self.method!r} is not supported (yet); the methods are {', '.join(self.METHODS)}"
             )
-        if self.method == "draft_model" and not self.model:
-            raise ValueError('the draft_model method needs "model": the draft model\'s directory or GGUF file')
-        if self.method != "draft_model" and self.model is not None:
-            raise ValueError(f'"model" is for the draft_model method, not {self.method!r}')
+        takes_model = self.method in self.MODEL_METHODS
+        if takes_model and not self.model:
+            raise ValueError(f'the {self.method} method needs "model": the draft model\'s directory or GGUF file')
+        if not takes_model and self.model is not None:
+            raise ValueError(f'"model" is for the {" or ".join(self.MODEL_METHODS)} method, not {self.method!r}')
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -75,7 +78,7 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     def parse(cls, value: SpeculativeConfig | str | dict[str, Any] | None) -> SpeculativeConfig | None:
         """From the JSON text of `--speculative-config`, a dict (`LLM(speculative_config={...})`, as in
         vLLM) or a config; None stays None. A ValueError names what is wrong."""
-        if value is None or isinstance(value, SpeculativeConfig):
+        if value is None or isinstance(value, cls):
             return value
         try:
             data = json.loads(value) if isinstance(value, str) else value
@@ -144,12 +147,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
             raise ValueError("quantization_group_size needs quantization int8 or int4")
         if self.sampler is not None and self.sampler not in SAMPLERS:
             raise ValueError(f"sampler must be {' or '.join(SAMPLERS)}, got {self.sampler!r}")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError("LoRA adapters with tensor parallelism are not supported yet")
         # Parsed once, here: a bad one fails before any work.
         msgspec.structs.force_setattr(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
-        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
-            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         for name in (
             "page_size",
             "max_num_seqs",

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from torch._dynamo.utils import counters
 
 from compiled_engine import LLM, LoRARequest, SamplingParams
+from compiled_engine.config import EngineConfig
 from compiled_engine.errors import RequestError
 from compiled_engine.lora.adapter import LoRAError, load_adapter
 from compiled_engine.lora.layers import dense_lora_delta, reference_lora_delta, token_runs
@@ -640,3 +641,21 @@ def test_adapter_churn_under_load_leaks_no_pages_and_no_uses(
     for request_id, (name, prompt) in submitted.items():
         assert finished[request_id] == want[name][prompt], (name, prompt)
     assert finished[keeper][:NEW_TOKENS] == expected["first"][0]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"tensor_parallel_size": 2}, "LoRA adapters with tensor parallelism are not supported yet"),
+        ({"max_loras": 3, "max_cpu_loras": 2}, r"max_cpu_loras \(2\) must be at least max_loras \(3\)"),
+    ],
+)
+def test_options_lora_cannot_run_with_are_refused_before_any_work(
+    tiny_model_factory: Callable[..., Path], options: dict[str, Any], message: str
+) -> None:
+    """Refused while the features are planned: no process started, no weight read."""
+    from compiled_engine.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(model=str(tiny_model_factory("llama")), enable_lora=True, enforce_eager=True, **options)
+    with pytest.raises(ValueError, match=message):
+        LLMEngine(config)

@@ -35,22 +35,12 @@ class SpeculativeStats:
         self.drafts += 1
         self.draft_tokens += num_draft
         self.accepted_tokens += num_accepted
-        if len(self.accepted_at) < num_draft:
-            self.accepted_at.extend([0] * (num_draft - len(self.accepted_at)))
+        self.accepted_at.extend([0] * (num_draft - len(self.accepted_at)))  # nothing when long enough
         for i in range(num_accepted):
             self.accepted_at[i] += 1
 
     def copy(self) -> SpeculativeStats:
         return SpeculativeStats(self.drafts, self.draft_tokens, self.accepted_tokens, list(self.accepted_at))
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens a verifying step gives a sequence on average: its accepted drafts plus one."""
-        return 1 + self.accepted_tokens / self.drafts if self.drafts else 0.0
 
 
 DraftProbs = dict[int, torch.Tensor]  # seq id -> the distributions [k, vocab] its k draft tokens were drawn from

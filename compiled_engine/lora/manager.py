@@ -156,6 +156,11 @@ class LoRAPlan:
     `max_lora_rank` in every layer, then the manager over those slots."""
 
     def __init__(self, config: EngineConfig) -> None:
+        """Refuses, before any work, options LoRA cannot run with."""
+        if config.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters with tensor parallelism are not supported yet")
+        if config.max_cpu_loras is not None and config.max_cpu_loras < config.max_loras:
+            raise ValueError(f"max_cpu_loras ({config.max_cpu_loras}) must be at least max_loras ({config.max_loras})")
         self.config = config
 
     def install(

@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from compiled_engine.engine.async_engine import AsyncEngine
+from compiled_engine.engine.drafting import SpeculativeStats
 from compiled_engine.engine.outputs import RequestOutput
 from compiled_engine.engine.sequence import FinishReason
 from compiled_engine.server.vllm_metrics import VllmMetrics, finish_reasons
@@ -87,12 +88,12 @@ class _EngineCollector(Collector):
             yield GaugeMetricFamily(
                 "compiled_engine_spec_decode_acceptance_rate",
                 "Accepted over verified draft tokens",
-                spec.acceptance_rate,
+                acceptance_rate(spec),
             )
             yield GaugeMetricFamily(
                 "compiled_engine_spec_decode_mean_acceptance_length",
                 "Tokens a verifying step gives a sequence on average (accepted drafts plus one)",
-                spec.mean_acceptance_length,
+                mean_acceptance_length(spec),
             )
 
 
@@ -197,3 +198,12 @@ class ServerMetrics:
                 self.requests.labels(path, str(status)).inc()
 
         return count
+
+
+def acceptance_rate(spec: SpeculativeStats) -> float:
+    return spec.accepted_tokens / spec.draft_tokens if spec.draft_tokens else 0.0
+
+
+def mean_acceptance_length(spec: SpeculativeStats) -> float:
+    """Tokens a verifying step gives a sequence on average: its accepted drafts plus one."""
+    return 1 + spec.accepted_tokens / spec.drafts if spec.drafts else 0.0
