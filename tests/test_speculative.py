@@ -17,7 +17,7 @@ import torch
 
 from compiled_engine import LLM, SamplingParams
 from compiled_engine.config import EngineConfig, SpeculativeConfig
-from compiled_engine.engine.drafting import SpeculativeStats
+from compiled_engine.speculative.drafts import SpeculativeStats
 from compiled_engine.speculative.ngram import propose_ngram
 
 # No batch-size limit: the tests batch up to 40 speculating sequences.

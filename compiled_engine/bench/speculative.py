@@ -76,10 +76,11 @@ def bench_speculative_runs(
         ("concurrent", concurrent, _all_at_once),
     ]
     for name, workload, run in runs:
-        before = spec.speculative_stats.copy()
+        before = spec.drafter.snapshot()
         figures[f"{name}_off"] = run(plain, workload)
         figures[f"{name}_on"] = run(spec, workload)
-        after = spec.speculative_stats
+        after = spec.drafter.snapshot()
+        assert before is not None and after is not None  # the engine speculates
         drafted = after.draft_tokens - before.draft_tokens
         accepted = after.accepted_tokens - before.accepted_tokens
         drafts = after.drafts - before.drafts
@@ -87,5 +88,7 @@ def bench_speculative_runs(
         figures[f"{name}_acceptance_rate"] = accepted / drafted if drafted else 0.0
         figures[f"{name}_mean_acceptance_length"] = 1 + accepted / drafts if drafts else 0.0
         figures[f"{name}_draft_tokens"] = drafted
-    figures["accepted_per_position"] = list(spec.speculative_stats.accepted_at)
+    final = spec.drafter.snapshot()
+    assert final is not None
+    figures["accepted_per_position"] = list(final.accepted_at)
     return figures

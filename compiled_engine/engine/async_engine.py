@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from compiled_engine.engine.adapters import AdapterRequest, AdapterStats
-from compiled_engine.engine.drafting import SpeculativeStats
+from compiled_engine.engine.drafting import DraftStats
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.outputs import RequestOutput
 from compiled_engine.engine.sampling_params import SamplingParams
@@ -77,7 +77,7 @@ class EngineStats:
     prefix_hit_tokens: int
     lora_loaded: int = 0  # adapters the engine holds
     lora_resident: int = 0  # of those, in device slots
-    speculative: SpeculativeStats | None = None  # a copy of the engine's, when it speculates
+    speculative: DraftStats | None = None  # a copy of the engine's, when it speculates
     num_preemptions: int = 0
     aborted_requests: int = 0  # requests ended by an abort before they finished
     lora_max: int | None = None  # adapter slots (None: no adapters)

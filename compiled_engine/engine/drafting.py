@@ -11,7 +11,6 @@ is built (engine/features.py); without speculation it is `NoDrafter`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -22,32 +21,23 @@ if TYPE_CHECKING:
     from compiled_engine.engine.model_runner import ModelRunner
 
 
-@dataclass
-class SpeculativeStats:
-    """Counts since the engine started."""
+class DraftStats(Protocol):
+    """How the drafts fared since the engine started (a drafter's counts; speculative/drafts.py)."""
 
-    drafts: int = 0  # sequence-steps that verified a draft
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    accepted_at: list[int] = field(default_factory=list)  # [i]: drafts whose token i stood
-
-    def record(self, num_draft: int, num_accepted: int) -> None:
-        self.drafts += 1
-        self.draft_tokens += num_draft
-        self.accepted_tokens += num_accepted
-        self.accepted_at.extend([0] * (num_draft - len(self.accepted_at)))  # nothing when long enough
-        for i in range(num_accepted):
-            self.accepted_at[i] += 1
-
-    def copy(self) -> SpeculativeStats:
-        return SpeculativeStats(self.drafts, self.draft_tokens, self.accepted_tokens, list(self.accepted_at))
+    drafts: int  # sequence-steps that verified a draft
+    draft_tokens: int
+    accepted_tokens: int
+    accepted_at: list[int]  # [i]: drafts whose token i stood
 
 
 DraftProbs = dict[int, torch.Tensor]  # seq id -> the distributions [k, vocab] its k draft tokens were drawn from
 
 
 class Drafter(Protocol):
-    stats: SpeculativeStats
+    @property
+    def stats(self) -> DraftStats | None:
+        """Its counts since the engine started; None: it never drafts."""
+        ...
 
     @property
     def runners(self) -> list[ModelRunner]:
@@ -67,7 +57,7 @@ class Drafter(Protocol):
         """After a verify of `seq`'s `num_draft` tokens, of which `num_accepted` stood."""
         ...
 
-    def snapshot(self) -> SpeculativeStats | None:
+    def snapshot(self) -> DraftStats | None:
         """A copy of the counts for metrics; None when the engine does not speculate."""
         ...
 
@@ -75,8 +65,9 @@ class Drafter(Protocol):
 class NoDrafter:
     """No speculation: no sequence ever gets a draft."""
 
-    def __init__(self) -> None:
-        self.stats = SpeculativeStats()
+    @property
+    def stats(self) -> DraftStats | None:
+        return None
 
     @property
     def runners(self) -> list[ModelRunner]:
@@ -91,5 +82,5 @@ class NoDrafter:
     def record(self, seq: Sequence, num_draft: int, num_accepted: int) -> None:
         pass
 
-    def snapshot(self) -> SpeculativeStats | None:
+    def snapshot(self) -> DraftStats | None:
         return None

@@ -18,7 +18,7 @@ import uuid
 from compiled_engine.cache.block_manager import BlockManager
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine.adapters import AdapterInstall, AdapterRequest
-from compiled_engine.engine.drafting import SpeculativeStats
+from compiled_engine.engine.drafting import DraftStats
 from compiled_engine.engine.features import plan_features
 from compiled_engine.engine.memory_budget import return_freed_heap
 from compiled_engine.engine.model_runner import ModelRunner, SharedPool
@@ -92,7 +92,7 @@ class LLMEngine:
         return self.runner.max_model_len
 
     @property
-    def speculative_stats(self) -> SpeculativeStats:
+    def speculative_stats(self) -> DraftStats | None:
         return self.drafter.stats
 
     @functools.cached_property

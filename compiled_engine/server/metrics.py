@@ -10,7 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from compiled_engine.engine.async_engine import AsyncEngine
-from compiled_engine.engine.drafting import SpeculativeStats
+from compiled_engine.engine.drafting import DraftStats
 from compiled_engine.engine.outputs import RequestOutput
 from compiled_engine.engine.sequence import FinishReason
 from compiled_engine.server.vllm_metrics import VllmMetrics, finish_reasons
@@ -200,10 +200,10 @@ class ServerMetrics:
         return count
 
 
-def acceptance_rate(spec: SpeculativeStats) -> float:
+def acceptance_rate(spec: DraftStats) -> float:
     return spec.accepted_tokens / spec.draft_tokens if spec.draft_tokens else 0.0
 
 
-def mean_acceptance_length(spec: SpeculativeStats) -> float:
+def mean_acceptance_length(spec: DraftStats) -> float:
     """Tokens a verifying step gives a sequence on average: its accepted drafts plus one."""
     return 1 + spec.accepted_tokens / spec.drafts if spec.drafts else 0.0

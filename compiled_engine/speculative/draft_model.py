@@ -30,7 +30,7 @@ import torch
 
 from compiled_engine.cache.kv_cache import KVCacheSpec
 from compiled_engine.config import EngineConfig, SpeculativeConfig
-from compiled_engine.engine.drafting import DraftProbs, SpeculativeStats
+from compiled_engine.engine.drafting import DraftProbs
 from compiled_engine.engine.model_runner import ModelRunner, SharedPool
 from compiled_engine.engine.sampler import Sampler, SamplingBatch, gumbel_noise
 from compiled_engine.engine.sequence import Sequence
@@ -38,7 +38,7 @@ from compiled_engine.engine.step_inputs import StepInputs
 from compiled_engine.errors import ModelConfigError
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.source import resolve_model_dir
-from compiled_engine.speculative.drafts import propose_drafts, record_verify
+from compiled_engine.speculative.drafts import SpeculativeStats, propose_drafts, record_verify
 from compiled_engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

@@ -14,15 +14,47 @@ speculation.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from compiled_engine.config import EngineConfig, SpeculativeConfig
-from compiled_engine.engine.drafting import DraftProbs, SpeculativeStats
+from compiled_engine.engine.drafting import DraftProbs
 from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.engine.sequence import Sequence
 from compiled_engine.speculative.ngram import propose_ngram
 
 DraftOf = Callable[[SpeculativeConfig, Sequence, int], list[int]]  # a sequence's draft of at most k tokens
+
+
+@dataclass
+class SpeculativeStats:
+    """Counts since the engine started."""
+
+    drafts: int = 0  # sequence-steps that verified a draft
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_at: list[int] = field(default_factory=list)  # [i]: drafts whose token i stood
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        self.drafts += 1
+        self.draft_tokens += num_draft
+        self.accepted_tokens += num_accepted
+        if len(self.accepted_at) < num_draft:
+            self.accepted_at.extend([0] * (num_draft - len(self.accepted_at)))
+        for i in range(num_accepted):
+            self.accepted_at[i] += 1
+
+    def copy(self) -> SpeculativeStats:
+        return SpeculativeStats(self.drafts, self.draft_tokens, self.accepted_tokens, list(self.accepted_at))
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verifying step gives a sequence on average: its accepted drafts plus one."""
+        return 1 + self.accepted_tokens / self.drafts if self.drafts else 0.0
 
 
 def ngram_draft(config: SpeculativeConfig, seq: Sequence, k: int) -> list[int]:
