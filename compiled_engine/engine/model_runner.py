@@ -3,8 +3,9 @@ of (sequence, new-token count) into input tensors and the backend's plan, runs t
 returns each sequence's next-token logits.
 
 Construction is a sequence of named steps, in the order they depend on each other: choose the
-attention backend, load (and with tensor parallelism shard) the weights, compile and warm up,
-size and allocate the KV pool, capture the decode CUDA graphs.
+attention backend, load (and with tensor parallelism shard) the weights, install the products'
+kernels and the LoRA slots (products/walk.py), compile and warm up, size and allocate the KV
+pool, capture the decode CUDA graphs.
 """
 
 from __future__ import annotations
@@ -32,12 +33,12 @@ from compiled_engine.engine.precompiled import artifact_dir, model_signature
 from compiled_engine.engine.step_inputs import ScheduledBatch, StepInputs
 from compiled_engine.engine.weight_loading import load_weights
 from compiled_engine.errors import ModelConfigError
-from compiled_engine.lora.layers import install_lora
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.llama import Transformer
 from compiled_engine.parallel.distributed import broadcast_step
 from compiled_engine.parallel.plan import parallelize
 from compiled_engine.parallel.shard import NO_SHARD, TPShard
+from compiled_engine.products.walk import LoRASpec, install_products
 from compiled_engine.profiling import nvtx_range
 
 logger = logging.getLogger(__name__)
@@ -81,10 +82,8 @@ class ModelRunner:
         )
         self.backend = self._choose_backend(config)
         self.model = self._load(model_dir, config, mesh)
-        self.lora_slots = (
-            install_lora(
-                self.model,
-                self.model_config,
+        lora = (
+            LoRASpec(
                 config.max_loras,
                 config.max_lora_rank,
                 max(config.max_num_batched_tokens, WARM_UP_TOKENS, MAX_CAPTURE_SIZE),
@@ -93,6 +92,7 @@ class ModelRunner:
             if config.enable_lora
             else None
         )
+        self.lora_slots = install_products(self.model, not config.resolved_enforce_eager(), lora)
         self.forward, self.compile_seconds = self._compile_and_warm_up(config)
         # With tensor parallelism every rank captures the same sizes in the same order and replays
         # the same padded size each step (`execute`), so the all-reduces match.
