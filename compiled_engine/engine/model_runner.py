@@ -33,12 +33,13 @@ from compiled_engine.engine.precompiled import artifact_dir, model_signature
 from compiled_engine.engine.step_inputs import ScheduledBatch, StepInputs
 from compiled_engine.engine.weight_loading import load_weights
 from compiled_engine.errors import ModelConfigError
+from compiled_engine.lora.layers import LoRASpec
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.llama import Transformer
 from compiled_engine.parallel.distributed import broadcast_step
 from compiled_engine.parallel.plan import parallelize
 from compiled_engine.parallel.shard import NO_SHARD, TPShard
-from compiled_engine.products.walk import LoRASpec, install_products
+from compiled_engine.products.walk import install_products
 from compiled_engine.profiling import nvtx_range
 
 logger = logging.getLogger(__name__)

@@ -317,6 +317,24 @@ class LoRASlots:
         self.token_slots[:tokens].copy_(torch.tensor(per_token, dtype=torch.int64))
 
 
+@dataclass(frozen=True)
+class LoRASpec:
+    """The adapter slots to install: `slots` of rank up to `max_rank`, in `dtype` (the
+    activations'), for forwards of up to `max_tokens` tokens."""
+
+    slots: int
+    max_rank: int
+    max_tokens: int
+    dtype: torch.dtype
+
+
+def install_lora_slots(model: Transformer, spec: LoRASpec | None) -> LoRASlots | None:
+    """The product walk's last step (products/walk.py): the slots `spec` asks for, or none."""
+    if spec is None:
+        return None
+    return install_lora(model, model.config, spec.slots, spec.max_rank, spec.max_tokens, spec.dtype)
+
+
 def install_lora(
     model: Transformer, config: ModelConfig, num_slots: int, max_rank: int, max_tokens: int, dtype: torch.dtype
 ) -> LoRASlots:

@@ -15,26 +15,12 @@ compilation after it (engine/compilation.py wraps each decoder layer for its com
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
 from torch import nn
 
-from compiled_engine.lora.layers import LoRASlots, install_lora
+from compiled_engine.lora.layers import LoRASlots, LoRASpec, install_lora_slots
 from compiled_engine.model.llama import Transformer
 from compiled_engine.model.packed_linear import BlockedEmbedding, CpuLinear
 from compiled_engine.products.table import Product, kernel_for
-
-
-@dataclass(frozen=True)
-class LoRASpec:
-    """The adapter slots to install: `slots` of rank up to `max_rank`, in `dtype`, for forwards
-    of up to `max_tokens` tokens."""
-
-    slots: int
-    max_rank: int
-    max_tokens: int
-    dtype: torch.dtype
 
 
 def install_products(model: Transformer, compiled: bool, lora: LoRASpec | None = None) -> LoRASlots | None:
@@ -44,9 +30,7 @@ def install_products(model: Transformer, compiled: bool, lora: LoRASpec | None =
     install_kernels(model, compiled)
     if tied:
         _tie_embedding(model)
-    if lora is None:
-        return None
-    return install_lora(model, model.config, lora.slots, lora.max_rank, lora.max_tokens, lora.dtype)
+    return install_lora_slots(model, lora)
 
 
 def install_kernels(model: nn.Module, compiled: bool) -> None:
