@@ -23,7 +23,6 @@ from compiled_engine.cache_paths import CACHE_ENV, INDUCTOR_CACHE_ENV
 from compiled_engine.config import ENFORCE_EAGER_ENV, EngineConfig
 from compiled_engine.engine.compilation import (
     CompiledForward,
-    CpuLinear,
     use_compile_cache,
 )
 from compiled_engine.engine.llm_engine import LLMEngine
@@ -32,6 +31,7 @@ from compiled_engine.engine.precompiled import PrecompiledFunction, artifact_dir
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.engine.step_inputs import StepInputs
 from compiled_engine.model import packed_linear
+from compiled_engine.model.packed_linear import CpuLinear
 from compiled_engine.prompts import DEFAULT_PROMPTS
 from tests.onednn_layout import packs_as_one_copy
 from tests.server_process import running_server

@@ -27,12 +27,14 @@ from compiled_engine.attention.metadata import AttentionMetadata
 from compiled_engine.attention.op import attention_forward
 from compiled_engine.attention.torch_backend import TorchAttentionBackend
 from compiled_engine.errors import ModelLoadError, ModelSourceError
-from compiled_engine.model import gguf as gguf_module
+from compiled_engine.model import gguf_dir as gguf_module
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.default_model import GGUF_NAME, default_model_dir
-from compiled_engine.model.gguf import gguf_file, load_gguf_model, prepare_gguf_dir, read_gguf_header
+from compiled_engine.model.gguf import gguf_file, read_gguf_header
+from compiled_engine.model.gguf_dir import prepare_gguf_dir
 from compiled_engine.model.llama import Linear, Transformer, checkpoint_layout, rope_inverse_frequencies
 from compiled_engine.model.source import resolve_model_dir
+from compiled_engine.quantization.gguf import load_gguf_model
 from compiled_engine.quantization.modules import QuantizedEmbedding, QuantizedLinear
 from compiled_engine.tokenizer import Tokenizer
 

@@ -16,13 +16,14 @@ import torch
 import torch.nn.functional as F
 
 from compiled_engine.config import EngineConfig
-from compiled_engine.engine.compilation import BlockedEmbedding, CpuLinear
 from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.engine.step_inputs import StepInputs
 from compiled_engine.model import packed_linear as packing
 from compiled_engine.model.llama import Linear
 from compiled_engine.model.packed_linear import (
     BLOCK_WIDTHS,
+    BlockedEmbedding,
+    CpuLinear,
     block,
     blocked_gemv_operator,
     blocked_rows,

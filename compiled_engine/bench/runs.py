@@ -12,11 +12,11 @@ import torch
 from compiled_engine.bench.hf_baseline import hf_generate_seconds, hf_generate_token_times
 from compiled_engine.bench.serving import RequestRecord
 from compiled_engine.bench.workload import Workload
-from compiled_engine.engine.compilation import BlockedEmbedding, CpuLinear
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.outputs import RequestOutput
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.lora.manager import LoRARequest
+from compiled_engine.model.packed_linear import BlockedEmbedding, CpuLinear
 from compiled_engine.quantization.modules import QuantizedEmbedding, QuantizedLinear
 
 

@@ -1,4 +1,4 @@
-"""How the model runs: eager (the plain reference), or compiled with the CPU products swapped in.
+"""How the model runs: eager (the plain reference), or compiled.
 
 Compiled, every decoder layer runs one compiled code object (its weights are graph inputs, not
 constants), so compile time is that of one layer, and the token count is the one dynamic
@@ -15,15 +15,11 @@ dimension. Attention is an opaque operator (attention/op.py) inside it. Two ways
 The page count of the pool is dynamic too (the warm-up's scratch cache and the real pool share
 the graphs).
 
-The model file stays plain; what the compiled CPU path needs is applied here, from outside:
-- `CpuLinear` (a module swap of every `Linear`) holds its fp32 weight once, as oneDNN's packed
-  copy (model/packed_linear.py): products of up to four rows (decode) run a native kernel over
-  that copy, which streams it at close to memory bandwidth, and products of more rows oneDNN's
-  GEMM. A tied embedding reads its rows from the head's packed copy (`BlockedEmbedding`). Where
-  the packed copy cannot be read that way (another layout, no compiler), the dense weight stays
-  beside it: one token's product is then a multiply-and-sum over each weight row, which Inductor
-  turns into one vectorised loop split across cores by output row, and the head's one-row
-  product is compiled on its own.
+Both ways go through `CompiledBlock`, a module put in each decoder layer's place (`setattr` on
+the layer list) that holds the layer. How each product runs (the packed CPU kernel, the
+quantized kernels, LoRA) is decided before, by the product walk (products/walk.py): this module
+only compiles. Where a CPU head keeps its dense weight (its packed copy cannot be read in its
+blocked layout, or the head is quantized), its one-row product is compiled on its own.
 Tensor-parallel (DTensor) weights keep the plain Linear, and every step runs the layers compiled
 one by one (nested compile regions do not take DTensor yet).
 """
@@ -39,15 +35,14 @@ from typing import Any
 
 import torch
 import torch._inductor.config
-import torch.nn.functional as F
 from torch import nn
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from torch.distributed.tensor import DTensor
 
 from compiled_engine.cache_paths import INDUCTOR_CACHE_ENV
 from compiled_engine.engine.precompiled import PrecompiledFunction
-from compiled_engine.model.llama import Linear, Transformer, TransformerBlock
-from compiled_engine.model.packed_linear import blocked_rows, can_pack, pack, packed_linear
+from compiled_engine.model.llama import Transformer, TransformerBlock
+from compiled_engine.model.packed_linear import CpuLinear
 
 logger = logging.getLogger(__name__)
 
@@ -65,47 +60,6 @@ def use_compile_cache(cache_dir: Path) -> Path:
     return cache_dir
 
 
-class CpuLinear(Linear):
-    """Linear for the compiled CPU model. With its weight packed as one copy (`blocked`, see
-    model/packed_linear.py): up to four rows through the native kernel, more through oneDNN, both
-    reading that copy. Otherwise one row as a multiply-and-sum (compiled only: eager it would
-    materialise the products), several rows through the weight's packed copy when it has one."""
-
-    blocked: torch.Tensor | None  # a buffer set by the swap (`_swap_in_cpu_linear`); with it, `weight` is gone
-    packed: bool = False  # a packed copy beside the dense weight (the two-copy fallback)
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__(in_features, out_features, bias)  # modules swapped in skip this
-        self.register_buffer("blocked", None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.blocked is not None:
-            if x.shape[0] == 1:
-                y: torch.Tensor = torch.ops.compiled_engine.blocked_gemv_f32(x, self.blocked, self.bias)
-                return y
-            return packed_linear(x, self.blocked, self.bias)
-        if x.shape[0] == 1 and torch.compiler.is_compiling():
-            y = (x[:, None, :] * self.weight[None]).sum(-1)
-            return y + self.bias if self.bias is not None else y
-        if self.packed:
-            return packed_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
-
-    def extra_repr(self) -> str:
-        layout = "packed, one copy" if self.blocked is not None else "packed beside dense" if self.packed else "dense"
-        return layout
-
-
-class BlockedEmbedding(nn.Embedding):
-    """The embedding of a tied head whose table became the head's packed copy: a lookup reads its
-    rows from the blocked view (model/packed_linear.py), so the dense table can go."""
-
-    blocked: torch.Tensor
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return blocked_rows(self.blocked, input_ids)
-
-
 @torch.compiler.nested_compile_region
 def _decoder_layer(
     layer: TransformerBlock, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor
@@ -120,19 +74,23 @@ COMPILE_OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {"size_asser
 
 # Each compiled layer's entry (`CompiledForward.compiled_layer`, one for all a model's layers). It
 # is kept here, not as a module attribute, because a saved trace pickles the modules' attributes.
-_LAYER_ENTRIES: weakref.WeakKeyDictionary[TransformerBlock, PrecompiledFunction] = weakref.WeakKeyDictionary()
+_LAYER_ENTRIES: weakref.WeakKeyDictionary[CompiledBlock, PrecompiledFunction] = weakref.WeakKeyDictionary()
 
 
-class CompiledBlock(TransformerBlock):
-    """A decoder layer of the compiled model. Traced inside the whole forward (one-token steps):
-    the nested region every layer shares. Called eagerly (steps of several tokens, tensor
-    parallelism): the layer compiled on its own, one code object for every layer (their weights
-    are graph inputs, not constants)."""
+class CompiledBlock(nn.Module):
+    """A decoder layer of the compiled model, in the layer's place. Traced inside the whole
+    forward (one-token steps): the nested region every layer shares. Called eagerly (steps of
+    several tokens, tensor parallelism): the layer compiled on its own, one code object for every
+    layer (their weights are graph inputs, not constants)."""
+
+    def __init__(self, layer: TransformerBlock) -> None:
+        super().__init__()
+        self.layer = layer
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            return _decoder_layer(self, x, cos, sin, kv_cache)
-        out: torch.Tensor = _LAYER_ENTRIES[self](self, x, cos, sin, kv_cache)
+            return _decoder_layer(self.layer, x, cos, sin, kv_cache)
+        out: torch.Tensor = _LAYER_ENTRIES[self](self.layer, x, cos, sin, kv_cache)
         return out
 
 
@@ -162,7 +120,9 @@ class ModelForward:
 
 class CompiledForward(ModelForward):
     """One-token steps (batch-1 decode) as one compiled entry for the whole forward; steps of
-    more tokens through the layers compiled one by one; on CPU also the head's one-row product."""
+    more tokens through the layers compiled one by one; on CPU also the head's one-row product,
+    unless the head's packed copy runs it natively. The model's products are already the
+    kernels the product walk installed (products/walk.py)."""
 
     compiled = True
 
@@ -175,9 +135,7 @@ class CompiledForward(ModelForward):
         # model in the process with another head_dim must recompile, not trace the scale as a
         # symbolic float, which the attention operator's schema cannot take.
         torch._dynamo.config.specialize_float = True
-        on_cpu = model.lm_head.weight.device.type == "cpu"
-        if on_cpu:
-            _pack_cpu_weights(model)
+        on_cpu = model.norm.weight.device.type == "cpu"
         # Tensor parallelism: torch's nested compile regions have no rule for DTensor's
         # functional tensors yet, so there every step runs the layers compiled one by one; and
         # DTensor traces are not saved.
@@ -191,10 +149,11 @@ class CompiledForward(ModelForward):
         self.compiled_layer = PrecompiledFunction(
             TransformerBlock.forward, saved("layer.bin"), _LAYER_DYNAMIC_DIMS, options=COMPILE_OPTIONS
         )
-        for layer in model.layers:
+        for index, layer in enumerate(model.layers):
             assert isinstance(layer, TransformerBlock)
-            layer.__class__ = CompiledBlock
-            _LAYER_ENTRIES[layer] = self.compiled_layer
+            block = CompiledBlock(layer)
+            model.layers[index] = block
+            _LAYER_ENTRIES[block] = self.compiled_layer
         self.one_token_forward = (
             None
             if tensor_parallel
@@ -231,38 +190,3 @@ class CompiledForward(ModelForward):
 
 def model_forward(model: Transformer, compiled: bool, saved_dir: Path | None = None) -> ModelForward:
     return CompiledForward(model, saved_dir) if compiled else ModelForward(model)
-
-
-def _swap_in_cpu_linear(linear: Linear) -> None:
-    """Make `linear` a CpuLinear, with a packed weight where oneDNN can run it (fp32, not
-    tensor-parallel): its one copy when `pack` gives a blocked view, else a copy beside the dense
-    weight. DTensor weights stay plain: their products are sharded by DTensor."""
-    if isinstance(linear.weight, DTensor):
-        return
-    linear.__class__ = CpuLinear
-    assert isinstance(linear, CpuLinear)
-    linear.register_buffer("blocked", None)
-    if not can_pack(linear.weight):
-        return
-    held = pack(linear.weight)
-    if held.dim() == 3:
-        del linear.weight
-        linear.blocked = held
-    else:
-        linear.packed = True
-
-
-def _pack_cpu_weights(model: Transformer) -> None:
-    """Swap in CpuLinear for every Linear (packing their weights); when the head is tied to the
-    embedding and its table became one packed copy, the embedding reads that copy too."""
-    tied = model.lm_head.weight is model.embed_tokens.weight
-    for module in list(model.modules()):
-        if isinstance(module, Linear):
-            _swap_in_cpu_linear(module)
-    head = model.lm_head
-    if tied and isinstance(head, CpuLinear) and head.blocked is not None:
-        embedding = model.embed_tokens
-        embedding.__class__ = BlockedEmbedding
-        assert isinstance(embedding, BlockedEmbedding)
-        del embedding.weight
-        embedding.register_buffer("blocked", head.blocked)

@@ -3,8 +3,9 @@ of (sequence, new-token count) into input tensors and the backend's plan, runs t
 returns each sequence's next-token logits.
 
 Construction is a sequence of named steps, in the order they depend on each other: choose the
-attention backend, load (and with tensor parallelism shard) the weights, compile and warm up,
-size and allocate the KV pool, capture the decode CUDA graphs.
+attention backend, load (and with tensor parallelism shard) the weights, install the products'
+kernels and the LoRA slots (products/walk.py), compile and warm up, size and allocate the KV
+pool, capture the decode CUDA graphs.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from compiled_engine.model.llama import Transformer
 from compiled_engine.model.shard import NO_SHARD, TPShard
 from compiled_engine.parallel.distributed import broadcast_step
 from compiled_engine.parallel.plan import parallelize
+from compiled_engine.products.walk import install_products
 from compiled_engine.profiling import nvtx_range
 
 logger = logging.getLogger(__name__)
@@ -85,6 +87,7 @@ class ModelRunner:
         )
         self.backend = self._choose_backend(config)
         self.model = self._load(model_dir, config, mesh)
+        install_products(self.model, not config.resolved_enforce_eager())
         max_tokens = max(config.max_num_batched_tokens, WARM_UP_TOKENS, MAX_CAPTURE_SIZE)
         self.adapter_slots = install_adapters(self.model, self.model_config, max_tokens, self.dtype)
         self.forward, self.compile_seconds = self._compile_and_warm_up(config)

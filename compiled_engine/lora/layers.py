@@ -19,10 +19,14 @@ run as vector loops on every thread, more (prefill) as two small products per sl
 (contiguous runs, or one gather), never a per-token gather of whole adapter matrices; on CUDA
 `dense_lora_delta`, two products over every slot with the other slots' columns masked to zero,
 which needs no host decision and so captures into a graph. Both are tested against
-`reference_lora_delta`. A quantized product (a GGUF model's) runs with its delta as one native
-operator, `quantized_lora_linear_f32`, which saves an operator call, a zeroed delta and a sum per
-product; up to 32 tokens it runs the product's strips and the slots' rank rows in one parallel
-region, each thread reading its share of A and B front to back.
+`reference_lora_delta`.
+
+`LoRALinear` wraps whatever kernel the product table installed (products/table.py), and asks it
+nothing of its kind: a kernel with an operator of its own for its product plus the delta says so
+(`fuses_lora`) and runs it (`lora_forward`). The quantized kernel (a GGUF model's) does, with
+`quantized_lora_linear_f32` (declared here, beside its C++ kernel), which saves an operator call,
+a zeroed delta and a sum per product; up to 32 tokens it runs the product's strips and the slots'
+rank rows in one parallel region, each thread reading its share of A and B front to back.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -41,8 +46,7 @@ from compiled_engine.lora.adapter import PRODUCTS, LoRAAdapter, product_shapes
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.llama import Transformer
 from compiled_engine.native_build import KernelBuildError, TorchOperatorLibrary
-from compiled_engine.quantization.modules import QuantizedLinear
-from compiled_engine.quantization.ops import KERNEL_MAX_ROWS, reference_linear
+from compiled_engine.quantization.ops import reference_linear
 
 logger = logging.getLogger(__name__)
 
@@ -212,10 +216,16 @@ def native_lora_kernel() -> bool:
     return True
 
 
+class FusesLoRA(Protocol):
+    """A kernel that runs its product and the adapters' delta as one operator (CPU, fp32, 2-D)."""
+
+    def lora_forward(self, x: torch.Tensor, lora: LoRALinear) -> torch.Tensor: ...
+
+
 class LoRALinear(nn.Module):
-    """A product with adapter slots: base(x) plus each token's adapter delta. A quantized base
-    product with its native operator runs with the delta as one operator call
-    (`quantized_lora_linear_f32`) when the LoRA kernel is native too.
+    """A product with adapter slots: base(x) plus each token's adapter delta. A base kernel with
+    an operator of its own for both (`fuses_lora`, `lora_forward`: the quantized kernel's) runs
+    that instead, when the LoRA kernel is native too.
 
     The slots (`lora_a`, `lora_b`) are views of two flat stores shared by the layer's products,
     so that a compiled forward takes two tensors a layer for them, not eight (each input of a
@@ -242,7 +252,7 @@ class LoRALinear(nn.Module):
         self.register_buffer("a_store", a_store, persistent=False)  # shared by the layer's products
         self.register_buffer("b_store", b_store, persistent=False)
         self.register_buffer("token_slots", token_slots, persistent=False)  # shared by every product
-        self.fused = isinstance(base, QuantizedLinear) and base.native is not None and native_lora_kernel()
+        self.fused = bool(getattr(base, "fuses_lora", False)) and native_lora_kernel()
 
     @property
     def lora_a(self) -> torch.Tensor:
@@ -255,16 +265,9 @@ class LoRALinear(nn.Module):
         return self.b_view.of(self.b_store)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        base = self.base
         if self.fused and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu":
-            assert isinstance(base, QuantizedLinear)
-            slots, rank, _ = self.b_view.shape
-            return torch.ops.compiled_engine.quantized_lora_linear_f32(
-                x, base.data, base.scales, base.offsets, base.bias, base.group_size, KERNEL_MAX_ROWS,
-                self.a_store, self.b_store, self.token_slots, self.a_view.start, self.b_view.start,
-                slots, rank, self.widths,
-            )  # fmt: skip
-        y: torch.Tensor = base(x)
+            return cast(FusesLoRA, self.base).lora_forward(x, self)
+        y: torch.Tensor = self.base(x)
         delta = torch.ops.compiled_engine.lora_delta(x, self.lora_a, self.lora_b, self.token_slots, self.widths)
         return y + delta.to(y.dtype)
 
@@ -320,7 +323,7 @@ def install_lora(
     """Wrap every decoder layer's products in LoRALinear with `num_slots` empty slots of
     `max_rank` per piece, in `dtype` (the activations'), for forwards of up to `max_tokens`."""
     native_lora_kernel()  # registered before anything traces the products
-    device = model.embed_tokens.weight.device
+    device = model.norm.weight.device
     token_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
     shapes = product_shapes(config)
     a_views: dict[str, StoreView] = {}

@@ -5,10 +5,10 @@ the KV page pool. Which tokens belong to which sequence, and where their pages l
 attention backend's plan for the batch, which the runner sets around the forward; attention is one
 opaque operator (attention/op.py) that reads it. So prefill, decode and any mixture of the two are
 one code path, and the model compiles as a single graph. This file is the plain reference:
-execution tricks (CPU products, packed weights, compile hints) are applied from outside it
-(engine/compilation.py). Parameter names follow the Hugging
-Face checkpoints with the leading `model.` dropped, except that q/k/v and gate/up are fused (their
-rows stacked); `checkpoint_layout` says where each checkpoint tensor lands.
+execution tricks (CPU products, packed weights, quantized kernels, LoRA) are applied from outside
+it (products/walk.py), and so is compilation (engine/compilation.py). Parameter names follow the
+Hugging Face checkpoints with the leading `model.` dropped, except that q/k/v and gate/up are
+fused (their rows stacked); `checkpoint_layout` says where each checkpoint tensor lands.
 """
 
 from __future__ import annotations

@@ -21,6 +21,10 @@ its output's size, for every row count it sees.
 Inductor only uses oneDNN's kernels when it freezes the weights into constants, which would give
 every layer its own compiled graph, so compiled code calls them through the opaque operator
 `compiled_engine::packed_linear`, which finds the packed tensor of the weight it is given.
+
+The kernel modules, built from the plain model's and installed by the product walk
+(products/walk.py, picked by products/table.py): `CpuLinear`, a product over its packed weight,
+and `BlockedEmbedding`, the lookup of a tied embedding whose table became the head's packed copy.
 """
 
 from __future__ import annotations
@@ -34,8 +38,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from compiled_engine.model.llama import Linear
 from compiled_engine.native_build import KernelBuildError, TorchOperatorLibrary
 
 logger = logging.getLogger(__name__)
@@ -292,3 +298,70 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """F.linear(x, W, bias) for 2-D x, where `weight` is W as a blocked view (`pack`'s one copy)
     or W dense, through its packed copy when it has one."""
     return torch.ops.compiled_engine.packed_linear(x, weight, bias)
+
+
+class CpuLinear(Linear):
+    """The packed CPU kernel of a product (compiled, fp32 on the CPU). With its weight packed as
+    one copy (`blocked`): up to four rows through the native kernel, more through oneDNN, both
+    reading that copy. Otherwise one row as a multiply-and-sum (compiled only: eager it would
+    materialise the products), several rows through the weight's packed copy when it has one."""
+
+    blocked: torch.Tensor | None  # with it, `weight` is gone
+    packed: bool = False  # a packed copy beside the dense weight (the two-copy fallback)
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.register_buffer("blocked", None)
+
+    @classmethod
+    def from_linear(cls, linear: Linear) -> CpuLinear:
+        """The kernel for `linear`'s product, over the same weight and bias tensors (a tied head
+        keeps sharing its weight with the embedding): packed where oneDNN can run it, as its one
+        copy when `pack` gives a blocked view (the weight then goes), else beside the weight."""
+        out_features, in_features = linear.weight.shape
+        with torch.device("meta"):
+            kernel = cls(in_features, out_features, bias=linear.bias is not None)
+        kernel.weight = linear.weight
+        kernel.bias = linear.bias
+        if can_pack(linear.weight):
+            held = pack(linear.weight)
+            if held.dim() == 3:
+                del kernel.weight
+                kernel.blocked = held
+            else:
+                kernel.packed = True
+        return kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocked is not None:
+            if x.shape[0] == 1:
+                y: torch.Tensor = torch.ops.compiled_engine.blocked_gemv_f32(x, self.blocked, self.bias)
+                return y
+            return packed_linear(x, self.blocked, self.bias)
+        if x.shape[0] == 1 and torch.compiler.is_compiling():
+            y = (x[:, None, :] * self.weight[None]).sum(-1)
+            return y + self.bias if self.bias is not None else y
+        if self.packed:
+            return packed_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return "packed, one copy" if self.blocked is not None else "packed beside dense" if self.packed else "dense"
+
+
+class BlockedEmbedding(nn.Module):
+    """The embedding of a tied head whose table became the head's packed copy: a lookup reads its
+    rows from the blocked view, so the dense table can go."""
+
+    blocked: torch.Tensor
+
+    def __init__(self, blocked: torch.Tensor) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = out_features(blocked), blocked.shape[1]
+        self.register_buffer("blocked", blocked)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return blocked_rows(self.blocked, input_ids)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, the head's packed copy"

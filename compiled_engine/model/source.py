@@ -25,7 +25,7 @@ def resolve_model_dir(model: str | None) -> Path:
     if path.is_dir():
         return path
     if path.is_file() and path.suffix.lower() == ".gguf":
-        from compiled_engine.model.gguf import prepare_gguf_dir
+        from compiled_engine.model.gguf_dir import prepare_gguf_dir
 
         return prepare_gguf_dir(path)
     if path.exists():

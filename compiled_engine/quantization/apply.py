@@ -1,6 +1,8 @@
 """Putting quantized weights into a loaded model, from outside the model file: quantizing its
 dense Linear weights at load (`quantize_model`), or installing weights that arrive quantized
-(`install_linear`, `install_embedding`, used by the GGUF loader)."""
+(`install_linear`, `install_embedding`, used by the GGUF loader, quantization/gguf.py). Each
+weight goes into the module of its form (`QuantizedLinear`, `QuantizedEmbedding`); which kernel
+then runs each product is the product table's choice (products/table.py)."""
 
 from __future__ import annotations
 
@@ -75,7 +77,3 @@ def install_embedding(model: Transformer, weight: QuantizedWeight) -> None:
             f"embed_tokens: a {list(weight.shape)} table cannot replace {list(model.embed_tokens.weight.shape)}"
         )
     model.embed_tokens = QuantizedEmbedding(weight)  # type: ignore[assignment]
-
-
-def is_quantized(model: nn.Module) -> bool:
-    return any(isinstance(m, (QuantizedLinear, QuantizedEmbedding)) for m in model.modules())

@@ -1,18 +1,40 @@
 """The modules that stand in for a model's Linear and Embedding when their weights are quantized.
 
-The model file stays plain: these are swapped in from outside (quantization/apply.py), by
-quantizing a loaded model or by the GGUF loader. Each holds its weight's tensors as buffers, so
-they move with the model and are graph inputs under torch.compile, and runs its product through
-the opaque operator `compiled_engine::quantized_linear` (quantization/ops.py).
+The model file stays plain: these are put in from outside, by quantizing a loaded model
+(quantization/apply.py) or by the GGUF loader (quantization/gguf.py). Each holds its weight's
+tensors as buffers, so they move with the model and are graph inputs under torch.compile.
+`QuantizedLinear` is also the quantized kernel of the product table (products/table.py): the
+native C++ operator (`compiled_engine::quantized_linear_f32`) or the opaque dispatcher
+`compiled_engine::quantized_linear` (quantization/ops.py), whose torch reference runs off the
+CPU. With LoRA adapters it runs the product and their delta as one operator (`lora_forward`).
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
-from compiled_engine.quantization.ops import native_operator, quantized_linear
+from compiled_engine.quantization.ops import KERNEL_MAX_ROWS, native_operator, quantized_linear
 from compiled_engine.quantization.weights import QuantizedWeight, dequantize_tensors
+
+
+class _StoreView(Protocol):
+    start: int
+    shape: tuple[int, ...]
+
+
+class LoRAStores(Protocol):
+    """What `lora_forward` reads of a LoRALinear (lora/layers.py): its layer's flat slot stores,
+    where this product's pieces sit in them, and each token's slot."""
+
+    a_store: torch.Tensor
+    b_store: torch.Tensor
+    token_slots: torch.Tensor
+    a_view: _StoreView
+    b_view: _StoreView
+    widths: list[int]
 
 
 class _HoldsQuantizedWeight(nn.Module):
@@ -39,14 +61,38 @@ class _HoldsQuantizedWeight(nn.Module):
 class QuantizedLinear(_HoldsQuantizedWeight):
     """y = x @ W.T + bias with W a QuantizedWeight [out_features, in_features]."""
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None, native: bool | None = None) -> None:
+        """`native`: run the C++ operator (True), the dispatcher (False), or the C++ operator
+        for a CPU weight only (None)."""
         super().__init__(weight)
         self.in_features = weight.in_features
         self.out_features = weight.out_features
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
-        # The C++ operator for CPU weights (built once per machine); None elsewhere or when it
-        # cannot be built.
-        self.native = native_operator() if weight.device.type == "cpu" else None
+        # The C++ operator (built once per machine); None for the dispatcher, or when it cannot
+        # be built.
+        wanted = weight.device.type == "cpu" if native is None else native
+        self.native = native_operator() if wanted else None
+
+    @classmethod
+    def kernel(cls, held: QuantizedLinear, native: bool) -> QuantizedLinear:
+        """The product `held` holds, run natively or through the dispatcher (the same tensors)."""
+        return cls(held.weight, held.bias, native)
+
+    @property
+    def fuses_lora(self) -> bool:
+        """Whether `lora_forward` runs this product and its adapters' delta as one operator."""
+        return self.native is not None
+
+    def lora_forward(self, x: torch.Tensor, lora: LoRAStores) -> torch.Tensor:
+        """This product plus each token's adapter delta, in one native call
+        (`compiled_engine::quantized_lora_linear_f32`, lora/layers.py), reading the slots from the
+        layer's flat stores as they are."""
+        slots, rank, _ = lora.b_view.shape
+        return torch.ops.compiled_engine.quantized_lora_linear_f32(
+            x, self.data, self.scales, self.offsets, self.bias, self.group_size, KERNEL_MAX_ROWS,
+            lora.a_store, lora.b_store, lora.token_slots, lora.a_view.start, lora.b_view.start,
+            slots, rank, lora.widths,
+        )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return quantized_linear(x, self.data, self.scales, self.offsets, self.bias, self.group_size, self.native)

@@ -1,0 +1,117 @@
+"""The product table: which kernel runs each linear product of the model.
+
+A product is described by its weight's kind (dense, or a quantized format), the device it lives
+on, whether it is a tensor-parallel shard (a DTensor) and whether the model runs compiled. The
+first row that matches it names its kernel; `None` in a column matches anything. Each kernel is
+a module built from the one the loader left holding the weight (`Linear` or `QuantizedLinear`),
+over the same tensors.
+
+GGUF's Q8_0 is the int8 format (groups of 32), its Q4_0 and Q4_1 the int4 format (groups of 32):
+the quantized rows cover them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from compiled_engine.model.llama import Linear
+from compiled_engine.model.packed_linear import CpuLinear
+from compiled_engine.quantization.modules import QuantizedLinear
+
+
+@dataclass(frozen=True)
+class Product:
+    """What the table knows of one linear product."""
+
+    weight: str  # "dense", or the quantized format: "int8", "int4"
+    device: str  # "cpu", "cuda", ...
+    tensor_parallel: bool  # its weight is this rank's shard (a DTensor)
+    compiled: bool  # the model runs compiled (engine/compilation.py), not eager
+
+    @classmethod
+    def of(cls, module: nn.Module, compiled: bool) -> Product | None:
+        """The product `module` runs as loaded, or None when it is not a linear product."""
+        if isinstance(module, QuantizedLinear):
+            return cls(module.format, module.data.device.type, False, compiled)
+        if isinstance(module, Linear):
+            weight = module.weight
+            return cls("dense", weight.device.type, isinstance(weight, DTensor), compiled)
+        return None
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A way to run a product: `build(held)` is the module that runs it, from the module that
+    holds its weight as loaded."""
+
+    name: str
+    build: Callable[[nn.Module], nn.Module]
+
+
+def _as_loaded(held: nn.Module) -> nn.Module:
+    return held
+
+
+def _packed_cpu(held: nn.Module) -> nn.Module:
+    assert isinstance(held, Linear)
+    return CpuLinear.from_linear(held)
+
+
+def _quantized(native: bool) -> Callable[[nn.Module], nn.Module]:
+    def build(held: nn.Module) -> nn.Module:
+        assert isinstance(held, QuantizedLinear)
+        return QuantizedLinear.kernel(held, native)
+
+    return build
+
+
+# F.linear on the weight as loaded (under tensor parallelism, DTensor's sharded product).
+DENSE = Kernel("dense", _as_loaded)
+# The weight packed for oneDNN (its one copy where it can be): up to four rows the native kernel
+# over the packed copy, more rows oneDNN's GEMM (model/packed_linear.py).
+PACKED_CPU = Kernel("packed CPU", _packed_cpu)
+# The C++ operator straight from the quantized weight: up to 32 rows the direct kernels, more
+# rows dequantize-then-GEMM (quantization/ops.py); with LoRA, product and delta in one operator.
+QUANTIZED_NATIVE = Kernel("quantized native", _quantized(native=True))
+# The opaque dispatcher `compiled_engine::quantized_linear`: off the CPU, dequantize in torch and
+# F.linear (the reference the native kernels are tested against).
+QUANTIZED_REFERENCE = Kernel("quantized reference", _quantized(native=False))
+
+
+@dataclass(frozen=True)
+class Row:
+    weight: str
+    device: str | None
+    tensor_parallel: bool | None
+    compiled: bool | None
+    kernel: Kernel
+
+    def matches(self, product: Product) -> bool:
+        wanted = (self.weight, self.device, self.tensor_parallel, self.compiled)
+        have = (product.weight, product.device, product.tensor_parallel, product.compiled)
+        return all(want is None or want == value for want, value in zip(wanted, have, strict=True))
+
+
+# fmt: off
+KERNELS: tuple[Row, ...] = (
+    #   weight   device  tensor-parallel  compiled  kernel
+    Row("dense", "cpu",  False,           True,     PACKED_CPU),
+    Row("dense", None,   None,            None,     DENSE),
+    Row("int8",  "cpu",  False,           None,     QUANTIZED_NATIVE),
+    Row("int8",  None,   None,            None,     QUANTIZED_REFERENCE),
+    Row("int4",  "cpu",  False,           None,     QUANTIZED_NATIVE),
+    Row("int4",  None,   None,            None,     QUANTIZED_REFERENCE),
+)
+# fmt: on
+
+
+def kernel_for(product: Product) -> Kernel:
+    """The kernel of the first row of KERNELS that matches `product`."""
+    for row in KERNELS:
+        if row.matches(product):
+            return row.kernel
+    raise LookupError(f"no kernel runs {product}")

@@ -1,0 +1,54 @@
+"""The one ordered walk that decides how a loaded model's products run, from outside the model
+file, replacing modules on their parents (`setattr`) and nothing else:
+
+1. every linear product (the layers' and the head) gets the kernel the table picks
+   (products/table.py);
+2. a tied embedding whose table became the head's packed copy reads its rows from that copy
+   (`BlockedEmbedding`; the dense table goes);
+then the engine's adapter install (engine/adapters.py; LoRA wraps each decoder layer's
+products in its adapter slots, whatever their kernel: lora/layers.py).
+
+The loaders come before it (they put each weight in the module of its form: `Linear`,
+`QuantizedLinear`, `QuantizedEmbedding`; tensor parallelism shards the dense ones), and
+compilation after it (engine/compilation.py wraps each decoder layer for its compiled code).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from compiled_engine.model.llama import Transformer
+from compiled_engine.model.packed_linear import BlockedEmbedding, CpuLinear
+from compiled_engine.products.table import Product, kernel_for
+
+
+def install_products(model: Transformer, compiled: bool) -> None:
+    """Run the walk on `model` (loaded, and sharded under tensor parallelism), for a model run
+    compiled or eager."""
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    install_kernels(model, compiled)
+    if tied:
+        _tie_embedding(model)
+
+
+def install_kernels(model: nn.Module, compiled: bool) -> None:
+    """Every linear product of `model` runs the kernel the table picks for it."""
+    for name, module in list(model.named_modules()):
+        product = Product.of(module, compiled)
+        if product is None:
+            continue
+        kernel = kernel_for(product).build(module)
+        if kernel is not module:
+            replace(model, name, kernel)
+
+
+def replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put `module` at module path `name` (for example "layers.0.mlp.down_proj")."""
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def _tie_embedding(model: Transformer) -> None:
+    head = model.lm_head
+    if isinstance(head, CpuLinear) and head.blocked is not None:
+        replace(model, "embed_tokens", BlockedEmbedding(head.blocked))
