@@ -340,3 +340,36 @@ def test_an_error_inside_a_forward_ends_that_steps_requests_and_returns_every_pa
     later = engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=3))  # it serves on
     done = [out for _ in range(10) for out in engine.step() if out.finished]
     assert [out.request_id for out in done] == [later]
+
+
+def test_an_engine_without_the_optional_features_runs_their_no_op_seams(tiny: LLM) -> None:
+    """No adapters: a request naming one is refused with its parameter and nothing is queued.
+    No speculation: no drafts and no draft counts for the metrics."""
+    from compiled_engine import LoRARequest
+
+    engine = tiny.engine
+    with pytest.raises(RequestError, match="serves no LoRA adapters: start it with enable_lora") as refused:
+        engine.add_request([1, 2, 3], lora_request=LoRARequest("any", "/nonexistent"))
+    assert refused.value.param == "lora_request"
+    assert not engine.has_unfinished_requests()
+    assert engine.drafter.snapshot() is None and engine.speculative_stats is None
+    out = tiny.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    _pool_is_whole(tiny)
+
+
+def test_a_feature_nobody_registered_is_refused_by_name(tiny_model_factory: Callable[..., Path]) -> None:
+    """The registry names what it has when a config asks for something it lacks."""
+    from compiled_engine.config import EngineConfig
+    from compiled_engine.engine.features import REGISTRY, plan_features
+
+    config = EngineConfig(model=str(tiny_model_factory("llama")), speculative_config={"method": "ngram"})
+    saved = REGISTRY.drafters.pop("ngram")
+    try:
+        with pytest.raises(
+            ModelConfigError, match=r"no speculative method 'ngram' is registered \(registered: draft_model\)"
+        ):
+            plan_features(config, tiny_model_factory("llama"))
+    finally:
+        REGISTRY.drafters["ngram"] = saved
+    assert type(plan_features(config, tiny_model_factory("llama")).drafter).__name__ == "NgramDrafter"
