@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
@@ -12,6 +14,7 @@ from compiled_engine.errors import (
     EngineDeadError,
     EngineOverloadedError,
     EngineShuttingDownError,
+    PromptError,
     RequestError,
     TokenizerError,
 )
@@ -79,3 +82,22 @@ def handle_exception(request: Request, exc: Exception) -> Response[ErrorResponse
         return error_response(400, str(exc), "invalid_request_error")
     logger.exception("unhandled error on %s %s", request.method, request.url.path)
     return error_response(500, f"internal error: {type(exc).__name__}", "server_error")
+
+
+RequestErrorHandler = Callable[[Request[Any, Any, Any], Exception], Response[ErrorResponse]]
+
+
+def request_error_handler(field_names: dict[str, str] | None = None) -> RequestErrorHandler:
+    """The handler of the engine's refusals of a request (engine/request_validation.py,
+    SamplingParams): OpenAI's 400, naming the field at fault as the route's body calls it
+    (`field_names`: the engine's name (RequestError.param) -> the body's, where they differ)."""
+    names = field_names or {}
+
+    def handle_request_error(request: Request[Any, Any, Any], exc: Exception) -> Response[ErrorResponse]:
+        if not isinstance(exc, RequestError):
+            return handle_exception(request, exc)
+        param = exc.param if exc.param is None else names.get(exc.param, exc.param)
+        code = "context_length_exceeded" if isinstance(exc, PromptError) and exc.problem.exceeds_context else None
+        return error_response(400, str(exc), "invalid_request_error", param, code)
+
+    return handle_request_error

@@ -46,35 +46,10 @@ def run_server(
     lora_modules = dict(lora_modules or {})
     if (lora_modules or runtime_lora_updates) and not config.enable_lora:
         raise ValueError("--lora-modules and --enable-runtime-lora-updates need --enable-lora")
-
-    def build() -> LLMEngine:
-        engine = LLMEngine(config)
-        for lora_name, path in lora_modules.items():  # each checked now: a bad adapter stops the start
-            assert isinstance(engine.adapters, LoRAManager)
-            engine.adapters.add(LoRARequest(lora_name, path))
-        return engine
-
-    # The engine is built on the loop thread that will run it (see AsyncEngine).
-    async_engine = AsyncEngine(build, max_waiting_requests)
-    async_engine.start()
+    async_engine = _start_engine(config, lora_modules, max_waiting_requests)
     engine = async_engine.engine
-    load_s = time.perf_counter() - started
     name = served_model_name or (config.model or "SmolLM2-135M-Instruct")
-    runner = engine.runner
-    logger.info(
-        "model %s (%s) loaded in %.1f s on %s, dtype %s; KV cache %d pages of %d tokens; max_model_len %d; "
-        "weights %.2f GiB, KV cache %.2f GiB",
-        name,
-        engine.model_dir,
-        load_s,
-        runner.device,
-        str(runner.dtype).removeprefix("torch."),
-        runner.num_pages,
-        runner.page_size,
-        engine.max_model_len,
-        engine.weight_bytes / 2**30,
-        engine.kv_cache_bytes / 2**30,
-    )
+    _log_loaded(engine, name, time.perf_counter() - started)
     if name in lora_modules:
         raise ValueError(f"the adapter name {name!r} is the served model's name")
     settings = ServerSettings(
@@ -106,6 +81,40 @@ def run_server(
     finally:
         engine.shutdown()
     return 1 if async_engine.error is not None else 0
+
+
+def _start_engine(config: EngineConfig, lora_modules: dict[str, str], max_waiting_requests: int) -> AsyncEngine:
+    """The engine loop, started, with the adapters of `--lora-modules` loaded."""
+
+    def build() -> LLMEngine:
+        engine = LLMEngine(config)
+        for lora_name, path in lora_modules.items():  # each checked now: a bad adapter stops the start
+            assert isinstance(engine.adapters, LoRAManager)
+            engine.adapters.add(LoRARequest(lora_name, path))
+        return engine
+
+    # The engine is built on the loop thread that will run it (see AsyncEngine).
+    async_engine = AsyncEngine(build, max_waiting_requests)
+    async_engine.start()
+    return async_engine
+
+
+def _log_loaded(engine: LLMEngine, name: str, load_s: float) -> None:
+    runner = engine.runner
+    logger.info(
+        "model %s (%s) loaded in %.1f s on %s, dtype %s; KV cache %d pages of %d tokens; max_model_len %d; "
+        "weights %.2f GiB, KV cache %.2f GiB",
+        name,
+        engine.model_dir,
+        load_s,
+        runner.device,
+        str(runner.dtype).removeprefix("torch."),
+        runner.num_pages,
+        runner.page_size,
+        engine.max_model_len,
+        engine.weight_bytes / 2**30,
+        engine.kv_cache_bytes / 2**30,
+    )
 
 
 def _exit_when_the_loop_dies(

@@ -1,4 +1,5 @@
-"""Prometheus metrics for `GET /metrics`, in a registry of the server's own."""
+"""Prometheus metrics for `GET /metrics`, in a registry of the server's own: both families of
+metric_table.py (ours and vLLM's names), and the HTTP responses by route and status."""
 
 from __future__ import annotations
 
@@ -10,168 +11,121 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from compiled_engine.engine.async_engine import AsyncEngine
-from compiled_engine.engine.drafting import DraftStats
 from compiled_engine.engine.outputs import RequestOutput
 from compiled_engine.engine.sequence import FinishReason
-from compiled_engine.server.vllm_metrics import VllmMetrics, finish_reasons
+from compiled_engine.server.metric_table import (
+    ENGINE_METRICS,
+    FINISHED_OURS,
+    FINISHED_VLLM,
+    REQUEST_COUNTERS,
+    REQUEST_HISTOGRAMS,
+    Kind,
+    Name,
+)
 
-LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 KNOWN_PATHS = ("/health", "/ready", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
 
 
 class _EngineCollector(Collector):
-    """The engine's gauges at scrape time, from the snapshot its loop published last (`stats()`)."""
+    """One family's engine metrics at scrape time, from the snapshot the engine loop published
+    last (`stats()`). `model_name`: the label every vLLM series carries; None for ours."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str | None) -> None:
         self.engine = engine
+        self.model_name = model_name
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         stats = self.engine.stats()
-        yield GaugeMetricFamily(
-            "compiled_engine_running_requests", "Sequences running in the engine", stats.running_requests
-        )
-        yield GaugeMetricFamily(
-            "compiled_engine_waiting_requests", "Requests waiting to be scheduled", stats.waiting_requests
-        )
-        yield GaugeMetricFamily(
-            "compiled_engine_kv_pages_used",
-            "KV cache pages referenced by sequences",
-            stats.kv_pages_total - stats.kv_pages_free,
-        )
-        yield GaugeMetricFamily(
-            "compiled_engine_kv_pages_free", "KV cache pages free or evictable", stats.kv_pages_free
-        )
-        yield GaugeMetricFamily(
-            "compiled_engine_weight_bytes",
-            "Weight memory: the models' tensors, each held once (packed on the compiled CPU path)",
-            stats.weight_bytes,
-        )
-        yield GaugeMetricFamily("compiled_engine_kv_cache_bytes", "KV page pool memory", stats.kv_cache_bytes)
-        yield CounterMetricFamily(
-            "compiled_engine_prefix_cache_queried_tokens",
-            "Prompt tokens looked up in the prefix cache",
-            stats.prefix_queried_tokens,
-        )
-        yield CounterMetricFamily(
-            "compiled_engine_prefix_cache_hit_tokens",
-            "Prompt tokens found in the prefix cache",
-            stats.prefix_hit_tokens,
-        )
-        yield CounterMetricFamily(
-            "compiled_engine_aborted_requests",
-            "Requests the engine ended by an abort before they finished (client gone, grace period over)",
-            stats.aborted_requests,
-        )
-        yield GaugeMetricFamily("compiled_engine_lora_adapters_loaded", "LoRA adapters loaded", stats.lora_loaded)
-        yield GaugeMetricFamily(
-            "compiled_engine_lora_adapters_resident", "LoRA adapters in device slots", stats.lora_resident
-        )
-        spec = stats.speculative
-        if spec is not None:
-            yield CounterMetricFamily(
-                "compiled_engine_spec_decode_drafts", "Sequence-steps that verified a draft", spec.drafts
-            )
-            yield CounterMetricFamily(
-                "compiled_engine_spec_decode_draft_tokens", "Draft tokens verified", spec.draft_tokens
-            )
-            yield CounterMetricFamily(
-                "compiled_engine_spec_decode_accepted_tokens", "Draft tokens accepted", spec.accepted_tokens
-            )
-            per_position = CounterMetricFamily(
-                "compiled_engine_spec_decode_accepted_tokens_per_position",
-                "Drafts whose token at this position was accepted",
-                labels=["position"],
-            )
-            for position, count in enumerate(spec.accepted_at):
-                per_position.add_metric([str(position)], count)
-            yield per_position
-            yield GaugeMetricFamily(
-                "compiled_engine_spec_decode_acceptance_rate",
-                "Accepted over verified draft tokens",
-                acceptance_rate(spec),
-            )
-            yield GaugeMetricFamily(
-                "compiled_engine_spec_decode_mean_acceptance_length",
-                "Tokens a verifying step gives a sequence on average (accepted drafts plus one)",
-                mean_acceptance_length(spec),
-            )
+        vllm = self.model_name is not None
+        for metric in ENGINE_METRICS:
+            name = metric.vllm if vllm else metric.ours
+            reading = metric.read(stats)
+            if name is None or reading is None:
+                continue
+            family = GaugeMetricFamily if metric.kind is Kind.GAUGE else CounterMetricFamily
+            if not vllm and not metric.labels:
+                assert not isinstance(reading, list)
+                yield family(name.name, name.help, reading)
+                continue
+            # A vLLM series, or a labelled one: the samples carry their labels, vLLM's model_name first.
+            prefix = [self.model_name] if self.model_name is not None else []
+            samples = reading if isinstance(reading, list) else [([], reading)]
+            labelled = family(name.name, name.help, labels=[*(["model_name"] if vllm else []), *metric.labels])
+            for values, value in samples:
+                labelled.add_metric([*prefix, *values], value)
+            yield labelled
 
 
 class ServerMetrics:
     def __init__(self, engine: AsyncEngine, model_name: str = "default") -> None:
         """`model_name`: the served model, the `model_name` label of the vLLM-named metrics."""
-        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.registry = registry = CollectorRegistry()
+        # Registered in the order /metrics shows them: ours, then vLLM's.
         self.requests = Counter(
             "compiled_engine_http_requests",
             "HTTP requests by endpoint and status",
             ["endpoint", "status"],
-            registry=self.registry,
+            registry=registry,
         )
-        self.prompt_tokens = Counter(
-            "compiled_engine_prompt_tokens", "Prompt tokens of finished requests", registry=self.registry
+        self.counters = [Counter(row.ours.name, row.ours.help, registry=registry) for row in REQUEST_COUNTERS]
+        self.finished = Counter(FINISHED_OURS.name, FINISHED_OURS.help, ["finish_reason"], registry=registry)
+        self.lora_requests = Counter(
+            "compiled_engine_lora_requests", "Finished requests by LoRA adapter", ["adapter"], registry=registry
         )
-        self.generated_tokens = Counter(
-            "compiled_engine_generated_tokens", "Tokens generated for finished requests", registry=self.registry
-        )
-        self.finished = Counter(
-            "compiled_engine_finished_requests",
-            "Finished completions by finish reason (a request with n counts n); abort: aborted, or its client went away",
-            ["finish_reason"],
-            registry=self.registry,
-        )
+        self.histograms = [
+            (row.observe, Histogram(row.ours.name, row.ours.help, buckets=row.buckets, registry=registry))
+            for row in REQUEST_HISTOGRAMS
+            if row.ours is not None
+        ]
+        registry.register(_EngineCollector(engine, None))
+
+        labels = ["model_name"]
+        self.vllm_counters = [
+            Counter(row.vllm.name, row.vllm.help, labels, registry=registry).labels(model_name)
+            for row in REQUEST_COUNTERS
+        ]
+        self.success = Counter(FINISHED_VLLM.name, FINISHED_VLLM.help, [*labels, "finished_reason"], registry=registry)
+        self.vllm_histograms = [
+            (row.observe, self._vllm_histogram(row.vllm, row.buckets))
+            for row in REQUEST_HISTOGRAMS
+            if row.vllm is not None
+        ]
+        registry.register(_EngineCollector(engine, model_name))
+        # Every finish reason is exported from the start, at zero.
         for reason in FinishReason:
             self.finished.labels(str(reason))
-        self.lora_requests = Counter(
-            "compiled_engine_lora_requests",
-            "Finished requests by LoRA adapter",
-            ["adapter"],
-            registry=self.registry,
-        )
-        self.ttft = Histogram(
-            "compiled_engine_time_to_first_token_seconds",
-            "Time to first token",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.itl = Histogram(
-            "compiled_engine_inter_token_latency_seconds",
-            "Mean time between output tokens, per request",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.e2e = Histogram(
-            "compiled_engine_e2e_request_latency_seconds",
-            "Arrival to last token",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.registry.register(_EngineCollector(engine))
-        self.vllm = VllmMetrics(self.registry, engine, model_name)
+            self.success.labels(model_name, str(reason))
+
+    def _vllm_histogram(self, name: Name, buckets: tuple[float, ...]) -> Histogram:
+        """A vLLM histogram's one series (exported from the start, at zero)."""
+        histogram = Histogram(name.name, name.help, ["model_name"], buckets=buckets, registry=self.registry)
+        return histogram.labels(self.model_name)
 
     def observe(self, output: RequestOutput, adapter: str | None = None) -> None:
         """Record a finished request (`adapter`: the LoRA adapter it ran with)."""
         if adapter is not None:
             self.lora_requests.labels(adapter).inc()
-        self.vllm.observe(output)
-        for reason in finish_reasons(output):
-            self.finished.labels(reason).inc()
-        self.prompt_tokens.inc(len(output.prompt_token_ids))
-        self.generated_tokens.inc(sum(len(c.token_ids) for c in output.outputs))
-        m = output.metrics
-        if m is None:
-            return
-        for histogram, value in ((self.ttft, m.ttft), (self.itl, m.tpot), (self.e2e, m.e2e)):
+        self.count_finished(finish_reasons(output))
+        for row, ours, vllm in zip(REQUEST_COUNTERS, self.counters, self.vllm_counters, strict=True):
+            ours.inc(row.count(output))
+            vllm.inc(row.count(output))
+        for observe, histogram in (*self.histograms, *self.vllm_histograms):
+            value = observe(output)
             if value is not None:
                 histogram.observe(value)
 
     def observe_abandoned(self, last: RequestOutput | None, n: int) -> None:
         """Record a request whose client went away before it finished (`last`: the last output it
         was given, None if none yet; `n`: its completions): its unfinished completions count as
-        `abort`, here and in vLLM's `request_success`; its tokens and latencies are not counted."""
-        reasons = finish_reasons(last, n)
+        `abort` in both families; its tokens and latencies are not counted."""
+        self.count_finished(finish_reasons(last, n))
+
+    def count_finished(self, reasons: list[str]) -> None:
+        """Count finished completions, one finish reason each."""
         for reason in reasons:
             self.finished.labels(reason).inc()
-        self.vllm.count_finished(reasons)
+            self.success.labels(self.model_name, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -200,10 +154,9 @@ class ServerMetrics:
         return count
 
 
-def acceptance_rate(spec: DraftStats) -> float:
-    return spec.accepted_tokens / spec.draft_tokens if spec.draft_tokens else 0.0
-
-
-def mean_acceptance_length(spec: DraftStats) -> float:
-    """Tokens a verifying step gives a sequence on average: its accepted drafts plus one."""
-    return 1 + spec.accepted_tokens / spec.drafts if spec.drafts else 0.0
+def finish_reasons(output: RequestOutput | None, n: int = 1) -> list[str]:
+    """Each completion's finish reason, `abort` for those not finished: `output` is the request's
+    last output (None when it had none yet, then its `n` completions all count as aborted)."""
+    if output is None:
+        return [str(FinishReason.ABORT)] * n
+    return [completion.finish_reason or str(FinishReason.ABORT) for completion in output.outputs]

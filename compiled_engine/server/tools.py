@@ -18,11 +18,12 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from compiled_engine.engine.structured_outputs import StructuredOutputs
 from compiled_engine.errors import RequestError
+from compiled_engine.server.replies.deltas import ChoiceDelta
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*(?:" + re.escape(CLOSE) + r"|$)", re.DOTALL)
@@ -110,6 +111,44 @@ def held_back(text: str) -> int:
         if OPEN.startswith(text[-size:]):
             return len(text) - size
     return len(text)
+
+
+def tool_finish_reason(reason: str | None) -> str | None:
+    """A reply that ends in calls finishes with `tool_calls` where it would have said `stop`."""
+    return "tool_calls" if reason == "stop" else reason
+
+
+@dataclass(frozen=True)
+class ToolStep:
+    """What a streamed choice shows at one step under tools: text, or at its end its calls."""
+
+    text: str | None
+    calls: list[ToolCall]
+    finish_reason: str | None
+
+
+@dataclass
+class ToolCallStream:
+    """The mapper of a streamed reply's choice deltas under tools: a choice's text shows only up to
+    where a call could begin (none of it for `required` or a named function); when the choice
+    ends come its calls, or, when there are none, the rest of its text."""
+
+    plan: ToolPlan
+    shown: dict[int, int] = field(default_factory=dict)  # by choice: how much of its text was shown
+
+    def step(self, choice: ChoiceDelta) -> ToolStep | None:
+        text, shown = choice.text_so_far, self.shown.get(choice.index, 0)
+        if choice.finish_reason is None:
+            end = held_back(text) if self.plan.choice == "auto" else 0
+            if end <= shown:
+                return None
+            self.shown[choice.index] = end
+            return ToolStep(text[shown:end], [], None)
+        self.shown[choice.index] = len(text)
+        _, calls = self.plan.calls(text)
+        if not calls:
+            return ToolStep(text[shown:], [], choice.finish_reason)
+        return ToolStep(None, calls, tool_finish_reason(choice.finish_reason))
 
 
 def tool_plan(tools: list[dict[str, Any]] | None, tool_choice: Any) -> ToolPlan | None:

@@ -1,0 +1,80 @@
+"""An engine request's stream of outputs under an HTTP connection: a stream's first output before
+its 200, whole replies that a disconnect cancels, batches whose first failure cancels the rest.
+Cancelling an engine stream aborts its request, which returns its pages at the next step."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, TypeVar
+
+from litestar import Request
+from litestar.response import Stream
+
+from compiled_engine.engine.outputs import RequestOutput
+from compiled_engine.server.errors import ApiError
+from compiled_engine.server.replies.deltas import StepDeltas, choice_deltas
+
+T = TypeVar("T")
+
+
+async def event_stream(
+    outputs: AsyncIterator[RequestOutput], events: Callable[[AsyncIterator[StepDeltas]], AsyncIterator[bytes]]
+) -> Stream:
+    """The SSE reply that `events` makes of the request's choice deltas. The first output is
+    awaited here, so that a refused request fails with its status code before the stream (and
+    its 200) starts."""
+    try:
+        first: RequestOutput | None = await outputs.__anext__()
+    except StopAsyncIteration:
+        first = None
+    return Stream(events(choice_deltas(first, outputs)), media_type="text/event-stream")
+
+
+async def unless_disconnected(request: Request[Any, Any, Any], work: Coroutine[Any, Any, T]) -> T:
+    """Run `work` (a non-streamed reply) while watching the connection: a client that goes away
+    first cancels it, which aborts its requests and returns their pages at the next step."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise ApiError(
+                499, "the client closed the connection; its request was aborted", code="client_closed_request"
+            )
+        return task.result()
+    finally:
+        watcher.cancel()
+        task.cancel()
+
+
+async def _disconnected(request: Request[Any, Any, Any]) -> None:
+    """Returns when the client disconnects (the body has been read, so nothing else arrives)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def final_output(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    final = None
+    async for output in stream:
+        final = output
+    assert final is not None
+    return final
+
+
+async def final_outputs(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    """Run the streams together. The first to fail (a refused prompt of a batch) cancels the
+    others, which aborts their requests and returns their pages, and its error is raised."""
+    tasks = [asyncio.ensure_future(final_output(stream)) for stream in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        # Wait until the cancelled ones have aborted, and collect every error so that none is
+        # logged as never retrieved.
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,90 @@
+"""`POST /v1/chat/completions`: OpenAI chat completions, with tools."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Any
+
+from litestar import Controller, Request, post
+from litestar.di import NamedDependency
+from litestar.params import Body
+
+from compiled_engine.engine.structured_outputs import StructuredOutputs
+from compiled_engine.errors import RequestError
+from compiled_engine.server.chat_messages import chat_turns
+from compiled_engine.server.engine_streams import event_stream, final_output, unless_disconnected
+from compiled_engine.server.errors import ApiError, request_error_handler
+from compiled_engine.server.protocol import ChatCompletionRequest
+from compiled_engine.server.replies.chat import chat_events, chat_reply
+from compiled_engine.server.replies.frame import ReplyFrame
+from compiled_engine.server.sampling import sampling_params
+from compiled_engine.server.serving import Serving
+from compiled_engine.server.tools import ToolPlan, render_turns, tool_plan
+
+# The engine's names for request fields (RequestError.param) that a chat body calls otherwise.
+CHAT_PARAMS = {"prompt": "messages", "logprobs": "top_logprobs"}
+
+
+class ChatController(Controller):
+    @post(
+        "/v1/chat/completions",
+        status_code=200,
+        exception_handlers={RequestError: request_error_handler(CHAT_PARAMS)},
+    )
+    async def chat_completions(
+        self,
+        request: Request[Any, Any, Any],
+        data: Annotated[ChatCompletionRequest, Body()],
+        serving: NamedDependency[Serving],
+    ) -> Any:
+        """OpenAI chat completions: messages rendered with the model's chat template."""
+        salt = serving.check_auth(request)
+        lora = serving.check_model(data.model)
+        if data.functions is not None:
+            raise ApiError(
+                400,
+                "'functions' is not supported by this server: use tools",
+                param="functions",
+                code="unsupported_parameter",
+            )
+        plan = tool_plan(data.tools, data.tool_choice)
+        prompt = chat_prompt(serving, data, plan)
+        limit = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
+        max_tokens = serving.default_max_tokens(prompt, limit)
+        top = data.top_logprobs or 0
+        if top and not data.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        structured = await output_constraint(serving, data, plan)
+        params = sampling_params(data, max_tokens, top if data.logprobs else None, structured)
+        frame = ReplyFrame(f"chatcmpl-{uuid.uuid4().hex}", serving.model_name(data.model), data.stream_options)
+        outputs = serving.generate(prompt, params, frame.id, salt, lora)
+        if data.stream:
+            return await event_stream(outputs, lambda steps: chat_events(frame, steps, data.n, serving.tokenizer, plan))
+        final = await unless_disconnected(request, final_output(outputs))
+        return chat_reply(frame, final, serving.tokenizer, plan)
+
+
+def chat_prompt(serving: Serving, data: ChatCompletionRequest, plan: ToolPlan | None) -> list[int]:
+    """The messages (and tools) rendered by the chat template, as token ids."""
+    takes_tools = serving.tokenizer.template_takes_tools
+    turns = render_turns(chat_turns(data.messages), plan, takes_tools)
+    template_tools = [{"type": "function", "function": t} for t in plan.tools] if plan and takes_tools else None
+    return serving.tokenizer.encode_chat(turns, tools=template_tools)
+
+
+async def output_constraint(
+    serving: Serving, data: ChatCompletionRequest, plan: ToolPlan | None
+) -> StructuredOutputs | None:
+    """The request's own constraint, or the one `tool_choice` puts on the output (never both)."""
+    structured = await serving.structured_outputs(data)
+    forced = plan.constraint() if plan is not None else None
+    if forced is None:
+        return structured
+    if structured is not None:
+        raise ApiError(
+            400,
+            f"tool_choice {data.tool_choice!r} constrains the output itself: drop the output constraint",
+            param="tool_choice",
+        )
+    await serving.compile(forced)
+    return forced

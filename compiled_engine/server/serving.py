@@ -1,0 +1,129 @@
+"""`Serving`: what every route shares (the engine, the settings, the tokenizer), the checks every
+request passes, and running an engine request observed by the metrics and the request log."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from litestar import Request
+
+from compiled_engine.engine.async_engine import AsyncEngine
+from compiled_engine.engine.outputs import RequestOutput
+from compiled_engine.engine.sampling_params import SamplingParams
+from compiled_engine.engine.structured_outputs import StructuredOutputs
+from compiled_engine.lora.manager import LoRARequest
+from compiled_engine.server.errors import ApiError
+from compiled_engine.server.metrics import ServerMetrics
+from compiled_engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from compiled_engine.server.request_log import RequestLog
+from compiled_engine.server.settings import ServerSettings
+from compiled_engine.server.structured import structured_outputs_of
+from compiled_engine.tokenizer import Tokenizer
+
+
+class Serving:
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        tokenizer = engine.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("the server needs a model with a tokenizer")
+        self.tokenizer: Tokenizer = tokenizer
+        self.max_model_len = engine.engine.max_model_len
+        self.created = int(time.time())
+        self.metrics = ServerMetrics(engine, settings.served_model_name)
+        self.request_log = RequestLog(settings.request_log, settings.log_prompts, tokenizer.decode)
+
+    # -- request checks -------------------------------------------------------------------------
+
+    def check_auth(self, request: Request[Any, Any, Any]) -> str | None:
+        """The cache salt of the caller: one per API key, so tenants never share cached pages."""
+        if not self.settings.api_keys:
+            return None
+        header = request.headers.get("authorization", "")
+        given = (header[7:] if header.lower().startswith("bearer ") else "").encode()
+        # Compare with every key, each in constant time, so timing tells nothing about which matched.
+        matches = [hmac.compare_digest(given, key.encode()) for key in self.settings.api_keys]
+        if not any(matches):
+            raise ApiError(
+                401,
+                "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                "authentication_error",
+                code="invalid_api_key",
+            )
+        return hashlib.sha256(given).hexdigest()
+
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names, None for the base model; 404 for anything else."""
+        if model is None or model == self.settings.served_model_name:
+            return None
+        path = self.settings.lora_modules.get(model)
+        if path is not None:
+            return LoRARequest(model, path)
+        adapters = "".join(f", '{name}'" for name in self.settings.lora_modules)
+        raise ApiError(
+            404,
+            f"the model '{model}' does not exist; this server serves '{self.settings.served_model_name}'{adapters}",
+            "not_found_error",
+            "model",
+            "model_not_found",
+        )
+
+    def model_name(self, model: str | None) -> str:
+        """The name a reply gives its model: the request's, or the served model's."""
+        return model or self.settings.served_model_name
+
+    async def structured_outputs(self, body: CompletionRequest | ChatCompletionRequest) -> StructuredOutputs | None:
+        """The request's output constraint, its grammar compiled (in a thread pool, cached)
+        before the request reaches the engine; a RequestError (a 400) if it is invalid."""
+        spec = structured_outputs_of(body)
+        if spec is not None:
+            await self.compile(spec)
+        return spec
+
+    async def compile(self, spec: StructuredOutputs) -> None:
+        await self.engine.engine.grammars.prepare(spec)
+
+    def default_max_tokens(self, prompt_ids: list[int], max_tokens: int | None) -> int:
+        """`max_tokens` as given, or by default what the context leaves after the prompt. The
+        engine checks the prompt and the total (request_validation); at least 1 so that a prompt
+        that fills the context is refused as too long, not for its max_tokens."""
+        if max_tokens is not None:
+            return max_tokens
+        return max(self.max_model_len - len(prompt_ids), 1)
+
+    # -- engine requests ------------------------------------------------------------------------
+
+    def generate(
+        self, prompt: list[int], params: SamplingParams, request_id: str, salt: str | None, lora: LoRARequest | None
+    ) -> AsyncIterator[RequestOutput]:
+        stream = self.engine.generate(prompt, params, request_id, salt, lora)
+        return self._observed(stream, lora.name if lora else None, params.n)
+
+    async def _observed(
+        self, stream: AsyncIterator[RequestOutput], adapter: str | None, n: int
+    ) -> AsyncIterator[RequestOutput]:
+        """Counts and logs each request once it finishes, or once its client has gone away (the
+        stream closed at a yield, or cancelled while waiting: counted with finish reason `abort`)."""
+        model = adapter or self.settings.served_model_name
+        last, logged = None, False
+        try:
+            async for output in stream:
+                last = output
+                if output.finished:
+                    self.metrics.observe(output, adapter)
+                    self.request_log.record(output, model)
+                    logged = True
+                yield output
+        except (GeneratorExit, asyncio.CancelledError):
+            if not logged:
+                self.metrics.observe_abandoned(last, n)
+            raise
+        finally:
+            if last is not None and not logged:
+                self.request_log.record(last, model, aborted=True)
