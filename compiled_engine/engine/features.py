@@ -48,6 +48,8 @@ class AdapterPlan(Protocol):
     def start(self, slots: AdapterSlots, model_config: ModelConfig) -> AdapterSet: ...
 
 
+T = TypeVar("T")
+
 DrafterFactory = Callable[[SpeculativeConfig, EngineConfig, Path], DrafterPlan]
 AdapterFactory = Callable[[EngineConfig], AdapterPlan]
 GrammarFactory = Callable[[Path | None, int, frozenset[int]], GrammarSet]  # tokenizer.json, vocab, eos ids
@@ -97,9 +99,6 @@ def plan_features(config: EngineConfig, model_dir: Path) -> FeaturePlan:
     if config.enable_lora:
         adapters = _registered(REGISTRY.adapters, "lora", "adapter kind")(config)
     return FeaturePlan(drafter, adapters, _registered(REGISTRY.grammars, "llguidance", "grammar set"))
-
-
-T = TypeVar("T")
 
 
 def _registered(table: dict[str, T], name: str, what: str) -> T:
