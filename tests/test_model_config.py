@@ -16,7 +16,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from compiled_engine.errors import ModelConfigError
 from compiled_engine.model.config import ModelConfig, RopeConfig
-from compiled_engine.model.llama import rope_inverse_frequencies
+from compiled_engine.model.layers import rope_inverse_frequencies
 
 SMALL: dict[str, Any] = dict(
     vocab_size=320,
@@ -80,7 +80,7 @@ def test_llama_config_written_by_transformers() -> None:
     assert config.rms_norm_eps == pytest.approx(1e-5)
     assert config.max_position_embeddings == 256
     assert config.tie_word_embeddings is False
-    assert config.attention_bias is False
+    assert config.qkv_bias is False and config.o_bias is False
     assert config.qk_norm is False
     assert config.eos_token_ids == (2,)
     assert config.bos_token_id == 1
@@ -221,12 +221,18 @@ def test_linear_rope_old_type_key() -> None:
 # --- rejected configs -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model_type", ["mistral", "gpt2"])
+@pytest.mark.parametrize("model_type", ["gpt2", "falcon"])
 def test_unsupported_architecture(model_type: str) -> None:
     raw = AutoConfig.for_model(model_type).to_dict()
     error = config_error(raw, re.escape(f"unsupported architecture (model_type='{model_type}'"))
-    assert "supported model_type values: ['llama', 'qwen3']" in str(error)
+    supported = "['gemma2', 'gemma3_text', 'llama', 'mistral', 'phi3', 'qwen2', 'qwen3']"
+    assert f"supported model_type values: {supported}" in str(error)
     assert str(error).startswith("config.json: ")
+
+
+def test_gemma3_vision_language_checkpoint_is_refused_with_a_hint() -> None:
+    error = config_error({"model_type": "gemma3", "text_config": {}}, "unsupported architecture")
+    assert "only the text models, model_type 'gemma3_text', run" in str(error)
 
 
 def test_architecture_missing_entirely() -> None:
@@ -240,13 +246,13 @@ def test_source_names_the_file() -> None:
         ModelConfig.from_dict({"model_type": "gpt2"}, source="/models/x/config.json")
 
 
-@pytest.mark.parametrize("rope_type", ["yarn", "dynamic", "longrope"])
+@pytest.mark.parametrize("rope_type", ["yarn", "dynamic"])
 def test_unsupported_rope_type(rope_type: str) -> None:
     raw = hf_dict("llama")
     raw["rope_parameters"] = {"rope_type": rope_type, "factor": 4.0, "rope_theta": 1e4}
     config_error(
         raw,
-        re.escape(f"unsupported rope scaling type '{rope_type}' (supported: default, llama3, linear)"),
+        re.escape(f"unsupported rope scaling type '{rope_type}' (supported: default, llama3, linear, longrope)"),
     )
     old = legacy(hf_dict("llama"), 1e4, scaling={"type": rope_type, "factor": 4.0})
     config_error(old, re.escape(f"unsupported rope scaling type '{rope_type}'"))
@@ -427,25 +433,16 @@ def test_non_positive_values(field: str, value: float) -> None:
     config_error(raw, re.escape(f"field '{field}' must be positive, got {value!r}"))
 
 
-def test_sliding_window_rejected_from_transformers_layer_types() -> None:
+def test_qwen3_sliding_layers_from_transformers_layer_types() -> None:
     raw = hf_dict("qwen3", head_dim=32, use_sliding_window=True, sliding_window=64, max_window_layers=1)
-    assert "sliding_attention" in raw["layer_types"]
-    error = config_error(raw, "sliding-window attention is not supported")
-    assert "use_sliding_window=True" in str(error)
-    assert "'sliding_attention'" in str(error)
+    assert raw["layer_types"] == ["full_attention", "sliding_attention"]
+    assert ModelConfig.from_dict(raw).layer_windows == (0, 64)
 
 
-def test_sliding_window_rejected_by_flag_or_layer_types_alone() -> None:
-    flag_only = {**hf_dict("llama"), "use_sliding_window": True}
-    config_error(
-        flag_only,
-        re.escape("sliding-window attention is not supported (use_sliding_window=True, layer_types=[])"),
-    )
-    types_only = {
-        **hf_dict("qwen3", head_dim=32),
-        "layer_types": ["full_attention", "sliding_attention"],
-    }
-    config_error(types_only, re.escape("use_sliding_window=False, layer_types=['full_attention', "))
+def test_layer_types_without_the_flag_are_ignored_as_transformers_does() -> None:
+    types_only = {**hf_dict("qwen3", head_dim=32), "layer_types": ["full_attention", "sliding_attention"]}
+    assert ModelConfig.from_dict(types_only).layer_windows == ()
+    assert ModelConfig.from_dict({**hf_dict("llama"), "use_sliding_window": True}).layer_windows == ()
 
 
 def test_qwen3_default_layer_types_are_accepted() -> None:
@@ -458,13 +455,14 @@ def test_qwen3_default_layer_types_are_accepted() -> None:
 def test_unsupported_activation_and_mlp_bias() -> None:
     config_error(
         {**hf_dict("llama"), "hidden_act": "gelu"},
-        re.escape("unsupported hidden_act='gelu' (only 'silu')"),
+        re.escape("unsupported hidden_act='gelu' (supported: silu, gelu_pytorch_tanh, gelu_tanh)"),
     )
     config_error({**hf_dict("llama"), "mlp_bias": True}, re.escape("unsupported mlp_bias=True"))
 
 
 def test_attention_bias_is_carried() -> None:
-    assert ModelConfig.from_dict(hf_dict("llama", attention_bias=True)).attention_bias is True
+    config = ModelConfig.from_dict(hf_dict("llama", attention_bias=True))
+    assert config.qkv_bias and config.o_bias
 
 
 # --- from_model_dir file errors --------------------------------------------------------------
@@ -565,6 +563,8 @@ def test_linear_rope_matches_transformers() -> None:
 
 def test_model_type_decides_over_the_class_list() -> None:
     raw = {**hf_dict(), "model_type": "mistral", "architectures": ["LlamaForCausalLM"]}
+    assert ModelConfig.from_dict(raw).architecture == "mistral"
+    raw["model_type"] = "gpt2"
     with pytest.raises(ModelConfigError, match="unsupported architecture"):
         ModelConfig.from_dict(raw)
     raw.pop("model_type")

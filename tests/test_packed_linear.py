@@ -19,7 +19,7 @@ from compiled_engine.config import EngineConfig
 from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.engine.step_inputs import StepInputs
 from compiled_engine.model import packed_linear as packing
-from compiled_engine.model.llama import Linear
+from compiled_engine.model.layers import Linear
 from compiled_engine.model.packed_linear import (
     BLOCK_WIDTHS,
     BlockedEmbedding,

@@ -17,7 +17,7 @@ from compiled_engine.bench.runs import model_weight_bytes
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.engine.step_inputs import StepInputs
-from compiled_engine.model.llama import Linear
+from compiled_engine.model.layers import Linear
 from compiled_engine.native_build import KernelBuildError
 from compiled_engine.quantization import cpu_kernels, ops
 from compiled_engine.quantization.apply import QuantizationScheme, quantize_model

@@ -49,29 +49,49 @@ def attention_forward(backend: AttentionBackend[Any], plan: Any) -> Iterator[Non
 # the only user of its layer's slice, and data dependencies keep the layers in order.
 torch.library.define(
     "compiled_engine::paged_attention",
-    "(Tensor q, Tensor k, Tensor v, Tensor kv_cache, float scale) -> Tensor",
+    "(Tensor q, Tensor k, Tensor v, Tensor kv_cache, float scale, int window=0, float soft_cap=0.0) -> Tensor",
 )
 
 
 @torch.library.impl("compiled_engine::paged_attention", "CompositeExplicitAutograd")
 def _paged_attention_kernel(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    soft_cap: float = 0.0,
 ) -> torch.Tensor:
     if _current is None:
         raise RuntimeError("paged_attention called outside attention_forward(...)")
+    if window or soft_cap:
+        return _current.backend.forward(q, k, v, kv_cache, _current.plan, scale, window, soft_cap)  # type: ignore[call-arg]
     return _current.backend.forward(q, k, v, kv_cache, _current.plan, scale)
 
 
 @torch.library.register_fake("compiled_engine::paged_attention")
 def _paged_attention_fake(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    soft_cap: float = 0.0,
 ) -> torch.Tensor:
     return torch.empty_like(q)
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    soft_cap: float = 0.0,
 ) -> torch.Tensor:
     """Write k, v into `kv_cache` (one layer's pages) and attend; see AttentionBackend.
     q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim]; returns q's shape."""
-    return torch.ops.compiled_engine.paged_attention(q, k, v, kv_cache, scale)
+    return torch.ops.compiled_engine.paged_attention(q, k, v, kv_cache, scale, window, soft_cap)

@@ -22,7 +22,7 @@ from compiled_engine.errors import RequestError
 if TYPE_CHECKING:
     from compiled_engine.engine.sequence import Sequence
     from compiled_engine.model.config import ModelConfig
-    from compiled_engine.model.llama import Transformer
+    from compiled_engine.model.layers import DecoderModel
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class AdapterSlots(Protocol):
 
 class AdapterInstall(Protocol):
     def __call__(
-        self, model: Transformer, config: ModelConfig, max_tokens: int, dtype: torch.dtype
+        self, model: DecoderModel, config: ModelConfig, max_tokens: int, dtype: torch.dtype
     ) -> AdapterSlots: ...
 
 
@@ -91,7 +91,7 @@ class NoAdapterSlots:
         pass
 
 
-def install_no_adapters(model: Transformer, config: ModelConfig, max_tokens: int, dtype: torch.dtype) -> AdapterSlots:
+def install_no_adapters(model: DecoderModel, config: ModelConfig, max_tokens: int, dtype: torch.dtype) -> AdapterSlots:
     return NoAdapterSlots()
 
 

@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from compiled_engine.cache_paths import INDUCTOR_CACHE_ENV
 from compiled_engine.engine.precompiled import PrecompiledFunction
-from compiled_engine.model.llama import Transformer, TransformerBlock
+from compiled_engine.model.layers import DecoderLayer, DecoderModel, soft_cap
 from compiled_engine.model.packed_linear import CpuLinear
 
 logger = logging.getLogger(__name__)
@@ -62,9 +62,10 @@ def use_compile_cache(cache_dir: Path) -> Path:
 
 @torch.compiler.nested_compile_region
 def _decoder_layer(
-    layer: TransformerBlock, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor
+    layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor
 ) -> torch.Tensor:
-    return TransformerBlock.forward(layer, x, cos, sin, kv_cache)
+    out: torch.Tensor = type(layer).forward(layer, x, cos, sin, kv_cache)
+    return out
 
 
 # Inductor checks every input's size, stride and alignment inside the generated wrapper, here at
@@ -83,7 +84,7 @@ class CompiledBlock(nn.Module):
     several tokens, tensor parallelism): the layer compiled on its own, one code object for every
     layer (their weights are graph inputs, not constants)."""
 
-    def __init__(self, layer: TransformerBlock) -> None:
+    def __init__(self, layer: DecoderLayer) -> None:
         super().__init__()
         self.layer = layer
 
@@ -108,7 +109,7 @@ class ModelForward:
 
     compiled = False
 
-    def __init__(self, model: Transformer) -> None:
+    def __init__(self, model: DecoderModel) -> None:
         self.model = model
 
     def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -126,7 +127,7 @@ class CompiledForward(ModelForward):
 
     compiled = True
 
-    def __init__(self, model: Transformer, saved_dir: Path | None = None) -> None:
+    def __init__(self, model: DecoderModel, saved_dir: Path | None = None) -> None:
         """`saved_dir`: where the entries' traces are saved and loaded (precompiled.py); None:
         traced at every start."""
         super().__init__(model)
@@ -146,11 +147,13 @@ class CompiledForward(ModelForward):
         def saved(name: str) -> Path | None:
             return saved_dir / name if saved_dir is not None else None
 
+        # One entry for every layer: a family's layers share one class (their windows, Python
+        # constants, may differ: the entry's guards then keep one trace per kind of layer).
         self.compiled_layer = PrecompiledFunction(
-            TransformerBlock.forward, saved("layer.bin"), _LAYER_DYNAMIC_DIMS, options=COMPILE_OPTIONS
+            type(model.layers[0]).forward, saved("layer.bin"), _LAYER_DYNAMIC_DIMS, options=COMPILE_OPTIONS
         )
         for index, layer in enumerate(model.layers):
-            assert isinstance(layer, TransformerBlock)
+            assert isinstance(layer, DecoderLayer)
             block = CompiledBlock(layer)
             model.layers[index] = block
             _LAYER_ENTRIES[block] = self.compiled_layer
@@ -158,7 +161,7 @@ class CompiledForward(ModelForward):
             None
             if tensor_parallel
             else PrecompiledFunction(
-                Transformer.forward, saved("one_token_forward.bin"), _FORWARD_DYNAMIC_DIMS, options=COMPILE_OPTIONS
+                type(model).forward, saved("one_token_forward.bin"), _FORWARD_DYNAMIC_DIMS, options=COMPILE_OPTIONS
             )
         )
         # The head's one-row product, compiled on its own on CPU, unless its packed copy runs it
@@ -184,9 +187,9 @@ class CompiledForward(ModelForward):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.shape[0] == 1 and self.one_row_head is not None:
             out: torch.Tensor = self.one_row_head(self.model.lm_head, hidden)
-            return out
+            return soft_cap(out, self.model.final_soft_cap)
         return self.model.compute_logits(hidden)
 
 
-def model_forward(model: Transformer, compiled: bool, saved_dir: Path | None = None) -> ModelForward:
+def model_forward(model: DecoderModel, compiled: bool, saved_dir: Path | None = None) -> ModelForward:
     return CompiledForward(model, saved_dir) if compiled else ModelForward(model)

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     from compiled_engine.engine.model_runner import ModelRunner, SharedPool
     from compiled_engine.model.config import ModelConfig
-    from compiled_engine.model.llama import Transformer
+    from compiled_engine.model.layers import DecoderModel
 
 
 class DrafterPlan(Protocol):
@@ -41,7 +41,7 @@ class DrafterPlan(Protocol):
 
 
 class AdapterPlan(Protocol):
-    def install(self, model: Transformer, config: ModelConfig, max_tokens: int, dtype: torch.dtype) -> AdapterSlots:
+    def install(self, model: DecoderModel, config: ModelConfig, max_tokens: int, dtype: torch.dtype) -> AdapterSlots:
         """Put the adapter products into the loaded model, before it is compiled."""
         ...
 
@@ -73,7 +73,7 @@ class _NoDrafterPlan:
 
 
 class _NoAdapterPlan:
-    def install(self, model: Transformer, config: ModelConfig, max_tokens: int, dtype: torch.dtype) -> AdapterSlots:
+    def install(self, model: DecoderModel, config: ModelConfig, max_tokens: int, dtype: torch.dtype) -> AdapterSlots:
         return install_no_adapters(model, config, max_tokens, dtype)
 
     def start(self, slots: AdapterSlots, model_config: ModelConfig) -> AdapterSet:

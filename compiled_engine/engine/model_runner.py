@@ -36,7 +36,7 @@ from compiled_engine.engine.step_inputs import ScheduledBatch, StepInputs
 from compiled_engine.engine.weight_loading import load_weights
 from compiled_engine.errors import ModelConfigError
 from compiled_engine.model.config import ModelConfig
-from compiled_engine.model.llama import Transformer
+from compiled_engine.model.layers import DecoderModel
 from compiled_engine.model.shard import NO_SHARD, TPShard
 from compiled_engine.parallel.distributed import broadcast_step
 from compiled_engine.parallel.plan import parallelize
@@ -78,6 +78,7 @@ class ModelRunner:
         self.model_config = ModelConfig.from_model_dir(model_dir)
         self.page_size = config.page_size
         self.max_model_len = self._context_limit(config)
+        self.model_config = self.model_config.for_context(self.max_model_len)
         self.kv_spec = KVCacheSpec(
             self.model_config.num_layers,
             shard.kv_heads(self.model_config)[1],
@@ -120,7 +121,7 @@ class ModelRunner:
         )
         return get_backend(config.attention_backend, shape)
 
-    def _load(self, model_dir: Path, config: EngineConfig, mesh: DeviceMesh | None) -> Transformer:
+    def _load(self, model_dir: Path, config: EngineConfig, mesh: DeviceMesh | None) -> DecoderModel:
         loaded = load_weights(model_dir, self.model_config, config, self.dtype, self.device, self.shard)
         logger.info("weights: %s", loaded.description)
         self.weights_description = loaded.description

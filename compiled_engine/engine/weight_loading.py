@@ -19,7 +19,7 @@ import torch
 from compiled_engine.config import EngineConfig
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.gguf import gguf_file
-from compiled_engine.model.llama import Transformer
+from compiled_engine.model.layers import DecoderModel
 from compiled_engine.model.loader import INDEX_FILE, SINGLE_FILE, load_model
 from compiled_engine.model.shard import NO_SHARD, TPShard
 from compiled_engine.quantization.apply import QuantizationScheme, quantize_model
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LoadedWeights:
-    model: Transformer
+    model: DecoderModel
     description: str  # for the log and the bench: "GGUF Q4_1/Q8_0", "int4 (group 32) at load", "dense float32"
 
 

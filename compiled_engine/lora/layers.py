@@ -44,7 +44,7 @@ from torch import nn
 
 from compiled_engine.lora.adapter import PRODUCTS, LoRAAdapter, product_shapes
 from compiled_engine.model.config import ModelConfig
-from compiled_engine.model.llama import Transformer
+from compiled_engine.model.layers import DecoderModel
 from compiled_engine.native_build import KernelBuildError, TorchOperatorLibrary
 from compiled_engine.quantization.ops import reference_linear
 
@@ -318,7 +318,7 @@ class LoRASlots:
 
 
 def install_lora(
-    model: Transformer, config: ModelConfig, num_slots: int, max_rank: int, max_tokens: int, dtype: torch.dtype
+    model: DecoderModel, config: ModelConfig, num_slots: int, max_rank: int, max_tokens: int, dtype: torch.dtype
 ) -> LoRASlots:
     """Wrap every decoder layer's products in LoRALinear with `num_slots` empty slots of
     `max_rank` per piece, in `dtype` (the activations'), for forwards of up to `max_tokens`."""

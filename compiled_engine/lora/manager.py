@@ -24,7 +24,7 @@ from compiled_engine.engine.sequence import Sequence
 from compiled_engine.lora.adapter import LoRAAdapter, LoRAError, load_adapter
 from compiled_engine.lora.layers import LoRASlots, install_lora
 from compiled_engine.model.config import ModelConfig
-from compiled_engine.model.llama import Transformer
+from compiled_engine.model.layers import DecoderModel
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,7 @@ class LoRAPlan:
         self.config = config
 
     def install(
-        self, model: Transformer, model_config: ModelConfig, max_tokens: int, dtype: torch.dtype
+        self, model: DecoderModel, model_config: ModelConfig, max_tokens: int, dtype: torch.dtype
     ) -> AdapterSlots:
         return install_lora(model, model_config, self.config.max_loras, self.config.max_lora_rank, max_tokens, dtype)
 

@@ -1,8 +1,13 @@
-"""ModelConfig: the typed view of a Hugging Face config.json for the architectures we run."""
+"""ModelConfig: the typed view of a Hugging Face config.json for the families we run.
+
+Which `model_type` is which family is the registry's (model/families.py); this module reads each
+family's fields into one plain struct, with transformers' defaults where a config leaves one out.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -10,14 +15,12 @@ import msgspec
 
 from compiled_engine.errors import ModelConfigError
 
-Architecture = Literal["llama", "qwen3"]
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+Architecture = Literal["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"]
+Activation = Literal["silu", "gelu_tanh"]
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope")
+GEMMA = ("gemma2", "gemma3")
 
-_ARCHITECTURE_BY_MODEL_TYPE: dict[str, Architecture] = {"llama": "llama", "qwen3": "qwen3"}
-_ARCHITECTURE_BY_CLASS: dict[str, Architecture] = {
-    "LlamaForCausalLM": "llama",
-    "Qwen3ForCausalLM": "qwen3",
-}
+_ACTIVATIONS: dict[str, Activation] = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
 class RopeConfig(msgspec.Struct, frozen=True):
@@ -27,6 +30,20 @@ class RopeConfig(msgspec.Struct, frozen=True):
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # longrope (Phi-3): one factor per frequency for contexts within the pretraining length and
+    # one for longer ones, and the scale of cos and sin.
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
+    use_long_factor: bool = False
+
+    def for_context(self, max_tokens: int) -> RopeConfig:
+        """This rope for an engine whose sequences reach `max_tokens`: longrope takes its long
+        factors when that passes the pretraining length (fixed per engine, as llama.cpp does, so
+        a sequence's rotation never depends on the batch it runs in)."""
+        if self.type != "longrope":
+            return self
+        return msgspec.structs.replace(self, use_long_factor=max_tokens > self.original_max_position_embeddings)
 
 
 class ModelConfig(msgspec.Struct, frozen=True):
@@ -42,8 +59,16 @@ class ModelConfig(msgspec.Struct, frozen=True):
     rope: RopeConfig
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
     qk_norm: bool = False
+    hidden_act: Activation = "silu"
+    rotary_dim: int = 0  # the dims of a head that rotate; 0: all of them
+    rope_local: RopeConfig | None = None  # the sliding layers' rope, where it differs (Gemma 3)
+    layer_windows: tuple[int, ...] = ()  # each layer's sliding window, 0 for full; () all full
+    query_pre_attn_scalar: float | None = None  # softmax scale 1/sqrt(this); None: head_dim
+    attn_soft_cap: float = 0.0  # 0: none
+    final_soft_cap: float = 0.0
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
 
@@ -54,6 +79,26 @@ class ModelConfig(msgspec.Struct, frozen=True):
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def rotated_dims(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window in tokens, 0 when it attends to every earlier token."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def sliding(self) -> bool:
+        return any(self.layer_windows)
+
+    def for_context(self, max_tokens: int) -> ModelConfig:
+        """This config for an engine whose sequences reach `max_tokens` (RopeConfig.for_context)."""
+        return msgspec.structs.replace(self, rope=self.rope.for_context(max_tokens))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -101,20 +146,25 @@ def _positive(raw: dict[str, Any], key: str, source: str) -> int:
 def _architecture(raw: dict[str, Any], source: str) -> Architecture:
     # model_type decides when present (a Mistral config may still name LlamaForCausalLM);
     # the class list is only a fallback for configs without one.
+    from compiled_engine.model.families import FAMILIES, family_of_class, family_of_model_type
+
     model_type = raw.get("model_type")
-    if isinstance(model_type, str) and model_type in _ARCHITECTURE_BY_MODEL_TYPE:
-        return _ARCHITECTURE_BY_MODEL_TYPE[model_type]
-    for name in raw.get("architectures") or [] if model_type is None else []:
-        if name in _ARCHITECTURE_BY_CLASS:
-            return _ARCHITECTURE_BY_CLASS[name]
+    family = family_of_model_type(model_type) if isinstance(model_type, str) else None
+    if model_type is None:
+        family = next((f for f in map(family_of_class, raw.get("architectures") or []) if f), None)
+    if family is not None:
+        return family.name
+    hint = ""
+    if model_type == "gemma3":
+        hint = " (a Gemma 3 vision-language checkpoint: only the text models, model_type 'gemma3_text', run)"
     raise ModelConfigError(
         f"{source}: unsupported architecture (model_type={model_type!r}, "
-        f"architectures={raw.get('architectures')!r}); supported model_type values: "
-        f"{sorted(_ARCHITECTURE_BY_MODEL_TYPE)}"
+        f"architectures={raw.get('architectures')!r}){hint}; supported model_type values: "
+        f"{sorted(t for f in FAMILIES.values() for t in f.model_types)}"
     )
 
 
-def _rope(raw: dict[str, Any], source: str) -> RopeConfig:
+def _rope(raw: dict[str, Any], source: str, default_theta: float = 10000.0) -> RopeConfig:
     # transformers 5 writes `rope_parameters` (holding rope_theta); older files write
     # `rope_theta` plus an optional `rope_scaling` dict.
     params = raw.get("rope_parameters")
@@ -124,15 +174,42 @@ def _rope(raw: dict[str, Any], source: str) -> RopeConfig:
     if scaling is not None and not isinstance(scaling, dict):
         raise ModelConfigError(f"{source}: field 'rope_scaling' must be an object, got {scaling!r}")
     merged: dict[str, Any] = {**(scaling or {}), **(params or {})}
-    theta = merged.get("rope_theta", raw.get("rope_theta", 10000.0))
+    return _rope_from(merged, raw, source, raw.get("rope_theta", default_theta))
+
+
+def _layer_ropes(raw: dict[str, Any], source: str) -> tuple[RopeConfig, RopeConfig]:
+    """Gemma 3's two ropes, (full layers', sliding layers'): transformers 5 keys rope_parameters
+    by layer type; older files give rope_theta and rope_scaling for the full layers and
+    rope_local_base_freq for the sliding ones."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and {"full_attention", "sliding_attention"} <= params.keys():
+        ropes = []
+        for layer_type in ("full_attention", "sliding_attention"):
+            part = params[layer_type]
+            if not isinstance(part, dict):
+                raise ModelConfigError(
+                    f"{source}: field 'rope_parameters.{layer_type}' must be an object, got {part!r}"
+                )
+            ropes.append(_rope_from(part, raw, source, 10000.0))
+        return ropes[0], ropes[1]
+    local_theta = raw.get("rope_local_base_freq", 10000.0)
+    return _rope(raw, source, default_theta=1_000_000.0), _rope_from({}, raw, source, local_theta)
+
+
+def _rope_from(merged: dict[str, Any], raw: dict[str, Any], source: str, default_theta: Any) -> RopeConfig:
+    theta = merged.get("rope_theta", default_theta)
     if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 0:
         raise ModelConfigError(f"{source}: field 'rope_theta' must be a positive number, got {theta!r}")
     rope_type = merged.get("rope_type", merged.get("type", "default"))
+    if rope_type == "su":  # the first Phi-3 files' name for longrope
+        rope_type = "longrope"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelConfigError(
             f"{source}: unsupported rope scaling type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
     fields: dict[str, Any] = {"theta": float(theta), "type": rope_type}
+    if rope_type == "longrope":
+        return _longrope(merged, raw, source, fields)
     if rope_type != "default":
         if "factor" not in merged:
             raise ModelConfigError(f"{source}: rope scaling type {rope_type!r} needs 'factor'")
@@ -156,6 +233,45 @@ def _rope(raw: dict[str, Any], source: str) -> RopeConfig:
     return RopeConfig(**fields)
 
 
+def _longrope(merged: dict[str, Any], raw: dict[str, Any], source: str, fields: dict[str, Any]) -> RopeConfig:
+    # As transformers reads it: factor defaults to the ratio of the two context lengths, and
+    # the attention factor to sqrt(1 + ln(factor) / ln(original length)).
+    original = merged.get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
+    if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
+        raise ModelConfigError(
+            f"{source}: rope scaling type 'longrope' needs a positive int 'original_max_position_embeddings', "
+            f"got {original!r}"
+        )
+    factors: dict[str, tuple[float, ...]] = {}
+    for key in ("short_factor", "long_factor"):
+        value = merged.get(key)
+        if (
+            not isinstance(value, list)
+            or not value
+            or not all(isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in value)
+        ):
+            raise ModelConfigError(f"{source}: rope scaling type 'longrope' needs '{key}', a list of positive numbers")
+        factors[key] = tuple(float(v) for v in value)
+    factor = merged.get("factor")
+    if factor is None:
+        factor = raw.get("max_position_embeddings", original) / original
+    attention_factor = merged.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    if isinstance(attention_factor, bool) or not isinstance(attention_factor, int | float) or attention_factor <= 0:
+        raise ModelConfigError(
+            f"{source}: rope scaling field 'attention_factor' must be a positive number, got {attention_factor!r}"
+        )
+    return RopeConfig(
+        theta=fields["theta"],
+        type="longrope",
+        original_max_position_embeddings=original,
+        short_factor=factors["short_factor"],
+        long_factor=factors["long_factor"],
+        attention_factor=float(attention_factor),
+    )
+
+
 def _rope_number(merged: dict[str, Any], key: str, rope_type: str, source: str) -> float:
     value = merged[key]
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
@@ -175,6 +291,11 @@ def _token_ids(value: Any) -> tuple[int, ...]:
 
 def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
     architecture = _architecture(raw, source)
+    gemma = architecture in GEMMA
+    if gemma:  # transformers' Gemma defaults, for the fields a Gemma config may leave out
+        raw = {"head_dim": 256, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, **raw}
+        if architecture == "gemma2":
+            raw = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, **raw}
     hidden_size = _positive(raw, "hidden_size", source)
     num_heads = _positive(raw, "num_attention_heads", source)
     num_kv_heads = num_heads
@@ -195,35 +316,113 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
         head_dim = hidden_size // num_heads
     if head_dim % 2 != 0:
         raise ModelConfigError(f"{source}: head_dim={head_dim} must be even for rotary embeddings")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ModelConfigError(f"{source}: unsupported hidden_act={raw['hidden_act']!r} (only 'silu')")
-    layer_types = raw.get("layer_types") or []
-    if raw.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
-        raise ModelConfigError(
-            f"{source}: sliding-window attention is not supported "
-            f"(use_sliding_window={raw.get('use_sliding_window')!r}, layer_types={layer_types!r})"
-        )
+    # Gemma names its activation `hidden_activation`; its configs' `hidden_act` is not used.
+    act_key = "hidden_activation" if gemma and raw.get("hidden_activation") is not None else "hidden_act"
+    act = raw.get(act_key, "gelu_pytorch_tanh" if gemma else "silu")
+    if act not in _ACTIVATIONS:
+        raise ModelConfigError(f"{source}: unsupported {act_key}={act!r} (supported: {', '.join(_ACTIVATIONS)})")
     if raw.get("mlp_bias"):
         raise ModelConfigError(f"{source}: unsupported mlp_bias=True")
     eps = _require(raw, "rms_norm_eps", float, source)
     if eps <= 0:
         raise ModelConfigError(f"{source}: field 'rms_norm_eps' must be positive, got {eps!r}")
+    num_layers = _positive(raw, "num_hidden_layers", source)
+    if architecture == "gemma3":
+        rope, rope_local = _layer_ropes(raw, source)
+    else:
+        rope, rope_local = _rope(raw, source), None
     bos = raw.get("bos_token_id")
+    # Qwen2 always has q/k/v biases and never an o_proj one; the others follow attention_bias.
+    attention_bias = _flag(raw, "attention_bias", source)
     return ModelConfig(
         architecture=architecture,
         vocab_size=_positive(raw, "vocab_size", source),
         hidden_size=hidden_size,
         intermediate_size=_positive(raw, "intermediate_size", source),
-        num_layers=_positive(raw, "num_hidden_layers", source),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         rms_norm_eps=float(eps),
-        rope=_rope(raw, source),
+        rope=rope,
+        rope_local=rope_local,
         max_position_embeddings=_positive(raw, "max_position_embeddings", source),
         tie_word_embeddings=_flag(raw, "tie_word_embeddings", source),
-        attention_bias=_flag(raw, "attention_bias", source),
-        qk_norm=architecture == "qwen3",
+        qkv_bias=attention_bias or architecture == "qwen2",
+        o_bias=attention_bias and architecture != "qwen2",
+        qk_norm=architecture in ("qwen3", "gemma3"),
+        hidden_act=_ACTIVATIONS[act],
+        rotary_dim=_rotary_dim(raw, head_dim, source),
+        layer_windows=_layer_windows(raw, architecture, num_layers, source),
+        query_pre_attn_scalar=_positive_number(raw, "query_pre_attn_scalar", source) if gemma else None,
+        attn_soft_cap=_soft_cap(raw, "attn_logit_softcapping", source),
+        final_soft_cap=_soft_cap(raw, "final_logit_softcapping", source),
         eos_token_ids=_token_ids(raw.get("eos_token_id")),
         bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
     )
+
+
+def _positive_number(raw: dict[str, Any], key: str, source: str) -> float:
+    value = _require(raw, key, float, source)
+    if value <= 0:
+        raise ModelConfigError(f"{source}: field '{key}' must be positive, got {value!r}")
+    return float(value)
+
+
+def _soft_cap(raw: dict[str, Any], key: str, source: str) -> float:
+    if raw.get(key) is None:
+        return 0.0
+    return _positive_number(raw, key, source)
+
+
+def _rotary_dim(raw: dict[str, Any], head_dim: int, source: str) -> int:
+    # Phi-4-mini rotates only part of each head; transformers 5 keeps the fraction in
+    # rope_parameters, older files at the top level.
+    params = raw.get("rope_parameters")
+    fraction = raw.get("partial_rotary_factor", 1.0)
+    if isinstance(params, dict) and "partial_rotary_factor" in params:
+        fraction = params["partial_rotary_factor"]
+    if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 < fraction <= 1:
+        raise ModelConfigError(f"{source}: field 'partial_rotary_factor' must be in (0, 1], got {fraction!r}")
+    rotary_dim = int(head_dim * fraction)
+    if rotary_dim % 2 != 0 or rotary_dim == 0:
+        raise ModelConfigError(
+            f"{source}: partial_rotary_factor={fraction!r} rotates {rotary_dim} of {head_dim} dims; it must be even"
+        )
+    return 0 if rotary_dim == head_dim else rotary_dim
+
+
+def _default_layer_types(raw: dict[str, Any], architecture: Architecture, num_layers: int) -> list[str]:
+    """Which layers slide when a config has no `layer_types`, as transformers decides it."""
+    sliding, full = "sliding_attention", "full_attention"
+    if architecture in ("mistral", "phi3"):  # every layer, when a window is set
+        return [sliding if raw.get("sliding_window") is not None else full] * num_layers
+    if architecture == "gemma2":
+        return [sliding if i % 2 == 0 else full for i in range(num_layers)]
+    if architecture == "gemma3":
+        pattern = raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern", 6))
+        return [sliding if (i + 1) % pattern else full for i in range(num_layers)]
+    if raw.get("use_sliding_window"):  # Qwen2 and Qwen3: layers from max_window_layers on
+        first = raw.get("max_window_layers", num_layers)
+        return [sliding if i >= first else full for i in range(num_layers)]
+    return [full] * num_layers
+
+
+def _layer_windows(raw: dict[str, Any], architecture: Architecture, num_layers: int, source: str) -> tuple[int, ...]:
+    layer_types = raw.get("layer_types")
+    if architecture in ("mistral", "phi3") or layer_types is None:
+        # Mistral and Phi-3 slide every layer whenever sliding_window is set, whatever else says.
+        layer_types = _default_layer_types(raw, architecture, num_layers)
+    if architecture in ("qwen2", "qwen3") and not raw.get("use_sliding_window"):
+        layer_types = ["full_attention"] * num_layers  # transformers ignores the window then
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+        raise ModelConfigError(f"{source}: field 'layer_types' must list one type per layer, got {layer_types!r}")
+    unknown = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+    if unknown:
+        raise ModelConfigError(
+            f"{source}: unsupported layer types {unknown} (supported: full_attention, sliding_attention)"
+        )
+    if "sliding_attention" not in layer_types:
+        return ()
+    window = _positive(raw, "sliding_window", source)
+    return tuple(window if t == "sliding_attention" else 0 for t in layer_types)

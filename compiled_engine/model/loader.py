@@ -13,7 +13,8 @@ from torch import nn
 
 from compiled_engine.errors import ModelLoadError
 from compiled_engine.model.config import ModelConfig
-from compiled_engine.model.llama import RotaryEmbedding, Transformer, checkpoint_layout
+from compiled_engine.model.families import build_model, check_shard, family
+from compiled_engine.model.layers import DecoderModel, RotaryEmbedding
 from compiled_engine.model.shard import NO_SHARD, TPShard
 
 SINGLE_FILE = "model.safetensors"
@@ -74,14 +75,14 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     shard: TPShard = NO_SHARD,
-) -> Transformer:
+) -> DecoderModel:
     """Build the model on the meta device and fill it from the checkpoint, cast to `dtype`.
     With tensor parallelism, only `shard`'s parts of the sharded tensors are read."""
     model_dir = Path(model_dir)
-    shard.check(config)
+    check_shard(config, shard)
     with torch.device("meta"):
-        model = Transformer(config, shard)
-    layout = checkpoint_layout(config, shard)
+        model = build_model(config, shard)
+    layout = family(config).checkpoint_layout(config, shard)
     params = {
         name: torch.empty(param.shape, dtype=dtype, device=device)
         for name, param in model.named_parameters()
@@ -131,5 +132,12 @@ def load_model(
     model.load_state_dict(params, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = cast(nn.Parameter, model.embed_tokens.weight)  # one tensor, as in the checkpoint
-    model.rotary = RotaryEmbedding(config.rope, config.head_dim).to(device)
+    rebuild_rotaries(model, device)
     return model.eval()
+
+
+def rebuild_rotaries(model: DecoderModel, device: torch.device) -> None:
+    """The rotary tables computed again on `device` (built on the meta device, they hold no
+    value, and no checkpoint holds them)."""
+    for name, rotary in model.rotaries().items():
+        setattr(model, name, RotaryEmbedding(rotary.rope, rotary.rotary_dim).to(device))

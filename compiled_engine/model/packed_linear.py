@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from compiled_engine.model.llama import Linear
+from compiled_engine.model.layers import Linear
 from compiled_engine.native_build import KernelBuildError, TorchOperatorLibrary
 
 logger = logging.getLogger(__name__)

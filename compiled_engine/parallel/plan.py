@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from compiled_engine.model.llama import Linear, Transformer
+from compiled_engine.model.layers import DecoderModel, Linear
 
 
 def _wrap_local(module: nn.Module, mesh: DeviceMesh, weight: Shard | Replicate, bias: Shard | Replicate) -> None:
@@ -83,6 +83,6 @@ def tensor_parallel_plan(num_layers: int) -> dict[str, ParallelStyle]:
     return plan
 
 
-def parallelize(model: Transformer, mesh: DeviceMesh) -> Transformer:
+def parallelize(model: DecoderModel, mesh: DeviceMesh) -> DecoderModel:
     parallelize_module(model, mesh, tensor_parallel_plan(model.config.num_layers))
     return model

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from compiled_engine.model.llama import Linear
+from compiled_engine.model.layers import Linear
 from compiled_engine.model.packed_linear import CpuLinear
 from compiled_engine.quantization.modules import QuantizedLinear
 

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from compiled_engine.model.llama import Transformer
+from compiled_engine.model.layers import DecoderModel
 from compiled_engine.model.packed_linear import BlockedEmbedding, CpuLinear
 from compiled_engine.products.table import Product, kernel_for
 
 
-def install_products(model: Transformer, compiled: bool) -> None:
+def install_products(model: DecoderModel, compiled: bool) -> None:
     """Run the walk on `model` (loaded, and sharded under tensor parallelism), for a model run
     compiled or eager."""
     tied = model.lm_head.weight is model.embed_tokens.weight
@@ -48,7 +48,7 @@ def replace(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
-def _tie_embedding(model: Transformer) -> None:
+def _tie_embedding(model: DecoderModel) -> None:
     head = model.lm_head
     if isinstance(head, CpuLinear) and head.blocked is not None:
         replace(model, "embed_tokens", BlockedEmbedding(head.blocked))

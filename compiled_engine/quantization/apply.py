@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from compiled_engine.model.llama import Linear, Transformer
+from compiled_engine.model.layers import DecoderModel, Linear
 from compiled_engine.quantization.modules import QuantizedEmbedding, QuantizedLinear
 from compiled_engine.quantization.quantize import quantize, quantize_int8
 from compiled_engine.quantization.weights import INT4_GROUP_SIZES, QuantizationError, QuantizedWeight
@@ -38,7 +38,7 @@ class QuantizationScheme:
             raise QuantizationError(f"group size must be positive, got {self.group_size}")
 
 
-def quantize_model(model: Transformer, scheme: QuantizationScheme) -> Transformer:
+def quantize_model(model: DecoderModel, scheme: QuantizationScheme) -> DecoderModel:
     """Replace the layer products' Linear modules (q/k/v, o, gate/up, down) with QuantizedLinear,
     and with `scheme.head` the head and embedding too. Every weight is checked before any is
     replaced, so a refused shape leaves the model as it was."""
@@ -71,7 +71,7 @@ def install_linear(model: nn.Module, name: str, weight: QuantizedWeight, bias: t
     setattr(owner, child, QuantizedLinear(weight, bias))
 
 
-def install_embedding(model: Transformer, weight: QuantizedWeight) -> None:
+def install_embedding(model: DecoderModel, weight: QuantizedWeight) -> None:
     if (weight.out_features, weight.in_features) != tuple(model.embed_tokens.weight.shape):
         raise QuantizationError(
             f"embed_tokens: a {list(weight.shape)} table cannot replace {list(model.embed_tokens.weight.shape)}"

@@ -18,6 +18,7 @@ from torch import nn
 
 from compiled_engine.errors import ModelLoadError
 from compiled_engine.model.config import ModelConfig
+from compiled_engine.model.families import build_model
 from compiled_engine.model.gguf import (
     BLOCK,
     DENSE_TYPES,
@@ -31,7 +32,9 @@ from compiled_engine.model.gguf import (
     read_gguf_header,
     read_tensor,
 )
-from compiled_engine.model.llama import RotaryEmbedding, Transformer
+from compiled_engine.model.layers import DecoderModel
+from compiled_engine.model.loader import rebuild_rotaries
+from compiled_engine.model.shard import NO_SHARD
 from compiled_engine.quantization.apply import install_embedding, install_linear
 from compiled_engine.quantization.weights import QuantizedWeight, concat_rows
 
@@ -86,9 +89,10 @@ def _targets(config: ModelConfig) -> list[_Target]:
             )
         )
         targets.append(T(attn + "o_proj", (P(blk + "attn_output.weight", (h, q)),)))
-        if config.attention_bias:
+        if config.qkv_bias:
             biases = (P(blk + "attn_q.bias", (q,), q_heads), P(blk + "attn_k.bias", (kv,), kv_heads))
             targets.append(T("", (*biases, P(blk + "attn_v.bias", (kv,))), attn + "qkv_proj.bias"))
+        if config.o_bias:
             targets.append(T("", (P(blk + "attn_output.bias", (h,)),), attn + "o_proj.bias"))
         if config.qk_norm:
             targets.append(T("", (P(blk + "attn_q_norm.weight", (hd,)),), attn + "q_norm.weight"))
@@ -192,7 +196,7 @@ def load_gguf_model(
     dtype: torch.dtype,
     device: torch.device,
     dequantize: bool = False,
-) -> Transformer:
+) -> DecoderModel:
     """Build the model on the meta device and fill it from a GGUF file: Q8_0, Q4_0 and Q4_1
     tensors stay quantized (QuantizedLinear, and QuantizedEmbedding for the embedding, which a tied
     head shares), F32/F16/BF16 become dense parameters of `dtype`. With `dequantize`, every
@@ -203,7 +207,7 @@ def load_gguf_model(
     targets = _targets(config)
     parts = _check(header, config, targets)
     with torch.device("meta"):
-        model = Transformer(config)
+        model = build_model(config, NO_SHARD)
     params: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantizedWeight] = {}
     with path.open("rb") as f:
@@ -227,7 +231,7 @@ def load_gguf_model(
             model.lm_head.weight = cast(nn.Parameter, model.embed_tokens.weight)  # one tensor, as in the file
         else:
             install_linear(model, "lm_head", model.embed_tokens.weight)  # the same quantized table
-    model.rotary = RotaryEmbedding(config.rope, config.head_dim).to(device)
+    rebuild_rotaries(model, device)
     if rope_freqs is not None:
         _apply_rope_freqs(model, config, rope_freqs, path)
     left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
@@ -236,7 +240,7 @@ def load_gguf_model(
     return model.eval()
 
 
-def _apply_rope_freqs(model: Transformer, config: ModelConfig, rope_freqs: Weight, path: Path) -> None:
+def _apply_rope_freqs(model: DecoderModel, config: ModelConfig, rope_freqs: Weight, path: Path) -> None:
     # Llama 3.1's rope scaling as llama.cpp stores it: one divisor per rotary frequency.
     if config.rope.type != "default":
         raise ModelLoadError(f"{path} has {ROPE_FREQS} and the config rope scaling {config.rope.type!r}: both scale")
