@@ -1,5 +1,6 @@
 """AttentionMetadata.build and the torch reference backend, checked against a dense float64
-causal attention written here from the definition."""
+causal attention written here from the definition, with and without a sliding window and a
+logit soft-cap."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from compiled_engine.attention import selector
 from compiled_engine.attention.backend import AttentionShape
-from compiled_engine.attention.metadata import AttentionMetadata
+from compiled_engine.attention.metadata import AttentionMetadata, GraphMetadata
 from compiled_engine.attention.paged import write_kv
-from compiled_engine.attention.selector import get_backend
+from compiled_engine.attention.selector import get_backend, layer_kinds_reason
 from compiled_engine.attention.torch_backend import TorchAttentionBackend
 
 CPU = torch.device("cpu")
@@ -23,9 +25,12 @@ def slot(table: list[int], pos: int, page_size: int) -> int:
     return table[pos // page_size] * page_size + pos % page_size
 
 
-def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def dense_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0, soft_cap: float = 0.0
+) -> torch.Tensor:
     """q: [q_len, H, d] for the last q_len positions; k, v: [seq_len, KVH, d] of the whole
-    sequence. Plain causal softmax attention in float64."""
+    sequence. Plain causal softmax attention in float64; with a window W a query at p sees only
+    keys j with p - W < j <= p; with a soft-cap c the logits s become c * tanh(s / c) first."""
     q, k, v = q.double(), k.double(), v.double()
     q_len, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
@@ -33,9 +38,14 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     k = k.repeat_interleave(group, dim=1)  # head h reads kv head h // group
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if soft_cap:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
     query_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
     key_pos = torch.arange(seq_len)[None, :]
-    scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
+    hidden = key_pos > query_pos
+    if window:
+        hidden |= key_pos <= query_pos - window
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
 
 
@@ -357,3 +367,129 @@ def test_decode_only_batch_uses_the_batched_path_and_matches_reference(num_kv_he
     for i, s in enumerate(seqs):
         torch.testing.assert_close(out[i : i + 1], dense_reference(s.q, s.k, s.v, 0.3), atol=1e-10, rtol=0)
     assert not AttentionMetadata.build([2, 1], [5, 5], [[0, 1], [2, 3]], PAGE_SIZE, CPU).decode_only
+
+
+# ---------------------------------------------------------------------------------------------
+# sliding windows and logit soft-caps against the dense reference
+
+# A soft-cap small enough to bite: with SCALE the raw logits spread well past it.
+SOFT_CAP = 5.0
+SCALE = 0.9
+
+
+def place_batch(seqs: list[Sequence], num_kv_heads: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Give the sequences shuffled pages (and spare ones nobody owns) in a cache of garbage, with
+    their cached prefixes in place."""
+    needed = [math.ceil(s.seq_len / PAGE_SIZE) for s in seqs]
+    num_pages = sum(needed) + 2
+    perm = torch.randperm(num_pages, generator=gen).tolist()
+    at = 0
+    for s, n in zip(seqs, needed, strict=True):
+        s.table, at = perm[at : at + n], at + n
+    cache = torch.full((num_pages, 2, PAGE_SIZE, num_kv_heads, HEAD_DIM), GARBAGE, dtype=dtype)
+    for s in seqs:
+        place_prefix(cache, s)
+    return cache
+
+
+# (cached, new) per sequence; PAGE_SIZE 4, so the windows below cross page boundaries.
+WINDOW_BATCHES = {
+    # contexts shorter than, equal to and far longer than the windows: one batched call
+    "decode": [(0, 1), (2, 1), (5, 1), (9, 1), (16, 1), (30, 1)],
+    # a chunk after a cached prefix, decodes (batched beside the prompts), a whole prompt longer
+    # than the windows, a one-token prompt and a short chunk
+    "mixed": [(6, 5), (9, 1), (0, 13), (20, 1), (0, 1), (13, 3)],
+    # one chunk whose queries' windows start on both sides of a page boundary
+    "chunk": [(25, 9)],
+}
+
+
+@pytest.mark.parametrize("soft_cap", [0.0, SOFT_CAP])
+@pytest.mark.parametrize("window", [0, 1, 3, 6, 17])
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("kind", sorted(WINDOW_BATCHES))
+def test_window_and_soft_cap_match_dense_reference(kind: str, num_kv_heads: int, window: int, soft_cap: float) -> None:
+    gen = torch.Generator().manual_seed(5)
+    seqs = [Sequence(cached=c, new=n, num_kv_heads=num_kv_heads, gen=gen) for c, n in WINDOW_BATCHES[kind]]
+    for dtype, tolerance in ((torch.float64, 1e-10), (torch.float32, 2e-5)):
+        cache = place_batch(seqs, num_kv_heads, dtype, gen)
+        md = AttentionMetadata.build(
+            [s.new for s in seqs], [s.seq_len for s in seqs], [s.table for s in seqs], PAGE_SIZE, CPU
+        )
+        q = torch.cat([s.q for s in seqs]).to(dtype)
+        k = torch.cat([s.k[s.cached :] for s in seqs]).to(dtype)
+        v = torch.cat([s.v[s.cached :] for s in seqs]).to(dtype)
+        out = TorchAttentionBackend(dtype).attend(q, k, v, cache, md, SCALE, window, soft_cap)
+        assert out.dtype == dtype
+        start = 0
+        for s in seqs:
+            expected = dense_reference(s.q, s.k, s.v, SCALE, window, soft_cap)
+            torch.testing.assert_close(out[start : start + s.new].double(), expected, atol=tolerance, rtol=0)
+            start += s.new
+
+
+@pytest.mark.parametrize(("window", "soft_cap"), [(3, 0.0), (6, SOFT_CAP), (0, SOFT_CAP)])
+def test_a_graph_plan_applies_window_and_soft_cap(window: int, soft_cap: float) -> None:
+    """The CUDA-graph decode plan (device tensors only) masks each row's window from its length."""
+    gen = torch.Generator().manual_seed(13)
+    seqs = [Sequence(cached=c, new=1, num_kv_heads=2, gen=gen) for c in (0, 4, 7, 18)]
+    cache = place_batch(seqs, 2, torch.float64, gen)
+    md = AttentionMetadata.build([1] * len(seqs), [s.seq_len for s in seqs], [s.table for s in seqs], PAGE_SIZE, CPU)
+    graph = GraphMetadata(md.seq_lens, md.block_tables, md.slot_mapping, PAGE_SIZE)
+    backend = TorchAttentionBackend(torch.float64)
+    q = torch.cat([s.q for s in seqs])
+    k = torch.cat([s.k[s.cached :] for s in seqs])
+    v = torch.cat([s.v[s.cached :] for s in seqs])
+    out = backend.forward(q, k, v, cache, backend.prepare_graph(graph), SCALE, window, soft_cap)
+    for i, s in enumerate(seqs):
+        expected = dense_reference(s.q, s.k, s.v, SCALE, window, soft_cap)
+        torch.testing.assert_close(out[i : i + 1], expected, atol=1e-10, rtol=0)
+
+
+def test_window_and_soft_cap_references_are_not_trivially_satisfied() -> None:
+    # The checks above must be able to fail: over these contexts the window and the cap each
+    # change the result, and a window as long as the context changes nothing.
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(9, 4, 8, generator=gen, dtype=torch.float64)
+    k = torch.randn(30, 2, 8, generator=gen, dtype=torch.float64)
+    v = torch.randn(30, 2, 8, generator=gen, dtype=torch.float64)
+    full = dense_reference(q, k, v, SCALE)
+    assert (dense_reference(q, k, v, SCALE, window=6) - full).abs().max() > 1e-2
+    assert (dense_reference(q, k, v, SCALE, window=29) - full).abs().max() > 1e-2  # only the first query differs
+    assert (dense_reference(q, k, v, SCALE, soft_cap=SOFT_CAP) - full).abs().max() > 1e-2
+    torch.testing.assert_close(dense_reference(q, k, v, SCALE, window=30), full, atol=0, rtol=0)
+    # A window of one key: each query sees only itself, its output that key's value.
+    torch.testing.assert_close(dense_reference(q, k, v, SCALE, window=1), v[21:].repeat_interleave(2, 1))
+
+
+def test_layer_kinds_and_the_selector() -> None:
+    """A backend that lacks a layer kind the model uses is refused (never silently wrong)."""
+    sliding = AttentionShape(4, 2, 64, 16, torch.float32, CPU, layer_kinds=((0, 0.0), (4096, 50.0)))
+    assert AttentionShape(4, 2, 64, 16, torch.float32, CPU).layer_kinds == ((0, 0.0),)
+    assert get_backend("torch", sliding).name == "torch"
+
+    class NoWindows(TorchAttentionBackend):
+        name = "no-windows"
+        supports_sliding_window = False
+
+    assert layer_kinds_reason(NoWindows, sliding) == (
+        "the no-windows backend has no sliding-window attention (the model's layers slide over [4096] tokens)"
+    )
+    assert layer_kinds_reason(NoWindows, AttentionShape(4, 2, 64, 16, torch.float32, CPU)) is None
+    capped = AttentionShape(4, 2, 64, 16, torch.float32, CPU, layer_kinds=((0, 30.0),))
+    assert layer_kinds_reason(NoWindows, capped) is None
+    assert "cannot soft-cap attention logits (the model caps them at [30.0])" in str(
+        layer_kinds_reason(type("NoCap", (TorchAttentionBackend,), {"supports_soft_cap": False}), capped)
+    )
+
+
+def test_the_selector_refuses_a_model_no_backend_can_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    class NoWindows(TorchAttentionBackend):
+        supports_sliding_window = False
+
+    monkeypatch.setitem(selector.REGISTRY, "torch", NoWindows)
+    monkeypatch.setattr(selector, "FALLBACK", NoWindows)
+    sliding = AttentionShape(4, 2, 64, 16, torch.float32, CPU, layer_kinds=((0, 0.0), (512, 0.0)))
+    with pytest.raises(ValueError, match=r"no attention backend can run this model: .* slide over \[512\] tokens"):
+        get_backend("torch", sliding)
+    assert get_backend("torch", AttentionShape(4, 2, 64, 16, torch.float32, CPU)).name == "torch"

@@ -12,6 +12,12 @@ import torch
 from compiled_engine.attention.metadata import AttentionMetadata, GraphMetadata
 
 Plan = TypeVar("Plan")
+# What one layer's attention asks for: (window, soft_cap). window 0 attends to every earlier
+# token; W > 0 to the last W positions including the query's own (transformers'
+# `sliding_window`). soft_cap 0.0 leaves the logits as they are; c > 0 turns each logit s into
+# c * tanh(s / c) before masking and softmax (Gemma 2's attn_logit_softcapping).
+LayerKind = tuple[int, float]
+FULL_ATTENTION: LayerKind = (0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -25,6 +31,10 @@ class AttentionShape:
     dtype: torch.dtype
     device: torch.device
     scale: float | None = None  # None = head_dim ** -0.5, the Llama family's
+    # The distinct (window, soft_cap) pairs of the model's layers (LayerKind). A backend that
+    # plans per kind (FlashInfer) plans one wrapper for each; the others only check that they
+    # support them.
+    layer_kinds: tuple[LayerKind, ...] = (FULL_ATTENTION,)
 
     @property
     def softmax_scale(self) -> float:
@@ -48,6 +58,11 @@ class AttentionBackend(Generic[Plan]):
     kv_cache: one layer's pages, [num_pages, 2, page_size, num_kv_heads, head_dim].
     Returns [num_tokens, num_heads, head_dim].
 
+    `window` and `soft_cap` are the layer's (see LayerKind); every layer passes its own at every
+    call, since they differ between layers (Gemma alternates sliding and full layers). A backend
+    declares that it honours them with `supports_sliding_window` and `supports_soft_cap`; the
+    selector never gives a model a backend that would ignore what its layers ask for.
+
     What the runner may ask besides, with the defaults here:
     - `supports_cuda_graphs`: decode may be captured (the plan of a graph reads device tensors
       only, or is planned on the host by `plan_graph`);
@@ -67,6 +82,8 @@ class AttentionBackend(Generic[Plan]):
 
     name: ClassVar[str]
     supports_cuda_graphs: ClassVar[bool] = False
+    supports_sliding_window: ClassVar[bool] = False
+    supports_soft_cap: ClassVar[bool] = False
     scale: float | None = None
 
     @classmethod
@@ -84,7 +101,15 @@ class AttentionBackend(Generic[Plan]):
         raise NotImplementedError
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, plan: Plan, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: Plan,
+        scale: float,
+        window: int = 0,
+        soft_cap: float = 0.0,
     ) -> torch.Tensor:
         raise NotImplementedError
 
@@ -96,9 +121,11 @@ class AttentionBackend(Generic[Plan]):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        window: int = 0,
+        soft_cap: float = 0.0,
     ) -> torch.Tensor:
         """`prepare` then `forward`, for one layer's call on its own (tests, kernel benchmarks)."""
-        return self.forward(q, k, v, kv_cache, self.prepare(metadata, kv_cache), scale)
+        return self.forward(q, k, v, kv_cache, self.prepare(metadata, kv_cache), scale, window, soft_cap)
 
     def plan_graph(
         self, size: int, metadata: GraphMetadata, seq_lens: list[int], block_tables: list[list[int]]

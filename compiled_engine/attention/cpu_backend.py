@@ -110,8 +110,18 @@ class CpuAttentionBackend(AttentionBackend[CpuPlan]):
         return CpuPlan(native, tokens, frozenset(short), prompts)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, plan: CpuPlan, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: CpuPlan,
+        scale: float,
+        window: int = 0,
+        soft_cap: float = 0.0,
     ) -> torch.Tensor:
+        if window or soft_cap:  # the selector gives this backend no model that asks for them
+            raise ValueError(f"the {self.name} backend has no sliding window or logit soft-cap yet")
         native, prompts = plan.native, plan.prompts
         if prompts is None:  # short sequences only
             assert native is not None

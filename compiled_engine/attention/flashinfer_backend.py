@@ -188,7 +188,11 @@ class FlashInferAttentionBackend(AttentionBackend[FlashInferPlan]):
         kv_cache: torch.Tensor,
         plan: FlashInferPlan,
         scale: float,
+        window: int = 0,
+        soft_cap: float = 0.0,
     ) -> torch.Tensor:
+        if window or soft_cap:  # the selector gives this backend no model that asks for them
+            raise ValueError(f"the {self.name} backend has no sliding window or logit soft-cap yet")
         if scale != self.scale:
             raise ValueError(f"FlashInfer was planned with scale {self.scale}, the model attends with {scale}")
         write_kv(k, v, kv_cache, plan.slot_mapping, plan.write_rows)

@@ -1,10 +1,13 @@
 """Attention as one opaque operator, so torch.compile traces the model without graph breaks.
 
-The model calls `paged_attention(q, k, v, kv_cache, scale)`. What the operator needs besides its
-tensors (the backend, and the plan the backend prepared for this batch) is set once per forward
-by the runner with `attention_forward(backend, plan)`, outside any compiled region. Neither Dynamo
-nor the model ever sees the plan: batch composition changes neither the traced graph nor its
-guards, and the token count is the only shape that varies.
+The model calls `paged_attention(q, k, v, kv_cache, scale, window, soft_cap)`, the last two its
+layer's sliding window and logit soft-cap (0: none; see `LayerKind` in attention/backend.py).
+They are Python constants of each layer, so they are arguments of the operator rather than part
+of the plan. What the operator needs besides its tensors (the backend, and the plan the backend
+prepared for this batch) is set once per forward by the runner with
+`attention_forward(backend, plan)`, outside any compiled region. Neither Dynamo nor the model
+ever sees the plan: batch composition changes neither the traced graph nor its guards, and the
+token count is the only shape that varies.
 """
 
 from __future__ import annotations
@@ -65,9 +68,7 @@ def _paged_attention_kernel(
 ) -> torch.Tensor:
     if _current is None:
         raise RuntimeError("paged_attention called outside attention_forward(...)")
-    if window or soft_cap:
-        return _current.backend.forward(q, k, v, kv_cache, _current.plan, scale, window, soft_cap)  # type: ignore[call-arg]
-    return _current.backend.forward(q, k, v, kv_cache, _current.plan, scale)
+    return _current.backend.forward(q, k, v, kv_cache, _current.plan, scale, window, soft_cap)
 
 
 @torch.library.register_fake("compiled_engine::paged_attention")
@@ -93,5 +94,6 @@ def paged_attention(
     soft_cap: float = 0.0,
 ) -> torch.Tensor:
     """Write k, v into `kv_cache` (one layer's pages) and attend; see AttentionBackend.
-    q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim]; returns q's shape."""
+    q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim]; returns q's shape.
+    `window` (0: every earlier token) and `soft_cap` (0.0: none) are this layer's."""
     return torch.ops.compiled_engine.paged_attention(q, k, v, kv_cache, scale, window, soft_cap)

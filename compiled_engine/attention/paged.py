@@ -6,6 +6,12 @@ the CPU backend's path for longer prompts: one SDPA per sequence for batches wit
 prompts run `is_causal`, chunks after a cached prefix a mask), and for decode-only batches one
 batched SDPA over every sequence's pages padded to the widest block table (`decode_rows`), which
 reads only device tensors and so can be captured in a CUDA graph.
+
+A layer's sliding window and logit soft-cap (`LayerKind`, attention/backend.py) arrive with each
+call. Full attention without a cap runs exactly as above. A window adds the keys before it to the
+mask (for decoding rows on the device, from their lengths, so graphs stay capturable); a soft-cap
+needs tanh between the product and the softmax, which SDPA cannot do, so capped layers compute
+the attention written out (`capped_attention`).
 """
 
 from __future__ import annotations
@@ -53,14 +59,25 @@ def decode_rows(
     return rows, bias[:, None, None, :]
 
 
+def window_bias(key_bias: torch.Tensor, seq_lens: torch.Tensor, window: int) -> torch.Tensor:
+    """`decode_rows`' key mask with the keys before each sequence's window masked too: the new
+    token of sequence s sits at seq_lens[s] - 1 and sees keys j >= seq_lens[s] - window. Built
+    from device tensors only, so a CUDA graph recomputes it at every replay."""
+    width = key_bias.shape[-1]
+    too_old = torch.arange(width, device=key_bias.device)[None, :] < (seq_lens[:, None] - window)
+    return key_bias.masked_fill(too_old[:, None, None, :], float("-inf"))
+
+
 @dataclass(frozen=True)
 class DecodeRows:
     """The decoding sequences of a forward, attended in one batched call: the flat K rows of their
-    pages and their key mask (`decode_rows`); in a mixed batch also their token positions in the
-    flat batch and their sequence indices (None and empty when every sequence decodes)."""
+    pages, their key mask (`decode_rows`) and their lengths (for a window's mask); in a mixed
+    batch also their token positions in the flat batch and their sequence indices (None and empty
+    when every sequence decodes)."""
 
     read_rows: torch.Tensor
     key_bias: torch.Tensor
+    seq_lens: torch.Tensor
     tokens: torch.Tensor | None = None
     seqs: frozenset[int] = frozenset()
 
@@ -85,22 +102,45 @@ def prepare_torch_plan(
     write_rows = kv_rows(metadata.slot_mapping, page_size)
     decode: DecodeRows | None = None
     if metadata.decode_only:
-        decode = DecodeRows(*decode_rows(metadata.block_tables, metadata.seq_lens, page_size, dtype))
+        rows, bias = decode_rows(metadata.block_tables, metadata.seq_lens, page_size, dtype)
+        decode = DecodeRows(rows, bias, metadata.seq_lens)
     elif batch_decodes:
         starts = metadata.query_start_loc_cpu
         decoding = metadata.decoding_seqs()
         if len(decoding) > 1:
             device = metadata.block_tables.device
             seqs = torch.tensor(decoding, device=device)
-            rows, bias = decode_rows(metadata.block_tables[seqs], metadata.seq_lens[seqs], page_size, dtype)
+            seq_lens = metadata.seq_lens[seqs]
+            rows, bias = decode_rows(metadata.block_tables[seqs], seq_lens, page_size, dtype)
             decode = DecodeRows(
-                rows, bias, torch.tensor([starts[i] for i in decoding], device=device), frozenset(decoding)
+                rows, bias, seq_lens, torch.tensor([starts[i] for i in decoding], device=device), frozenset(decoding)
             )
     return TorchPlan(metadata.slot_mapping, write_rows, decode, None if metadata.decode_only else metadata)
 
 
+def capped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, soft_cap: float
+) -> torch.Tensor:
+    """Softmax attention with soft-capped logits, written out because SDPA cannot apply tanh:
+    the scores scale * q.k become soft_cap * tanh(scores / soft_cap), then the mask (a float
+    bias to add, or booleans, True where a key is visible), the softmax and the weighted sum of
+    the values. q: [..., q_rows, d]; k, v: [..., keys, d], batch dimensions broadcast as in
+    matmul. Computed in at least fp32, returned in q's dtype."""
+    compute = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.matmul(q.to(compute), k.to(compute).transpose(-1, -2)) * scale
+    scores = soft_cap * torch.tanh(scores / soft_cap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.to(compute)
+    return torch.matmul(scores.softmax(dim=-1), v.to(compute)).to(q.dtype)
+
+
 def decode_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, read_rows: torch.Tensor, key_bias: torch.Tensor, scale: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    read_rows: torch.Tensor,
+    key_bias: torch.Tensor,
+    scale: float,
+    soft_cap: float = 0.0,
 ) -> torch.Tensor:
     """One new token per sequence. q: [seqs, heads, d]; read_rows: the flat K rows of every
     sequence's pages, padded to the widest block table ([seqs * width]); key_bias: [seqs, 1, 1,
@@ -109,21 +149,34 @@ def decode_attention(
 
     The query heads that share a KV head are laid out as that head's query rows ([seqs, kv_heads,
     group, d]), so each key is read once per KV head rather than once per query head (faster on
-    the CPU than SDPA's own GQA expansion: docs/benchmarks.md)."""
+    the CPU than SDPA's own GQA expansion: docs/benchmarks.md). A window is in `key_bias`
+    (`window_bias`); a soft-cap takes `capped_attention`."""
     num_seqs, num_heads, head_dim = q.shape
     _, _, page_size, num_kv_heads, _ = kv_cache.shape
     width = key_bias.shape[-1]
     flat = kv_cache.view(-1, num_kv_heads, head_dim)
     keys = flat.index_select(0, read_rows).view(num_seqs, width, num_kv_heads, head_dim).transpose(1, 2)
     values = flat.index_select(0, read_rows + page_size).view(num_seqs, width, num_kv_heads, head_dim).transpose(1, 2)
-    attended = F.scaled_dot_product_attention(
-        q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim),
-        keys.to(q.dtype),
-        values.to(q.dtype),
-        attn_mask=key_bias.to(q.dtype),  # a no-op unless the plan was built for another dtype
-        scale=scale,
-    )
+    queries = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    if soft_cap:
+        attended = capped_attention(queries, keys, values, key_bias, scale, soft_cap)
+    else:
+        attended = F.scaled_dot_product_attention(
+            queries,
+            keys.to(q.dtype),
+            values.to(q.dtype),
+            attn_mask=key_bias.to(q.dtype),  # a no-op unless the plan was built for another dtype
+            scale=scale,
+        )
     return attended.reshape(num_seqs, num_heads, head_dim)
+
+
+def attend_decodes(
+    q: torch.Tensor, kv_cache: torch.Tensor, decode: DecodeRows, scale: float, window: int = 0, soft_cap: float = 0.0
+) -> torch.Tensor:
+    """`decode_attention` over a plan's decoding rows, their mask narrowed to the layer's window."""
+    bias = window_bias(decode.key_bias, decode.seq_lens, window) if window else decode.key_bias
+    return decode_attention(q, kv_cache, decode.read_rows, bias, scale, soft_cap)
 
 
 def attend_prompts(
@@ -133,10 +186,13 @@ def attend_prompts(
     scale: float,
     out: torch.Tensor,
     skip: frozenset[int] = frozenset(),
+    window: int = 0,
+    soft_cap: float = 0.0,
 ) -> None:
     """One SDPA per sequence of the batch (except those in `skip`), written into `out`; their
     K/V must already be in the cache. A whole prompt runs `is_causal`; a chunk after a cached
-    prefix, or one new token, a mask offset by the prefix."""
+    prefix, or one new token, a mask offset by the prefix. A layer with a window or a soft-cap
+    takes `attend_masked` instead, with its mask written out."""
     _, _, page_size, num_kv_heads, head_dim = kv_cache.shape
     num_heads = q.shape[1]
     starts = metadata.query_start_loc_cpu
@@ -145,6 +201,11 @@ def attend_prompts(
             continue
         start, end = starts[i], starts[i + 1]
         q_len = end - start
+        if window or soft_cap:
+            out[start:end] = attend_masked(
+                q[start:end], kv_cache, metadata.block_tables[i], seq_len, scale, window, soft_cap
+            )
+            continue
         num_pages = -(-seq_len // page_size)
         pages = kv_cache[metadata.block_tables[i, :num_pages]]  # [p, 2, page, kvh, d]
         keys = pages[:, 0].reshape(-1, num_kv_heads, head_dim)[:seq_len]
@@ -170,17 +231,75 @@ def attend_prompts(
         out[start:end] = attended[0].transpose(0, 1)
 
 
+def attend_masked(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    scale: float,
+    window: int,
+    soft_cap: float,
+) -> torch.Tensor:
+    """One sequence's new tokens, q: [q_len, heads, d] at the last q_len of its seq_len
+    positions, with the mask written out: causal, and with a window each query at p sees only
+    keys j with p - window < j <= p. Only the keys some query can see are gathered (from the
+    first query's window on), so a chunk after a long prefix reads a window's worth of pages."""
+    _, _, page_size, num_kv_heads, head_dim = kv_cache.shape
+    q_len, num_heads, _ = q.shape
+    first_query = seq_len - q_len
+    first_key = max(0, first_query - window + 1) if window else 0
+    first_page, num_pages = first_key // page_size, -(-seq_len // page_size)
+    pages = kv_cache[block_table[first_page:num_pages]]  # [p, 2, page, kvh, d]
+    skipped = first_page * page_size  # the keys of the pages not read
+    keys = pages[:, 0].reshape(-1, num_kv_heads, head_dim)[first_key - skipped : seq_len - skipped]
+    values = pages[:, 1].reshape(-1, num_kv_heads, head_dim)[first_key - skipped : seq_len - skipped]
+    query_pos = torch.arange(first_query, seq_len, device=q.device)[:, None]
+    key_pos = torch.arange(first_key, seq_len, device=q.device)[None, :]
+    visible = key_pos <= query_pos
+    if window:
+        visible &= key_pos > query_pos - window
+    if soft_cap:
+        # Query head h reads KV head h // group: the group's query rows face their KV head's keys.
+        group = num_heads // num_kv_heads
+        attended = capped_attention(
+            q.transpose(0, 1).reshape(num_kv_heads, group, q_len, head_dim),
+            keys.transpose(0, 1)[:, None],  # [kvh, 1, keys, d]
+            values.transpose(0, 1)[:, None],
+            visible,
+            scale,
+            soft_cap,
+        )
+    else:
+        attended = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],  # [1, heads, q_len, d]
+            keys.transpose(0, 1).to(q.dtype)[None],
+            values.transpose(0, 1).to(q.dtype)[None],
+            attn_mask=visible,
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
+    return attended.reshape(num_heads, q_len, head_dim).transpose(0, 1)
+
+
 def paged_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, plan: TorchPlan, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    plan: TorchPlan,
+    scale: float,
+    window: int = 0,
+    soft_cap: float = 0.0,
 ) -> torch.Tensor:
     """Write the new K/V, then attend: decoding sequences batched, the others one SDPA each."""
     write_kv(k, v, kv_cache, plan.slot_mapping, plan.write_rows)
     decode = plan.decode
     if plan.metadata is None:  # every sequence decodes
         assert decode is not None
-        return decode_attention(q, kv_cache, decode.read_rows, decode.key_bias, scale)
+        return attend_decodes(q, kv_cache, decode, scale, window, soft_cap)
     out = torch.empty_like(q)
     if decode is not None and decode.tokens is not None:  # the decoding sequences of a mixed batch, in one call
-        out[decode.tokens] = decode_attention(q[decode.tokens], kv_cache, decode.read_rows, decode.key_bias, scale)
-    attend_prompts(q, kv_cache, plan.metadata, scale, out, decode.seqs if decode is not None else frozenset())
+        out[decode.tokens] = attend_decodes(q[decode.tokens], kv_cache, decode, scale, window, soft_cap)
+    skip = decode.seqs if decode is not None else frozenset()
+    attend_prompts(q, kv_cache, plan.metadata, scale, out, skip, window, soft_cap)
     return out

@@ -1,7 +1,7 @@
 """The portable reference backend: scatter new K/V into their slots, gather each sequence's pages,
 and run scaled-dot-product attention with a causal mask offset by the cached prefix (the paged
-SDPA path of `attention/paged.py`). It runs on every device and dtype; the other backends are
-tested against it.
+SDPA path of `attention/paged.py`), with sliding windows and logit soft-caps. It runs on every
+device and dtype; the other backends are tested against it.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ class TorchAttentionBackend(AttentionBackend[TorchPlan]):
     name = "torch"
     # A decode plan reads device tensors only, so it is rebuilt from the buffers at every replay.
     supports_cuda_graphs = True
+    supports_sliding_window = True
+    supports_soft_cap = True
 
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         self.dtype = dtype  # of the key masks: the model's activations
@@ -40,9 +42,19 @@ class TorchAttentionBackend(AttentionBackend[TorchPlan]):
     def prepare_graph(self, metadata: GraphMetadata) -> TorchPlan:
         page_size = metadata.page_size
         rows, bias = decode_rows(metadata.block_tables, metadata.seq_lens, page_size, self.dtype)
-        return TorchPlan(metadata.slot_mapping, kv_rows(metadata.slot_mapping, page_size), DecodeRows(rows, bias), None)
+        # The lengths stay device tensors: a window's mask is built from them at every replay.
+        decode = DecodeRows(rows, bias, metadata.seq_lens)
+        return TorchPlan(metadata.slot_mapping, kv_rows(metadata.slot_mapping, page_size), decode, None)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, plan: TorchPlan, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: TorchPlan,
+        scale: float,
+        window: int = 0,
+        soft_cap: float = 0.0,
     ) -> torch.Tensor:
-        return paged_forward(q, k, v, kv_cache, plan, scale)
+        return paged_forward(q, k, v, kv_cache, plan, scale, window, soft_cap)

@@ -115,10 +115,15 @@ class ModelRunner:
         return limit
 
     def _choose_backend(self, config: EngineConfig) -> AttentionBackend[Any]:
-        heads = self.shard.heads(self.model_config)[1]
+        model = self.model_config
+        heads = self.shard.heads(model)[1]
+        # The distinct (window, soft_cap) pairs of the layers: a backend that plans per kind
+        # (FlashInfer) plans each once per forward, and the selector refuses one that lacks them.
+        layer_kinds = tuple(sorted({(model.window(layer), model.attn_soft_cap) for layer in range(model.num_layers)}))
         shape = AttentionShape(
-            heads, self.kv_spec.num_kv_heads, self.model_config.head_dim, self.page_size, self.dtype, self.device
-        )
+            heads, self.kv_spec.num_kv_heads, model.head_dim, self.page_size, self.dtype, self.device,
+            scale=model.softmax_scale, layer_kinds=layer_kinds,
+        )  # fmt: skip
         return get_backend(config.attention_backend, shape)
 
     def _load(self, model_dir: Path, config: EngineConfig, mesh: DeviceMesh | None) -> DecoderModel:
