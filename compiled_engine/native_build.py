@@ -26,6 +26,9 @@ logger = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared")
 OPENMP = ("-fopenmp",)
+# After the source: with --as-needed (many distributions' default) a library named before the
+# object that uses it is dropped. libm for the kernels' tanhf and friends.
+LIBS = ("-lm",)
 CXX_FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared")  # operator libraries: kernels live there too
 
 
@@ -61,7 +64,8 @@ class NativeLibrary:
     def path(self) -> Path:
         """Where the library for this source, compiler and CPU lives (built there if missing)."""
         cc = compiler()
-        path = _cached_path(self.source.stem, [self.source.read_text(), cc, _version(cc), " ".join(FLAGS + OPENMP)])
+        flags = " ".join(FLAGS + OPENMP + LIBS)
+        path = _cached_path(self.source.stem, [self.source.read_text(), cc, _version(cc), flags])
         if not path.exists():
             self.build(cc, path)
         return path
@@ -73,7 +77,7 @@ class NativeLibrary:
         for extra in (OPENMP, ()):  # without OpenMP (for example Apple clang) the kernel runs on one thread
             with tempfile.NamedTemporaryFile(dir=output.parent, suffix=".so", delete=False) as tmp:
                 partial = Path(tmp.name)
-            command = [cc, *FLAGS, *extra, "-o", str(partial), str(self.source)]
+            command = [cc, *FLAGS, *extra, "-o", str(partial), str(self.source), *LIBS]
             done = subprocess.run(command, capture_output=True, text=True, check=False)
             if done.returncode == 0:
                 partial.replace(output)

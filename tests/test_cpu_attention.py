@@ -1,6 +1,7 @@
 """The CPU backend's native decode kernel against the torch reference backend: decode-only and
-mixed batches, GQA ratios, head sizes, page sizes, contexts split into several chunks; its
-refusals of bad input; its build, cache and fallback when no compiler works."""
+mixed batches, GQA ratios, head sizes, page sizes, contexts split into several chunks, sliding
+windows and logit soft-caps; its refusals of bad input; its build, cache and fallback when no
+compiler works."""
 
 from __future__ import annotations
 
@@ -47,14 +48,22 @@ def _batch(
 
 
 def _compare(
-    query_lens: list[int], seq_lens: list[int], page_size: int, heads: int, kv_heads: int, head_dim: int
+    query_lens: list[int],
+    seq_lens: list[int],
+    page_size: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    window: int = 0,
+    soft_cap: float = 0.0,
+    scale: float | None = None,
 ) -> None:
     q, k, v, cache, (md_native, md_reference) = _batch(query_lens, seq_lens, page_size, heads, kv_heads, head_dim)
-    scale = head_dim**-0.5
+    scale = head_dim**-0.5 if scale is None else scale
     native_cache, reference_cache = cache.clone(), cache.clone()
     backend = CpuAttentionBackend(load_native_decode(), heads)
-    got = backend.attend(q, k, v, native_cache, md_native, scale)
-    want = TorchAttentionBackend().attend(q, k, v, reference_cache, md_reference, scale)
+    got = backend.attend(q, k, v, native_cache, md_native, scale, window, soft_cap)
+    want = TorchAttentionBackend().attend(q, k, v, reference_cache, md_reference, scale, window, soft_cap)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
     assert torch.equal(native_cache, reference_cache)  # the same K/V stored in the same slots
     assert backend.prepare(md_native, native_cache).native is not None  # the kernel ran the decodes
@@ -103,8 +112,75 @@ def test_thread_counts_agree(threads: int) -> None:
     torch.set_num_threads(threads)
     try:
         _compare([1, 1, 1], [40, 700, 3], 16, 9, 3, 64)
+        _compare([1, 1, 1], [40, 700, 3], 16, 9, 3, 64, window=100, soft_cap=SOFT_CAP, scale=CAPPED_SCALE)
     finally:
         torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------------------------------------
+# sliding windows and logit soft-caps
+
+SOFT_CAP = 5.0
+CAPPED_SCALE = 3 * 64**-0.5  # raw logits spread well past SOFT_CAP, so the cap bites
+
+
+@pytest.mark.parametrize("soft_cap", [0.0, SOFT_CAP])
+@pytest.mark.parametrize("window", [1, 3, 16, 40, 600])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "page_size"),
+    [(9, 3, 16), (4, 2, 4), (4, 1, 16), (8, 8, 4)],
+    ids=["gqa3-p16", "gqa2-p4", "gqa4-p16", "mha-p4"],
+)
+def test_window_and_soft_cap_decode_batch(
+    heads: int, kv_heads: int, page_size: int, window: int, soft_cap: float
+) -> None:
+    # Contexts shorter than the windows, a page and one past it, and longer than every window
+    # (several chunks, windows that start mid-page and mid-chunk).
+    seq_lens = [1, 3, page_size, page_size + 1, 300, 1100]
+    _compare([1] * len(seq_lens), seq_lens, page_size, heads, kv_heads, 64, window, soft_cap, CAPPED_SCALE)
+
+
+@pytest.mark.parametrize(("window", "soft_cap"), [(3, 0.0), (40, SOFT_CAP), (0, SOFT_CAP), (700, SOFT_CAP)])
+def test_window_and_soft_cap_mixed_batch(window: int, soft_cap: float) -> None:
+    """Verified drafts and short prompts as kernel rows (each row's window ends at its own
+    position), decodes, and long prompt chunks after a cached prefix on the torch path."""
+    _compare([5, 1, 8, 3, 20], [300, 33, 8, 40, 60], 16, 9, 3, 64, window, soft_cap, CAPPED_SCALE)
+    _compare([7, 1, 20, 1, 1], [7, 33, 40, 16, 600], 16, 4, 1, 64, window, soft_cap, CAPPED_SCALE)
+    _compare([5, 2, 1], [700, 17, 1], 16, 4, 2, 64, window, soft_cap, CAPPED_SCALE)  # kernel rows only
+
+
+@pytest.mark.parametrize(("seq_len", "window"), [(2049, 100), (2049, 513), (2049, 2048), (129, 128), (129, 200)])
+def test_a_window_splits_its_span_into_chunks(seq_len: int, window: int) -> None:
+    """A windowed layer splits its window, not the whole context, into work items: with two
+    threads, (129, 128) needs more chunks (8 of 16 keys) than the plan made for the context (5 of
+    32), so the call takes a scratch of its own."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        if (seq_len, window) == (129, 128):
+            assert -(-129 // chunk_size(1, 129, 16, 2)) == 5 and -(-128 // chunk_size(1, 128, 16, 2)) == 8
+        _compare([1], [seq_len], 16, 9, 3, 64, window, SOFT_CAP, CAPPED_SCALE)
+        _compare([1, 1, 1], [seq_len, 5, seq_len - 7], 16, 9, 3, 64, window)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_bf16_cache_takes_the_torch_path_with_a_window() -> None:
+    q, k, v, cache, (md_native, md_reference) = _batch([3, 1], [20, 40], 16, 4, 2, 64)
+    q, k, v, cache = q.bfloat16(), k.bfloat16(), v.bfloat16(), cache.bfloat16()
+    native_cache, reference_cache = cache.clone(), cache.clone()
+    got = CpuAttentionBackend(load_native_decode(), 4).attend(q, k, v, native_cache, md_native, 0.125, 6, SOFT_CAP)
+    want = TorchAttentionBackend().attend(q, k, v, reference_cache, md_reference, 0.125, 6, SOFT_CAP)
+    assert torch.equal(got, want) and torch.equal(native_cache, reference_cache)
+
+
+def test_a_window_covering_the_context_changes_nothing() -> None:
+    """Full attention is window 0; a window at least as long as every context is the same."""
+    q, k, v, cache, (md, _) = _batch([1, 1, 4], [300, 17, 40], 16, 9, 3, 64)
+    backend = CpuAttentionBackend(load_native_decode(), 9)
+    full = backend.attend(q, k, v, cache.clone(), md, 0.125)
+    assert torch.equal(backend.attend(q, k, v, cache.clone(), md, 0.125, 300), full)
+    assert not torch.allclose(backend.attend(q, k, v, cache.clone(), md, 0.125, 299), full)
 
 
 def test_a_bf16_cache_takes_the_torch_path() -> None:
@@ -183,6 +259,9 @@ def test_run_refuses_a_mismatched_call_and_leaves_the_cache() -> None:
     ]:
         with pytest.raises(ValueError, match="paged decode attention planned for"):
             plan.run(*args, 0.125)
+    for window, soft_cap in ((-1, 0.0), (0, -1.0)):
+        with pytest.raises(ValueError, match="must not be negative"):
+            plan.run(q, k, v, cache, 0.125, window, soft_cap)
     assert torch.equal(cache, before)
     out = plan.run(q, k, v, cache, 0.125)  # and the right call still works
     assert out.shape == q.shape and torch.isfinite(out).all()

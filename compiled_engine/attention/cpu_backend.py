@@ -6,8 +6,9 @@ so do sequences of a few new tokens (`SHORT_QUERY`: a speculative draft being ve
 prompt): each of their tokens is one row of the kernel, attending over the sequence's pages up to
 its own position. The kernel stores every row's K/V before any row attends, so a row sees the
 tokens before it in the same forward. Longer prompts and prompt chunks take the torch backend's
-SDPA path (`attention/paged.py`). The torch backend stays the reference this one is tested
-against.
+SDPA path (`attention/paged.py`). A layer's sliding window and soft-cap reach both: the kernel
+reads only the pages of each row's window and caps each score with tanhf. The torch backend
+stays the reference this one is tested against.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ class CpuPlan:
 
 class CpuAttentionBackend(AttentionBackend[CpuPlan]):
     name = "cpu"
+    supports_sliding_window = True  # the kernel starts each row at its window; prompts mask it
+    supports_soft_cap = True
 
     def __init__(self, kernel: NativeDecode, num_heads: int) -> None:
         self.kernel = kernel
@@ -120,19 +123,17 @@ class CpuAttentionBackend(AttentionBackend[CpuPlan]):
         window: int = 0,
         soft_cap: float = 0.0,
     ) -> torch.Tensor:
-        if window or soft_cap:  # the selector gives this backend no model that asks for them
-            raise ValueError(f"the {self.name} backend has no sliding window or logit soft-cap yet")
         native, prompts = plan.native, plan.prompts
         if prompts is None:  # short sequences only
             assert native is not None
-            return native.run(q, k, v, kv_cache, scale)
+            return native.run(q, k, v, kv_cache, scale, window, soft_cap)
         if native is None:  # prompts only, or not fp32
-            return paged_forward(q, k, v, kv_cache, prompts, scale)
+            return paged_forward(q, k, v, kv_cache, prompts, scale, window, soft_cap)
         write_kv(k, v, kv_cache, prompts.slot_mapping, prompts.write_rows)
         out = torch.empty_like(q)
         tokens = plan.decode_tokens
         assert tokens is not None
-        out[tokens] = native.run(q[tokens], k[tokens], v[tokens], kv_cache, scale)
+        out[tokens] = native.run(q[tokens], k[tokens], v[tokens], kv_cache, scale, window, soft_cap)
         assert prompts.metadata is not None
-        attend_prompts(q, kv_cache, prompts.metadata, scale, out, plan.decode_seqs)
+        attend_prompts(q, kv_cache, prompts.metadata, scale, out, plan.decode_seqs, window, soft_cap)
         return out

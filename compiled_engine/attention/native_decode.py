@@ -48,7 +48,9 @@ def unsupported_reason(
 class DecodePlan:
     """One decode batch, checked and laid out once per forward and then run by every layer:
     sequence s stores its new token's K/V in `slots[s]` and attends over its first
-    `seq_lens[s]` slots, found through `block_tables[s]`."""
+    `seq_lens[s]` slots, found through `block_tables[s]` (over the last `window` of them for a
+    layer with a sliding window). `chunk` and `chunks` split the longest context into work
+    items; `max_seq_len` lets a windowed layer split its shorter span afresh."""
 
     function: Callable[..., int]
     slots: torch.Tensor  # int64 [seqs]
@@ -56,15 +58,24 @@ class DecodePlan:
     seq_lens: torch.Tensor  # int32 [seqs]
     cache_shape: tuple[int, ...]  # one layer's [pages, 2, page_size, kv_heads, head_dim]
     num_heads: int
+    max_seq_len: int
     chunk: int
     chunks: int
     threads: int
     scratch: torch.Tensor  # shared by the layers: each call writes it before reading it
 
     def run(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        scale: float,
+        window: int = 0,
+        soft_cap: float = 0.0,
     ) -> torch.Tensor:
-        """q: [seqs, heads, d]; k, v: [seqs, kv_heads, d]; kv_cache: one layer's pages."""
+        """q: [seqs, heads, d]; k, v: [seqs, kv_heads, d]; kv_cache: one layer's pages. `window`
+        (0: every key) and `soft_cap` (0.0: none) are the layer's (LayerKind)."""
         num_seqs = self.slots.shape[0]
         _, _, page_size, num_kv_heads, head_dim = self.cache_shape
         if (
@@ -80,13 +91,24 @@ class DecodePlan:
                 f"[{num_seqs}, {num_kv_heads}, {head_dim}] and a contiguous cache {list(self.cache_shape)}, all float32; "
                 f"got q {list(q.shape)} {q.dtype}, k {list(k.shape)}, v {list(v.shape)}, cache {list(kv_cache.shape)} {kv_cache.dtype}"
             )
+        if window < 0 or soft_cap < 0:
+            raise ValueError(f"paged decode attention: window {window} and soft_cap {soft_cap} must not be negative")
+        chunk, chunks, scratch = self.chunk, self.chunks, self.scratch
+        if 0 < window < self.max_seq_len:
+            # A query attends at most `window` keys, from its window's start: split that span
+            # into work items afresh, rather than the longest context, so that every thread
+            # still gets its share. The plan's scratch may hold fewer chunks than that needs.
+            chunk = chunk_size(num_seqs, window, page_size, self.threads)
+            chunks = -(-window // chunk)
+            if chunks > self.chunks:
+                scratch = torch.empty(num_seqs * self.num_heads * chunks * (head_dim + 2))
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out = torch.empty_like(q)
         status = self.function(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), self.slots.data_ptr(), kv_cache.data_ptr(),
             self.block_tables.data_ptr(), self.block_tables.shape[1], self.seq_lens.data_ptr(), num_seqs,
-            self.num_heads, num_kv_heads, head_dim, page_size, self.chunk, self.chunks, scale,
-            self.scratch.data_ptr(), out.data_ptr(), self.threads,
+            self.num_heads, num_kv_heads, head_dim, page_size, chunk, chunks, scale, window, soft_cap,
+            scratch.data_ptr(), out.data_ptr(), self.threads,
         )  # fmt: skip
         if status != 0:
             raise ValueError(f"paged decode attention: the kernel refused its shapes (status {status})")
@@ -153,7 +175,7 @@ class NativeDecode:
         scratch = torch.empty(num_seqs * num_heads * chunks * (head_dim + 2))
         return DecodePlan(
             self.function, slots.contiguous(), block_tables.contiguous(), seq_lens.contiguous(),
-            tuple(cache_shape), num_heads, chunk, chunks, threads, scratch,
+            tuple(cache_shape), num_heads, max_seq_len, chunk, chunks, threads, scratch,
         )  # fmt: skip
 
 
@@ -189,7 +211,9 @@ def load_native_decode() -> NativeDecode:
         i64,
         i64,
         i64,
-        ctypes.c_float,
+        ctypes.c_float,  # scale
+        i64,  # window
+        ctypes.c_float,  # soft_cap
         ptr,
         ptr,
         ctypes.c_int,

@@ -2,8 +2,11 @@
  *
  * Each sequence adds one token. paged_decode_attention_f32 first stores the new tokens' K and V
  * in their slots, then attends each query over its sequence's first lens[s] slots, found
- * through its block table. The work is split into (sequence, chunk of keys) items, so that one
- * sequence alone still keeps every core busy. An item reads each of its key and value rows (all
+ * through its block table. With a sliding window W > 0 a query attends only the last W of
+ * them (keys lens[s] - W .. lens[s] - 1): the chunks start at the window, so the work is
+ * bounded by the window and the pages before it are never read. With a soft-cap c > 0 each
+ * score s becomes c * tanh(s / c) before the softmax. The work is split into (sequence, chunk
+ * of keys) items, so that one sequence alone still keeps every core busy. An item reads each of its key and value rows (all
  * KV heads, contiguous in the page) once, front to back, which the hardware prefetchers follow;
  * for every query head it keeps the maximum score, the sum of exponentials and the unnormalised
  * weighted sum of values. A second pass merges the chunks of each query head.
@@ -15,9 +18,11 @@
  *   q       [seqs, heads, dim]           k, v  [seqs, kv_heads, dim]    slots [seqs] int64
  *   cache   [pages, 2, page_size, kv_heads, dim]   (K then V within a page)
  *   tables  [seqs, table_width] int32    lens  [seqs] int32, 1 <= lens[s] <= table_width * page_size
- *   scratch [seqs, chunks, heads, dim + 2]
+ *   scratch [seqs, chunks, heads, dim + 2], chunks * chunk >= the longest span a query attends
+ *           (its length, or at most the window)
  *   out     [seqs, heads, dim]
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -83,7 +88,7 @@ static inline vec exp_nonpositive(vec x) {
 static inline __attribute__((always_inline)) void attend_chunk(
     const float *qs, const float *cache, const int32_t *table, int64_t start, int64_t end,
     int64_t heads, int64_t group, const int64_t dim, int64_t kv_heads, int64_t page_size,
-    float scale, float *scores, float *part) {
+    float scale, float soft_cap, float *scores, float *part) {
     const int64_t row = kv_heads * dim, page = 2 * page_size * row, n = end - start;
     const int64_t stride = MAX_CHUNK + LANES; /* floats per query head in `scores` */
 
@@ -120,6 +125,8 @@ static inline __attribute__((always_inline)) void attend_chunk(
     const int64_t padded = (n + LANES - 1) / LANES * LANES;
     for (int64_t hq = 0; hq < heads; hq++) {
         float *row_scores = scores + hq * stride;
+        if (soft_cap > 0.0f) /* capped before the maximum is taken, as the softmax sees them */
+            for (int64_t t = 0; t < n; t++) row_scores[t] = soft_cap * tanhf(row_scores[t] / soft_cap);
         float m = row_scores[0];
         for (int64_t t = 1; t < n; t++) m = row_scores[t] > m ? row_scores[t] : m;
         for (int64_t t = 0; t < padded; t += LANES) store(row_scores + t, exp_nonpositive(load(row_scores + t) - splat(m)));
@@ -155,9 +162,10 @@ int paged_decode_attention_f32(const float *q, const float *k, const float *v, c
                                float *cache, const int32_t *tables, int64_t table_width,
                                const int32_t *lens, int64_t seqs, int64_t heads, int64_t kv_heads,
                                int64_t dim, int64_t page_size, int64_t chunk, int64_t chunks,
-                               float scale, float *scratch, float *out, int threads) {
+                               float scale, int64_t window, float soft_cap, float *scratch,
+                               float *out, int threads) {
     if (kv_heads <= 0 || heads % kv_heads != 0 || heads > MAX_HEADS || dim % LANES != 0 ||
-        dim > MAX_DIM || chunk <= 0 || chunk > MAX_CHUNK || chunk % page_size != 0)
+        dim > MAX_DIM || chunk <= 0 || chunk > MAX_CHUNK || chunk % page_size != 0 || window < 0)
         return 1;
     const int64_t group = heads / kv_heads, row = kv_heads * dim, page = 2 * page_size * row;
     const int64_t item = heads * (dim + 2), items = seqs * chunks;
@@ -180,7 +188,9 @@ int paged_decode_attention_f32(const float *q, const float *k, const float *v, c
         for (int64_t w = 0; w < items; w++) {
             const int64_t s = w / chunks, c = w % chunks;
             float *part = scratch + w * item;
-            const int64_t start = c * chunk, end = lens[s] < start + chunk ? lens[s] : start + chunk;
+            /* Chunks count from the first key the query sees: 0, or the start of its window. */
+            const int64_t first = window > 0 && lens[s] > window ? lens[s] - window : 0;
+            const int64_t start = first + c * chunk, end = lens[s] < start + chunk ? lens[s] : start + chunk;
             if (start >= end || scores == NULL) {
                 for (int64_t hq = 0; hq < heads; hq++) part[hq * (dim + 2) + dim + 1] = 0.0f;
                 continue;
@@ -188,11 +198,11 @@ int paged_decode_attention_f32(const float *q, const float *k, const float *v, c
             const float *qs = q + s * heads * dim;
             const int32_t *table = tables + s * table_width;
             if (dim == 64)
-                attend_chunk(qs, cache, table, start, end, heads, group, 64, kv_heads, page_size, scale, scores, part);
+                attend_chunk(qs, cache, table, start, end, heads, group, 64, kv_heads, page_size, scale, soft_cap, scores, part);
             else if (dim == 128)
-                attend_chunk(qs, cache, table, start, end, heads, group, 128, kv_heads, page_size, scale, scores, part);
+                attend_chunk(qs, cache, table, start, end, heads, group, 128, kv_heads, page_size, scale, soft_cap, scores, part);
             else
-                attend_chunk(qs, cache, table, start, end, heads, group, dim, kv_heads, page_size, scale, scores, part);
+                attend_chunk(qs, cache, table, start, end, heads, group, dim, kv_heads, page_size, scale, soft_cap, scores, part);
         }
         free(scores);
     }
