@@ -12,6 +12,15 @@ CUDA graphs: one decode wrapper per captured batch size, built with `use_cuda_gr
 fixed int32 index buffers. `plan_graph` plans it on the host before the graph is captured and
 before every replay, never inside; inside, `prepare_graph` picks that wrapper and only the K/V
 scatter and `run()` are recorded (see docs/backends.md).
+
+Sliding windows and logit soft-caps: FlashInfer takes them per plan (`window_left`,
+`logits_soft_cap`), not per run, so every wrapper above exists once per layer kind of the model
+(`AttentionShape.layer_kinds`, the distinct (window, soft_cap) pairs of its layers), each planned
+for its kind, and a layer's call runs its kind's wrapper. A window of W keys is
+`window_left = W - 1` (the keys left of the query's own). This part has not run on a GPU yet:
+`tests/test_flashinfer.py::test_flashinfer_layer_kinds_match_torch_backend` (marked gpu) checks
+it against the torch backend; on the CPU only the planning and the choice of wrapper are checked,
+against a stand-in (tests/test_flashinfer_graphs.py).
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from typing import Any, Self
 
 import torch
 
-from compiled_engine.attention.backend import AttentionBackend, AttentionShape
+from compiled_engine.attention.backend import AttentionBackend, AttentionShape, LayerKind
 from compiled_engine.attention.metadata import AttentionMetadata, GraphMetadata
 from compiled_engine.attention.paged import kv_rows, write_kv
 
@@ -37,6 +46,12 @@ def _page_counts(seq_lens: list[int], page_size: int) -> tuple[list[int], list[i
     for p in pages:
         indptr.append(indptr[-1] + p)
     return pages, indptr, [(n - 1) % page_size + 1 for n in seq_lens]
+
+
+def window_left(window: int) -> int:
+    """FlashInfer's `window_left` for a window of `window` keys: the keys left of the query's own
+    that it sees (window - 1), or -1 for every earlier key."""
+    return window - 1 if window else -1
 
 
 def paged_kv_layout(metadata: AttentionMetadata, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -72,9 +87,10 @@ def host_page_layout(
 
 @dataclass(frozen=True)
 class FlashInferPlan:
-    """One forward: the planned wrapper every layer runs, and where the new K/V go."""
+    """One forward: the planned wrapper of each layer kind (a layer runs its kind's), and where
+    the new K/V go."""
 
-    wrapper: Any
+    wrappers: dict[LayerKind, Any]
     slot_mapping: torch.Tensor
     write_rows: torch.Tensor
 
@@ -82,6 +98,9 @@ class FlashInferPlan:
 class FlashInferAttentionBackend(AttentionBackend[FlashInferPlan]):
     name = "flashinfer"
     supports_cuda_graphs = True
+    # Unverified on a GPU so far (see the module's docstring).
+    supports_sliding_window = True
+    supports_soft_cap = True
 
     def __init__(self, shape: AttentionShape) -> None:
         import flashinfer
@@ -91,12 +110,21 @@ class FlashInferAttentionBackend(AttentionBackend[FlashInferPlan]):
         self.flashinfer = flashinfer
         self.device = shape.device
         self.scale = shape.softmax_scale  # graph plans need it before the first forward
+        self.layer_kinds = shape.layer_kinds
+        # The wrappers share the float workspace: it is scratch during run() only, and the layers
+        # run one after another on one stream. Each keeps its own plan (its int workspace).
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=self.num_heads != self.num_kv_heads
-        )
-        self.graph_wrappers: dict[int, Any] = {}  # captured batch size -> its decode wrapper
+        self.prefill = {
+            kind: flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD") for kind in self.layer_kinds
+        }
+        self.decode = {
+            kind: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_tensor_cores=self.num_heads != self.num_kv_heads
+            )
+            for kind in self.layer_kinds
+        }
+        # captured batch size -> its decode wrapper per layer kind
+        self.graph_wrappers: dict[int, dict[LayerKind, Any]] = {}
 
     @classmethod
     def unsupported_reason(cls, shape: AttentionShape) -> str | None:
@@ -127,58 +155,72 @@ class FlashInferAttentionBackend(AttentionBackend[FlashInferPlan]):
             raise ValueError(
                 f"a graph of {size} rows needs {size} sequence lengths and block tables, got {len(seq_lens)} and {len(block_tables)}"
             )
-        wrapper = self.graph_wrappers.get(size)
-        if wrapper is None:
+        wrappers = self.graph_wrappers.get(size)
+        if wrappers is None:
             width = metadata.block_tables.shape[1]
-            wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.num_heads != self.num_kv_heads,
-                paged_kv_indptr_buffer=torch.zeros(size + 1, dtype=torch.int32, device=self.device),
-                paged_kv_indices_buffer=torch.zeros(size * width, dtype=torch.int32, device=self.device),
-                paged_kv_last_page_len_buffer=torch.ones(size, dtype=torch.int32, device=self.device),
-            )  # fmt: skip
-            self.graph_wrappers[size] = wrapper
+            wrappers = {kind: self._graph_wrapper(size, width) for kind in self.layer_kinds}
+            self.graph_wrappers[size] = wrappers
         indptr, indices, last = host_page_layout(seq_lens, block_tables, self.page_size)
         if self.device.type == "cuda":
             # plan() stages through pinned host memory: let the last replay's copies land first.
             torch.cuda.current_stream(self.device).synchronize()
-        self._plan_decode(wrapper, indptr, indices, last)
+        for kind, wrapper in wrappers.items():
+            self._plan_decode(wrapper, kind, indptr, indices, last)
+
+    def _graph_wrapper(self, size: int, width: int) -> Any:
+        """A decode wrapper for a graph of `size` rows, over its own fixed index buffers."""
+        return self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.num_heads != self.num_kv_heads,
+            paged_kv_indptr_buffer=torch.zeros(size + 1, dtype=torch.int32, device=self.device),
+            paged_kv_indices_buffer=torch.zeros(size * width, dtype=torch.int32, device=self.device),
+            paged_kv_last_page_len_buffer=torch.ones(size, dtype=torch.int32, device=self.device),
+        )  # fmt: skip
 
     def prepare_graph(self, metadata: GraphMetadata) -> FlashInferPlan:
-        """Inside the capture: the size's wrapper, planned by `plan_graph` beforehand."""
-        wrapper = self.graph_wrappers.get(metadata.num_seqs)
-        if wrapper is None:
+        """Inside the capture: the size's wrappers, planned by `plan_graph` beforehand."""
+        wrappers = self.graph_wrappers.get(metadata.num_seqs)
+        if wrappers is None:
             raise RuntimeError(
                 f"the decode graph of {metadata.num_seqs} rows was not planned (plan_graph) before its capture"
             )
-        return FlashInferPlan(wrapper, metadata.slot_mapping, kv_rows(metadata.slot_mapping, self.page_size))
+        return FlashInferPlan(wrappers, metadata.slot_mapping, kv_rows(metadata.slot_mapping, self.page_size))
 
-    def _plan_decode(self, wrapper: Any, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor) -> None:
+    def _plan_decode(
+        self, wrapper: Any, kind: LayerKind, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor
+    ) -> None:
+        window, soft_cap = kind
         wrapper.plan(
             indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
-            pos_encoding_mode="NONE", sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype,
+            pos_encoding_mode="NONE", window_left=window_left(window), logits_soft_cap=soft_cap,
+            sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype,
         )  # fmt: skip
 
     def prepare(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> FlashInferPlan:
         indptr, indices, last = paged_kv_layout(metadata, self.page_size)
         if metadata.decode_only:
-            self._plan_decode(self.decode, indptr, indices, last)
+            for kind, wrapper in self.decode.items():
+                self._plan_decode(wrapper, kind, indptr, indices, last)
+            wrappers = self.decode
         else:
-            self.prefill.plan(
-                metadata.query_start_loc,
-                indptr,
-                indices,
-                last,
-                self.num_heads,
-                self.num_kv_heads,
-                self.head_dim,
-                self.page_size,
-                causal=True,
-                sm_scale=self.scale,
-                q_data_type=self.dtype,
-                kv_data_type=self.dtype,
-            )
-        wrapper = self.decode if metadata.decode_only else self.prefill
-        return FlashInferPlan(wrapper, metadata.slot_mapping, kv_rows(metadata.slot_mapping, self.page_size))
+            for (window, soft_cap), wrapper in self.prefill.items():
+                wrapper.plan(
+                    metadata.query_start_loc,
+                    indptr,
+                    indices,
+                    last,
+                    self.num_heads,
+                    self.num_kv_heads,
+                    self.head_dim,
+                    self.page_size,
+                    causal=True,
+                    window_left=window_left(window),
+                    logits_soft_cap=soft_cap,
+                    sm_scale=self.scale,
+                    q_data_type=self.dtype,
+                    kv_data_type=self.dtype,
+                )
+            wrappers = self.prefill
+        return FlashInferPlan(wrappers, metadata.slot_mapping, kv_rows(metadata.slot_mapping, self.page_size))
 
     def forward(
         self,
@@ -191,10 +233,14 @@ class FlashInferAttentionBackend(AttentionBackend[FlashInferPlan]):
         window: int = 0,
         soft_cap: float = 0.0,
     ) -> torch.Tensor:
-        if window or soft_cap:  # the selector gives this backend no model that asks for them
-            raise ValueError(f"the {self.name} backend has no sliding window or logit soft-cap yet")
         if scale != self.scale:
             raise ValueError(f"FlashInfer was planned with scale {self.scale}, the model attends with {scale}")
+        wrapper = plan.wrappers.get((window, soft_cap))
+        if wrapper is None:
+            raise ValueError(
+                f"FlashInfer was planned for the layer kinds (window, soft_cap) {sorted(plan.wrappers)}, "
+                f"a layer attends with ({window}, {soft_cap}) (AttentionShape.layer_kinds)"
+            )
         write_kv(k, v, kv_cache, plan.slot_mapping, plan.write_rows)
-        out: torch.Tensor = plan.wrapper.run(q.contiguous(), kv_cache)
+        out: torch.Tensor = wrapper.run(q.contiguous(), kv_cache)
         return out
