@@ -724,7 +724,8 @@ def test_config_of_another_architecture(good: Path) -> None:
 def test_unsupported_architecture(tmp_path: Path, cache: Path) -> None:
     path = write_tiny_gguf(tmp_path / "t.gguf", file_arch="gpt2").path
     with pytest.raises(
-        ModelSourceError, match=r"GGUF architecture 'gpt2' is not supported \(supported: llama, qwen3\)"
+        ModelSourceError,
+        match=r"GGUF architecture 'gpt2' is not supported \(supported: llama, qwen2, qwen3, gemma2, gemma3, phi3\)$",
     ):
         prepare_gguf_dir(path)
     assert not (cache / "models" / "gguf").exists() or not any((cache / "models" / "gguf").iterdir())
