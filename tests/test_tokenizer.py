@@ -670,9 +670,7 @@ WITH_SYSTEM = [
 
 
 @pytest.mark.parametrize("template", [GEMMA2_STYLE_TEMPLATE, GEMMA3_STYLE_TEMPLATE])
-def test_system_role_is_merged_or_refused_as_the_template_says(
-    make_dir: Callable[..., Path], template: str
-) -> None:
+def test_system_role_is_merged_or_refused_as_the_template_says(make_dir: Callable[..., Path], template: str) -> None:
     from transformers import AutoTokenizer
 
     d = make_dir(tokenizer_config={"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": template})
