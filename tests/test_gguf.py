@@ -732,6 +732,14 @@ def test_unsupported_architecture(tmp_path: Path, cache: Path) -> None:
     assert not (cache / "models" / "gguf").exists() or not any((cache / "models" / "gguf").iterdir())
 
 
+@pytest.mark.parametrize("model", ["rwkv", "bert"])
+def test_unsupported_tokenizer_model(tmp_path: Path, cache: Path, model: str) -> None:
+    path = write_tiny_gguf(tmp_path / "t.gguf", metadata={"tokenizer.ggml.model": model}).path
+    with pytest.raises(ModelSourceError, match=rf"{path}: its tokenizer model '{model}' \(tokenizer.ggml.model\)"):
+        prepare_gguf_dir(path)
+    assert not any((cache / "models" / "gguf").iterdir())  # nothing half-built left behind
+
+
 def test_missing_metadata(tmp_path: Path, cache: Path) -> None:
     path = write_tiny_gguf(tmp_path / "t.gguf", drop_metadata=("llama.embedding_length",)).path
     with pytest.raises(ModelSourceError, match=r"GGUF metadata 'llama.embedding_length' is missing"):
