@@ -276,7 +276,9 @@ def _sentencepiece(vocab: _Vocabulary) -> Tokenizer:
         tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     else:
         # "first": the "▁" goes before the text's start only, not before text that follows an
-        # added token, and not before text that already starts with a space.
+        # added token, and not before text that already starts with a space, as the Hugging Face
+        # tokenizer of a Llama or Mistral GGUF has it (llama.cpp adds it in both places, as
+        # `_ALWAYS_PREFIXED` does).
         tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
             replacement="▁", prepend_scheme="first" if prefix else "never", split=False
         )
