@@ -32,7 +32,8 @@ from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.default_model import GGUF_NAME, default_model_dir
 from compiled_engine.model.gguf import gguf_file, read_gguf_header
 from compiled_engine.model.gguf_dir import prepare_gguf_dir
-from compiled_engine.model.llama import Linear, Transformer, checkpoint_layout, rope_inverse_frequencies
+from compiled_engine.model.layers import rope_inverse_frequencies
+from compiled_engine.model.llama import Linear, Transformer, checkpoint_layout
 from compiled_engine.model.source import resolve_model_dir
 from compiled_engine.quantization.gguf import load_gguf_model
 from compiled_engine.quantization.modules import QuantizedEmbedding, QuantizedLinear
