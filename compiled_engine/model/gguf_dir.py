@@ -1,8 +1,8 @@
 """A user's `.gguf` file as a model directory the rest of the engine reads: config.json and
 generation_config.json from the GGUF's metadata (`gguf_config_dict`), the tokenizer files (a
-tokenizer.json beside the file, else one built from the GGUF's vocabulary by transformers), and
-`model.gguf` a link to the file (`prepare_gguf_dir`). The weights are read from that link at load
-(quantization/gguf.py).
+tokenizer.json beside the file, else one built from the GGUF's own vocabulary by
+model/gguf_tokenizer.py), and `model.gguf` a link to the file (`prepare_gguf_dir`). The weights
+are read from that link at load (quantization/gguf.py).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.default_model import GGUF_NAME
 from compiled_engine.model.gguf import GGUFHeader, read_gguf_header
 from compiled_engine.model.gguf_families import Metadata, gguf_config_dict
+from compiled_engine.model.gguf_tokenizer import build_gguf_tokenizer
 
 
 def _meta(header: GGUFHeader, key: str, kind: type, default: Any = None, required: bool = True) -> Any:
@@ -45,8 +46,8 @@ def _is_prepared(model_dir: Path, resolved: Path) -> bool:
 def prepare_gguf_dir(gguf_path: Path) -> Path:
     """The model directory for a user's `.gguf` file, built once in the engine cache (keyed by the
     file's path, size and modification time) and reused: config.json from the GGUF metadata,
-    the tokenizer files (a tokenizer.json beside the file, else one built from the GGUF's
-    vocabulary by transformers), generation_config.json, and `model.gguf` a link to the file.
+    the tokenizer files (a tokenizer.json beside the file, else one built from the GGUF's own
+    vocabulary), generation_config.json, and `model.gguf` a link to the file.
     Built in a temporary directory renamed into place, so a directory that exists is complete."""
     path = Path(gguf_path).expanduser()
     if not path.is_file():
@@ -99,7 +100,9 @@ def _write_tokenizer(header: GGUFHeader, source: Path, build: Path) -> None:
             if (beside / name).is_file():
                 shutil.copyfile(beside / name, build / name)
     else:
-        _convert_tokenizer(source, build)
+        built = build_gguf_tokenizer(header)
+        built.tokenizer.save(str(build / "tokenizer.json"))
+        _write_json(build / "tokenizer_config.json", built.config)
     config_path = build / "tokenizer_config.json"
     config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
     template = header.metadata.get("tokenizer.chat_template")
@@ -126,22 +129,3 @@ def _check_beside_tokenizer(header: GGUFHeader, tokenizer_path: Path) -> None:
             f"{tokenizer_path} has {size} tokens but {header.path.name} a vocabulary of {len(tokens)}: "
             f"it belongs to another model; move it away to use the GGUF's own vocabulary"
         )
-
-
-def _convert_tokenizer(path: Path, build: Path) -> None:
-    hint = "pip install 'compiled_engine[convert]' (or put the model's tokenizer.json beside the .gguf file)"
-    try:
-        from transformers import AutoTokenizer
-    except ImportError as exc:
-        raise ModelSourceError(
-            f"building a tokenizer from the vocabulary in {path.name} needs transformers: {hint}"
-        ) from exc
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        tokenizer.save_pretrained(build)
-    except ImportError as exc:
-        raise ModelSourceError(f"building a tokenizer from {path.name} needs transformers and gguf: {hint}") from exc
-    except Exception as exc:  # transformers and the tokenizers library raise many kinds
-        raise ModelSourceError(f"cannot build a tokenizer from the vocabulary in {path}: {exc}") from exc
-    if not (build / "tokenizer.json").is_file():
-        raise ModelSourceError(f"transformers wrote no tokenizer.json for {path}")
