@@ -10,6 +10,7 @@ and the ways a file is refused."""
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -33,6 +34,7 @@ from compiled_engine.model.gguf_dir import gguf_config_dict, prepare_gguf_dir
 from compiled_engine.model.shard import NO_SHARD
 from compiled_engine.quantization.gguf import load_gguf_model
 from compiled_engine.quantization.modules import QuantizedEmbedding, QuantizedLinear
+from compiled_engine.tokenizer import Tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gguf"
 NAMES = ("gemma2", "gemma3", "mistral", "phi3", "qwen2")
@@ -215,6 +217,20 @@ def test_engine_on_the_prepared_gguf_matches_transformers(name: str, fmt: str, p
     assert ours.token_ids == want_ids
     assert ours.prefill_logits is not None
     torch.testing.assert_close(ours.prefill_logits, want_logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_gguf_alone_gets_its_tokenizer_from_the_metadata(name: str, tmp_path: Path, private_cache: Path) -> None:
+    """Without the tokenizer files beside it, the prepared directory's tokenizer (built from the
+    file's vocabulary) encodes as the checkpoint's: the converter wrote each family's kind."""
+    from transformers import AutoTokenizer
+
+    alone = tmp_path / "model.gguf"
+    shutil.copyfile(gguf_path(name, "f16"), alone)
+    ours = Tokenizer(prepare_gguf_dir(alone))
+    theirs = AutoTokenizer.from_pretrained(FIXTURES / name)
+    for text in ("hello world, the quick brown fox", "tiny tests of soft caps"):
+        assert ours.encode(text, add_special_tokens=False) == theirs.encode(text, add_special_tokens=False), text
 
 
 # --- llama.cpp's conventions on rewritten files ----------------------------------------------------
