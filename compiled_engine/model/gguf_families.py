@@ -32,7 +32,7 @@ src/models/*.cpp read them:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from compiled_engine.errors import CompiledEngineError, ModelSourceError
@@ -56,7 +56,7 @@ GEMMA_NORMS = (
 
 class Metadata:
     """A GGUF file's metadata, read with its types checked; `arch` reads the family's own keys
-    (`{architecture}.name`)."""
+    (`{architecture}.{key}`)."""
 
     def __init__(self, header: GGUFHeader, architecture: str) -> None:
         self.header, self.architecture = header, architecture
@@ -84,7 +84,7 @@ class Metadata:
 ConfigFields = Callable[[Metadata, dict[str, Any]], dict[str, Any]]
 
 
-def _nothing(meta: Metadata, config: dict[str, Any]) -> dict[str, Any]:
+def _no_fields(meta: Metadata, config: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
@@ -95,14 +95,14 @@ class GGUFLayout:
 
     model_type: str
     hf_class: str
-    config_fields: ConfigFields = _nothing
+    config_fields: ConfigFields = _no_fields
     permuted_qk: bool = False  # q/k rows interleaved per head for llama.cpp's rope
     fused_qkv: bool = False  # q/k/v rows in one `attn_qkv`
     fused_gate_up: bool = False  # gate rows then up rows in one `ffn_up`
     norm_offset: float = 0.0  # every norm stored as ours + this
     layer_norms: tuple[tuple[str, str], ...] = LLAMA_NORMS
     partial_rotary: bool = False  # `rope.dimension_count` may be below the head size
-    extra_scalings: tuple[str, ...] = field(default=())  # rope scaling types its config_fields reads
+    extra_scalings: tuple[str, ...] = ()  # rope scaling types its config_fields reads
 
 
 def _sliding_layers(meta: Metadata, layers: int, default_period: int) -> list[str]:
@@ -302,12 +302,14 @@ def _linear_rope_scaling(meta: Metadata, layout: GGUFLayout) -> dict[str, Any]:
     # llama.cpp reads the factor whatever the type says (its default type is linear), and the
     # old key `rope.scale_linear` where the new one is missing.
     factor = meta.arch("rope.scaling.factor", float, meta.arch("rope.scale_linear", float, 0.0))
-    scaling = meta.arch("rope.scaling.type", str, "linear" if factor else "none")
-    if scaling in layout.extra_scalings or (scaling in ("none", "linear") and factor in (0.0, 1.0)):
+    scaling = meta.arch("rope.scaling.type", str, "linear")
+    if scaling == "none" or scaling in layout.extra_scalings:  # the family's own reads the rest
         return {}
     if scaling != "linear":
         supported = ", ".join(("linear", *layout.extra_scalings))
         raise meta.fail(f"rope scaling type {scaling!r} is not supported for {meta.architecture} (only {supported})")
+    if factor in (0.0, 1.0):  # 0: not set
+        return {}
     return {"rope_scaling": {"rope_type": "linear", "factor": factor}}
 
 
