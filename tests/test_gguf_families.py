@@ -207,8 +207,8 @@ def _attention_takes_windows() -> bool:
 
 
 # Every Gemma layer hands the attention operator a window or a soft cap. Until the attention
-# backends take them, such a run stops there with a TypeError; strict, so the mark must go (and
-# fails loudly) once they do under another name.
+# backends take them, such a run stops there with a TypeError. Strict: should they come to take
+# them under another name, the unexpected pass fails, and this mark must go.
 NEEDS_WINDOWS = pytest.mark.xfail(
     not _attention_takes_windows(),
     reason="sliding windows and soft caps have not reached the attention backends",
