@@ -1,12 +1,7 @@
-"""Write a random-weight model with the shapes of a real one, for benchmarks on machines that
-cannot download weights (the accelerator machine has no network).
-
-    python perf/random_model.py llama3-8b /tmp/llama3-8b --dtype bfloat16
-    python perf/random_model.py qwen3-0.6b /tmp/qwen3-0.6b
-
-Needs transformers (the `convert` extra). Weights are drawn small enough that activations stay
-finite; the text such a model writes means nothing, its speed is the point.
-"""
+"""A random-weight model directory in the shape of a real checkpoint, for the bench when the real
+weights are out of reach (no model hub here): `python perf/random_model.py gemma3-270m OUT`.
+The configs are the published ones' shapes; the weights are transformers' own random init, so
+speed figures hold and text is noise."""
 
 from __future__ import annotations
 
@@ -16,80 +11,68 @@ from typing import Any
 
 import torch
 
-SHAPES: dict[str, dict[str, Any]] = {
-    "llama3-8b": dict(
-        model_type="llama",
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        bos_token_id=128000,
-        eos_token_id=128001,
+SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "gemma3-270m": (
+        "gemma3_text",
+        dict(
+            vocab_size=262144,
+            hidden_size=640,
+            intermediate_size=2048,
+            num_hidden_layers=18,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=256,
+            query_pre_attn_scalar=256,
+            sliding_window=512,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-6,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+            tie_word_embeddings=True,
+            bos_token_id=2,
+            eos_token_id=1,
+            pad_token_id=0,
+        ),
     ),
-    "qwen3-0.6b": dict(
-        model_type="qwen3",
-        vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=40960,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        bos_token_id=151643,
-        eos_token_id=151645,
-    ),
-    "smollm2-135m": dict(
-        model_type="llama",
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        max_position_embeddings=8192,
-        rope_theta=100000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
+    "qwen2.5-0.5b": (
+        "qwen2",
+        dict(
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+            bos_token_id=151643,
+            eos_token_id=151645,
+        ),
     ),
 }
 
 
-def write_random_model(shape: str, out: Path, dtype: torch.dtype, device: str = "cpu", seed: int = 0) -> Path:
+def write_random_model(shape: str, out: Path, seed: int = 0) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = dict(SHAPES[shape])
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    model_type, fields = SHAPES[shape]
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() > 1:
-                param.normal_(0.0, 0.02)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields), dtype=torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     return out
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("shape", choices=sorted(SHAPES))
     parser.add_argument("out", type=Path)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
-    parser.add_argument("--device", default="cpu", help="where to draw the weights (cuda is much faster for 8B)")
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    print(write_random_model(args.shape, args.out, getattr(torch, args.dtype), args.device))
+    print(write_random_model(args.shape, args.out, args.seed))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.default_model import GGUF_NAME, default_model_dir
 from compiled_engine.model.gguf import gguf_file, read_gguf_header
 from compiled_engine.model.gguf_dir import prepare_gguf_dir
-from compiled_engine.model.llama import Linear, Transformer, checkpoint_layout, rope_inverse_frequencies
+from compiled_engine.model.layers import rope_inverse_frequencies
+from compiled_engine.model.llama import Linear, Transformer, checkpoint_layout
 from compiled_engine.model.source import resolve_model_dir
 from compiled_engine.quantization.gguf import load_gguf_model
 from compiled_engine.quantization.modules import QuantizedEmbedding, QuantizedLinear
@@ -605,14 +606,17 @@ def test_prepare_takes_the_tokenizer_beside_a_link(tmp_path: Path, cache: Path) 
     assert (prepared / GGUF_NAME).resolve() == blob.resolve()
 
 
-def test_prepare_without_transformers_says_what_to_install(
+def test_prepare_needs_neither_transformers_nor_gguf_py(
     tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The tokenizer of a GGUF alone is built from its metadata by the engine itself."""
     path = write_tiny_gguf(tmp_path / "tiny.gguf").path
-    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now fails
-    with pytest.raises(ModelSourceError, match=re.escape("pip install 'compiled_engine[convert]'")):
-        prepare_gguf_dir(path)
-    assert not any((cache / "models" / "gguf").iterdir())  # nothing half-built left behind
+    for name in ("transformers", "gguf"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import transformers` now fails
+    tokenizer = Tokenizer(prepare_gguf_dir(path))
+    hello, world = TOKENS.index("hello"), TOKENS.index("Ġworld")
+    assert tokenizer.encode("hello world") == [hello, world]
+    assert tokenizer.encode("<|im_start|>hello", add_special_tokens=False) == [1, hello]
 
 
 def test_prepare_refuses_a_tokenizer_of_another_model(tmp_path: Path, cache: Path) -> None:
@@ -723,10 +727,19 @@ def test_config_of_another_architecture(good: Path) -> None:
 def test_unsupported_architecture(tmp_path: Path, cache: Path) -> None:
     path = write_tiny_gguf(tmp_path / "t.gguf", file_arch="gpt2").path
     with pytest.raises(
-        ModelSourceError, match=r"GGUF architecture 'gpt2' is not supported \(supported: llama, qwen3\)"
+        ModelSourceError,
+        match=r"GGUF architecture 'gpt2' is not supported \(supported: llama, qwen2, qwen3, gemma2, gemma3, phi3\)$",
     ):
         prepare_gguf_dir(path)
     assert not (cache / "models" / "gguf").exists() or not any((cache / "models" / "gguf").iterdir())
+
+
+@pytest.mark.parametrize("model", ["rwkv", "bert"])
+def test_unsupported_tokenizer_model(tmp_path: Path, cache: Path, model: str) -> None:
+    path = write_tiny_gguf(tmp_path / "t.gguf", metadata={"tokenizer.ggml.model": model}).path
+    with pytest.raises(ModelSourceError, match=rf"{path}: its tokenizer model '{model}' \(tokenizer.ggml.model\)"):
+        prepare_gguf_dir(path)
+    assert not any((cache / "models" / "gguf").iterdir())  # nothing half-built left behind
 
 
 def test_missing_metadata(tmp_path: Path, cache: Path) -> None:

@@ -109,6 +109,14 @@ def _assert_same(tp: list[tuple[list[int], list[float]]], single: list[tuple[lis
         ("qwen3", 2, {}),  # 4 query heads, 2 KV heads: one KV head per rank
         ("llama", 4, {}),  # 4 query heads, 2 KV heads on 4 ranks: each KV head on two ranks
         ("llama", 2, {"attention_bias": True}),  # sharded biases, replicated o_proj bias
+        ("qwen2", 2, {}),  # sharded q/k/v biases, no o_proj bias
+        # Gemma 2: four norms, GeGLU, windows of 4 on alternate layers, soft-capped logits.
+        (
+            "gemma2",
+            2,
+            {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 4}
+            | {"attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0},
+        ),
     ],
 )
 def test_tp_matches_single_process_on_tiny_models(
@@ -382,3 +390,11 @@ def test_each_cpu_rank_takes_its_share_of_the_cores(monkeypatch: pytest.MonkeyPa
     assert threads.threads_per_process(EngineConfig(device="cpu", tensor_parallel_size=4)) == 3
     with pytest.raises(ValueError, match="cpu_threads must be at least 1"):
         EngineConfig(cpu_threads=0)
+
+
+def test_phi3_refuses_tensor_parallelism_before_reading_weights(tiny_model_factory: Callable[..., Path]) -> None:
+    model_dir = tiny_model_factory("phi3", pad_token_id=0)
+    config = ModelConfig.from_model_dir(model_dir)
+    with pytest.raises(ModelConfigError, match=r"--tensor-parallel-size 2: not supported for phi3: its checkpoint"):
+        load_model(model_dir, config, torch.float32, torch.device("cpu"), TPShard(0, 2))
+    load_model(model_dir, config, torch.float32, torch.device("cpu"), TPShard(0, 1))  # one rank loads

@@ -642,3 +642,48 @@ def test_prompt_context_does_not_leak_into_output(tok: Tokenizer) -> None:
     assert deltas[0] == " Paris"  # the first output token starts with its space
     long_prompt = tok.encode("word " * 50)
     assert "".join(stream(tok, out_ids, prompt=long_prompt)) == " Paris. 🙂"
+
+
+# Templates in the shape of Gemma's: Gemma 2's refuses a system message, Gemma 3's folds it into
+# the first user turn. Rendering the model's own template is what decides, as in transformers.
+GEMMA2_STYLE_TEMPLATE = """{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}
+{%- for message in messages -%}
+{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
+{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"""
+GEMMA3_STYLE_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- set rest = messages[1:] -%}
+{%- else -%}{%- set first_user_prefix = '' -%}{%- set rest = messages -%}{%- endif -%}
+{%- for message in rest -%}
+{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
+{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') + message['content'] | trim + '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"""
+WITH_SYSTEM = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "hello"},
+    {"role": "user", "content": "bye"},
+]
+
+
+@pytest.mark.parametrize("template", [GEMMA2_STYLE_TEMPLATE, GEMMA3_STYLE_TEMPLATE])
+def test_system_role_is_merged_or_refused_as_the_template_says(make_dir: Callable[..., Path], template: str) -> None:
+    from transformers import AutoTokenizer
+
+    d = make_dir(tokenizer_config={"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": template})
+    hf, ours = AutoTokenizer.from_pretrained(d, local_files_only=True), Tokenizer(d)
+    without_system = WITH_SYSTEM[1:]
+    rendered = hf.apply_chat_template(without_system, tokenize=False, add_generation_prompt=True)
+    assert ours.apply_chat_template(without_system) == rendered
+    if template is GEMMA3_STYLE_TEMPLATE:
+        text = ours.apply_chat_template(WITH_SYSTEM)
+        assert text == hf.apply_chat_template(WITH_SYSTEM, tokenize=False, add_generation_prompt=True)
+        assert "<start_of_turn>user\nBe brief.\n\nhi<end_of_turn>" in text
+        return
+    with pytest.raises(Exception, match="System role not supported"):
+        hf.apply_chat_template(WITH_SYSTEM, tokenize=False)
+    with pytest.raises(TokenizerError, match="chat template failed to render: System role not supported"):
+        ours.apply_chat_template(WITH_SYSTEM)

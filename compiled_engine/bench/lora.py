@@ -24,7 +24,7 @@ from compiled_engine.bench.runs import run_ours
 from compiled_engine.bench.workload import random_workload
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.sampling_params import SamplingParams
-from compiled_engine.lora.adapter import CONFIG_NAME, TARGETS, WEIGHTS_NAME, product_shapes
+from compiled_engine.lora.adapter import CONFIG_NAME, TARGETS, WEIGHTS_NAME, WHOLE, product_shapes
 from compiled_engine.lora.manager import LoRAManager, LoRARequest
 from compiled_engine.model.config import ModelConfig
 
@@ -34,15 +34,16 @@ def write_random_adapter(directory: Path, config: ModelConfig, rank: int, seed: 
     directory.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(seed)
     shapes = product_shapes(config)
+    sliced = {module: target for module, target in TARGETS.items() if target[2] != WHOLE}
     tensors = {}
     for layer in range(config.num_layers):
-        for module, (block, product, piece) in TARGETS.items():
+        for module, (block, product, piece) in sliced.items():
             in_features, widths = shapes[f"{block}.{product}"]
             prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) * 0.02
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(widths[piece], rank, generator=generator) * 0.02
     save_file(tensors, directory / WEIGHTS_NAME)
-    adapter_config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS)}
+    adapter_config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(sliced)}
     (directory / CONFIG_NAME).write_text(json.dumps(adapter_config))
     return directory
 

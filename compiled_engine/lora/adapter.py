@@ -33,9 +33,12 @@ from compiled_engine.model.source import HUB_ID, download_from_hub
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 
+WHOLE = -1  # a target that is the whole fused product, as Phi-3 stores qkv_proj and gate_up_proj
 # Each PEFT target module: our fused product, and which slice of its output rows it is
-# (0: q / gate, 1: k / up, 2: v).
+# (0: q / gate, 1: k / up, 2: v; WHOLE: all of them, its lora_B split by rows into the slices).
 TARGETS: dict[str, tuple[str, str, int]] = {
+    "qkv_proj": ("self_attn", "qkv_proj", WHOLE),
+    "gate_up_proj": ("mlp", "gate_up_proj", WHOLE),
     "q_proj": ("self_attn", "qkv_proj", 0),
     "k_proj": ("self_attn", "qkv_proj", 1),
     "v_proj": ("self_attn", "qkv_proj", 2),
@@ -192,11 +195,12 @@ def load_adapter(source: str | Path, config: ModelConfig, max_rank: int) -> LoRA
         a, b = pair["A"], pair["B"]
         _, product, piece = TARGETS[module]
         in_features, widths = shapes[f"{block}.{product}"]
+        width = sum(widths) if piece == WHOLE else widths[piece]
         rank = a.shape[0]
-        if a.shape != (rank, in_features) or b.shape != (widths[piece], rank):
+        if a.shape != (rank, in_features) or b.shape != (width, rank):
             raise LoRAError(
                 f"{weights_file}: {name}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not fit "
-                f"[r, {in_features}] and [{widths[piece]}, r] of the base model"
+                f"[r, {in_features}] and [{width}, r] of the base model"
             )
         if rank > max_rank:
             raise LoRAError(f"{weights_file}: {name}: rank {rank} is above --max-lora-rank {max_rank}")
@@ -206,7 +210,11 @@ def load_adapter(source: str | Path, config: ModelConfig, max_rank: int) -> LoRA
             raise LoRAError(f"{weights_file}: {name}: rank {rank}, but the config gives {expected}")
         alpha = _pattern_value(adapter_config.get("alpha_pattern") or {}, module_name, adapter_config["lora_alpha"])
         scale = alpha / math.sqrt(rank) if adapter_config.get("use_rslora") else alpha / rank
-        fused.setdefault((layer, f"{block}.{product}"), []).append((piece, a, b * scale))
+        parts = fused.setdefault((layer, f"{block}.{product}"), [])
+        if piece == WHOLE:  # one A for every slice, and each slice its rows of B
+            parts.extend((i, a, rows * scale) for i, rows in enumerate(b.split(widths)))
+        else:
+            parts.append((piece, a, b * scale))
     weights = {key: tuple(LoRAPiece(*part) for part in parts) for key, parts in fused.items()}
     rank = max(pair["A"].shape[0] for pair in pieces.values())
     return LoRAAdapter(Path(source), rank, weights, digest_of(path))

@@ -1,8 +1,8 @@
 """A user's `.gguf` file as a model directory the rest of the engine reads: config.json and
 generation_config.json from the GGUF's metadata (`gguf_config_dict`), the tokenizer files (a
-tokenizer.json beside the file, else one built from the GGUF's vocabulary by transformers), and
-`model.gguf` a link to the file (`prepare_gguf_dir`). The weights are read from that link at load
-(quantization/gguf.py).
+tokenizer.json beside the file, else one built from the GGUF's own vocabulary by
+model/gguf_tokenizer.py), and `model.gguf` a link to the file (`prepare_gguf_dir`). The weights
+are read from that link at load (quantization/gguf.py).
 """
 
 from __future__ import annotations
@@ -19,89 +19,13 @@ from compiled_engine.cache_paths import models_dir
 from compiled_engine.errors import ModelConfigError, ModelSourceError
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.default_model import GGUF_NAME
-from compiled_engine.model.gguf import ARCHITECTURES, GGUFHeader, read_gguf_header
+from compiled_engine.model.gguf import GGUFHeader, read_gguf_header
+from compiled_engine.model.gguf_families import Metadata, gguf_config_dict
+from compiled_engine.model.gguf_tokenizer import build_gguf_tokenizer
 
 
 def _meta(header: GGUFHeader, key: str, kind: type, default: Any = None, required: bool = True) -> Any:
-    value = header.metadata.get(key)
-    if value is None:
-        if required:
-            raise ModelSourceError(f"{header.path}: GGUF metadata '{key}' is missing")
-        return default
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise ModelSourceError(f"{header.path}: GGUF metadata '{key}' must be {kind.__name__}, got {value!r}")
-    return value
-
-
-def gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
-    """The Hugging Face style config.json of a Llama or Qwen3 GGUF, from its metadata (and its
-    tensor list: the head is tied when there is no `output.weight`)."""
-    arch = _meta(header, "general.architecture", str)
-    if arch not in ARCHITECTURES:
-        raise ModelSourceError(
-            f"{header.path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
-        )
-    if _meta(header, f"{arch}.expert_count", int, 0, required=False) > 0:
-        raise ModelSourceError(f"{header.path}: mixture-of-experts GGUF models ({arch}.expert_count) are not supported")
-    hidden = _meta(header, f"{arch}.embedding_length", int)
-    heads = _meta(header, f"{arch}.attention.head_count", int)
-    kv_heads = header.metadata.get(f"{arch}.attention.head_count_kv", heads)
-    if isinstance(kv_heads, list) and kv_heads and all(k == kv_heads[0] for k in kv_heads):
-        kv_heads = kv_heads[0]  # a per-layer list, all the same
-    if not isinstance(kv_heads, int) or isinstance(kv_heads, bool):
-        raise ModelSourceError(
-            f"{header.path}: GGUF metadata '{arch}.attention.head_count_kv' must be one int, got {kv_heads!r}"
-        )
-    rope_dims = _meta(header, f"{arch}.rope.dimension_count", int, required=False)
-    head_dim = _meta(header, f"{arch}.attention.key_length", int, required=False)
-    if head_dim is None:
-        head_dim = rope_dims if rope_dims is not None else hidden // max(heads, 1)
-    value_dim = _meta(header, f"{arch}.attention.value_length", int, head_dim, required=False)
-    if value_dim != head_dim:
-        raise ModelSourceError(f"{header.path}: value heads of {value_dim} differ from key heads of {head_dim}")
-    if rope_dims is not None and rope_dims != head_dim:
-        raise ModelSourceError(f"{header.path}: rotary embedding over {rope_dims} of {head_dim} dims is not supported")
-    tokens = header.metadata.get("tokenizer.ggml.tokens")
-    vocab_size = len(tokens) if isinstance(tokens, list) else _meta(header, f"{arch}.vocab_size", int)
-    config: dict[str, Any] = {
-        "model_type": arch,
-        "architectures": [ARCHITECTURES[arch]],
-        "hidden_act": "silu",
-        "hidden_size": hidden,
-        "intermediate_size": _meta(header, f"{arch}.feed_forward_length", int),
-        "num_hidden_layers": _meta(header, f"{arch}.block_count", int),
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "rms_norm_eps": _meta(header, f"{arch}.attention.layer_norm_rms_epsilon", float),
-        "rope_theta": _meta(header, f"{arch}.rope.freq_base", float, 10000.0, required=False),
-        "max_position_embeddings": _meta(header, f"{arch}.context_length", int),
-        "vocab_size": vocab_size,
-        "tie_word_embeddings": "output.weight" not in header.tensors,
-        "attention_bias": "blk.0.attn_q.bias" in header.tensors,
-    }
-    scaling = _meta(header, f"{arch}.rope.scaling.type", str, "none", required=False)
-    if scaling == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": _meta(header, f"{arch}.rope.scaling.factor", float)}
-    elif scaling != "none":
-        raise ModelSourceError(f"{header.path}: rope scaling type {scaling!r} is not supported (only linear)")
-    bos = _meta(header, "tokenizer.ggml.bos_token_id", int, required=False)
-    eos = [
-        token
-        for token in (
-            _meta(header, "tokenizer.ggml.eos_token_id", int, required=False),
-            _meta(header, "tokenizer.ggml.eot_token_id", int, required=False),
-        )
-        if token is not None
-    ]
-    eos = list(dict.fromkeys(eos))  # one end of turn may be the end of text too
-    if bos is not None:
-        config["bos_token_id"] = bos
-    if eos:
-        config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
-    return config
+    return Metadata(header, "").get(key, kind, default, required)
 
 
 def _cache_key(resolved: Path) -> str:
@@ -122,8 +46,8 @@ def _is_prepared(model_dir: Path, resolved: Path) -> bool:
 def prepare_gguf_dir(gguf_path: Path) -> Path:
     """The model directory for a user's `.gguf` file, built once in the engine cache (keyed by the
     file's path, size and modification time) and reused: config.json from the GGUF metadata,
-    the tokenizer files (a tokenizer.json beside the file, else one built from the GGUF's
-    vocabulary by transformers), generation_config.json, and `model.gguf` a link to the file.
+    the tokenizer files (a tokenizer.json beside the file, else one built from the GGUF's own
+    vocabulary), generation_config.json, and `model.gguf` a link to the file.
     Built in a temporary directory renamed into place, so a directory that exists is complete."""
     path = Path(gguf_path).expanduser()
     if not path.is_file():
@@ -176,7 +100,9 @@ def _write_tokenizer(header: GGUFHeader, source: Path, build: Path) -> None:
             if (beside / name).is_file():
                 shutil.copyfile(beside / name, build / name)
     else:
-        _convert_tokenizer(source, build)
+        built = build_gguf_tokenizer(header)
+        built.tokenizer.save(str(build / "tokenizer.json"))
+        _write_json(build / "tokenizer_config.json", built.config)
     config_path = build / "tokenizer_config.json"
     config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
     template = header.metadata.get("tokenizer.chat_template")
@@ -203,22 +129,3 @@ def _check_beside_tokenizer(header: GGUFHeader, tokenizer_path: Path) -> None:
             f"{tokenizer_path} has {size} tokens but {header.path.name} a vocabulary of {len(tokens)}: "
             f"it belongs to another model; move it away to use the GGUF's own vocabulary"
         )
-
-
-def _convert_tokenizer(path: Path, build: Path) -> None:
-    hint = "pip install 'compiled_engine[convert]' (or put the model's tokenizer.json beside the .gguf file)"
-    try:
-        from transformers import AutoTokenizer
-    except ImportError as exc:
-        raise ModelSourceError(
-            f"building a tokenizer from the vocabulary in {path.name} needs transformers: {hint}"
-        ) from exc
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        tokenizer.save_pretrained(build)
-    except ImportError as exc:
-        raise ModelSourceError(f"building a tokenizer from {path.name} needs transformers and gguf: {hint}") from exc
-    except Exception as exc:  # transformers and the tokenizers library raise many kinds
-        raise ModelSourceError(f"cannot build a tokenizer from the vocabulary in {path}: {exc}") from exc
-    if not (build / "tokenizer.json").is_file():
-        raise ModelSourceError(f"transformers wrote no tokenizer.json for {path}")

@@ -1,9 +1,10 @@
-"""A GGUF file's weights in a model (Llama and Qwen3 as llama.cpp writes them), its quantized
-tensors kept quantized: `load_gguf_model` checks every name, shape, type and offset against the
-config before a byte of data is read, then fills the model: Q8_0 becomes an int8
-QuantizedWeight in groups of 32, Q4_0 and Q4_1 int4 in groups of 32 whose nibble bytes are the
-file's own, and F32, F16 and BF16 dense parameters; llama's q/k rows are put back in Hugging Face
-order. The file format itself is read by model/gguf.py.
+"""A GGUF file's weights in a model (every family llama.cpp writes, each as its layout in
+model/gguf_families.py names and transforms them), its quantized tensors kept quantized:
+`load_gguf_model` checks every name, shape, type and offset against the config before a byte of
+data is read, then fills the model: Q8_0 becomes an int8 QuantizedWeight in groups of 32, Q4_0
+and Q4_1 int4 in groups of 32 whose nibble bytes are the file's own, and F32, F16 and BF16 dense
+parameters; llama's q/k rows are put back in Hugging Face order and Gemma's norms lose the 1
+llama.cpp added. The file format itself is read by model/gguf.py.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch import nn
 
 from compiled_engine.errors import ModelLoadError
 from compiled_engine.model.config import ModelConfig
-from compiled_engine.model.families import build_model
+from compiled_engine.model.families import build_model, family_of_gguf
 from compiled_engine.model.gguf import (
     BLOCK,
     DENSE_TYPES,
@@ -32,21 +33,26 @@ from compiled_engine.model.gguf import (
     read_gguf_header,
     read_tensor,
 )
+from compiled_engine.model.gguf_families import LAYOUTS, LONG_FACTORS, ROPE_FREQS, SHORT_FACTORS, GGUFLayout
 from compiled_engine.model.layers import DecoderModel
 from compiled_engine.model.loader import rebuild_rotaries
 from compiled_engine.model.shard import NO_SHARD
 from compiled_engine.quantization.apply import install_embedding, install_linear
 from compiled_engine.quantization.weights import QuantizedWeight, concat_rows
 
+ROPE_FACTORS = (LONG_FACTORS, SHORT_FACTORS)
+
 
 @dataclass(frozen=True)
 class _Part:
-    """A GGUF tensor the config implies: its name, torch-order shape, and for llama's q/k the head
-    count of the rope permutation llama.cpp applied to its rows."""
+    """A GGUF tensor the config implies: its name, torch-order shape, for llama's q/k the head
+    count of the rope permutation llama.cpp applied to its rows, and what llama.cpp added to
+    every value (Gemma's norms: 1)."""
 
     name: str
     shape: tuple[int, ...]
     rope_heads: int | None = None
+    offset: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -59,60 +65,90 @@ class _Target:
     param: str | None = None
 
 
-ROPE_FREQS = "rope_freqs.weight"
+def _layout(config: ModelConfig) -> GGUFLayout:
+    layout = LAYOUTS.get(config.architecture)
+    if layout is None:
+        raise ModelLoadError(f"llama.cpp writes no GGUF of its own for {config.architecture} models")
+    return layout
 
 
 def _targets(config: ModelConfig) -> list[_Target]:
+    """Every tensor a GGUF of this config holds and where it lands, as the family's layout
+    (model/gguf_families.py) names and transforms them."""
+    layout = _layout(config)
     h, hd, inter, vocab = config.hidden_size, config.head_dim, config.intermediate_size, config.vocab_size
     q, kv = config.q_size, config.kv_size
-    permuted = config.architecture == "llama"  # llama.cpp reorders q/k rows for its rope; not Qwen's
-    q_heads = config.num_heads if permuted else None
-    kv_heads = config.num_kv_heads if permuted else None
+    q_heads = config.num_heads if layout.permuted_qk else None
+    kv_heads = config.num_kv_heads if layout.permuted_qk else None
+    shift = layout.norm_offset
     P, T = _Part, _Target
     targets = [
         T("embed_tokens", (P("token_embd.weight", (vocab, h)),)),
-        T("", (P("output_norm.weight", (h,)),), "norm.weight"),
+        T("", (P("output_norm.weight", (h,), offset=shift),), "norm.weight"),
     ]
     if not config.tie_word_embeddings:
         targets.append(T("lm_head", (P("output.weight", (vocab, h)),)))
     for i in range(config.num_layers):
         blk, ours = f"blk.{i}.", f"layers.{i}."
         attn = ours + "self_attn."
-        targets.append(
-            T(
-                attn + "qkv_proj",
-                (
-                    P(blk + "attn_q.weight", (q, h), q_heads),
-                    P(blk + "attn_k.weight", (kv, h), kv_heads),
-                    P(blk + "attn_v.weight", (kv, h)),
-                ),
+        qkv: tuple[_Part, ...]
+        qkv_bias: tuple[_Part, ...]
+        if layout.fused_qkv:
+            qkv = (P(blk + "attn_qkv.weight", (q + 2 * kv, h)),)
+            qkv_bias = (P(blk + "attn_qkv.bias", (q + 2 * kv,)),)
+        else:
+            qkv = (
+                P(blk + "attn_q.weight", (q, h), q_heads),
+                P(blk + "attn_k.weight", (kv, h), kv_heads),
+                P(blk + "attn_v.weight", (kv, h)),
             )
-        )
+            qkv_bias = (
+                P(blk + "attn_q.bias", (q,), q_heads),
+                P(blk + "attn_k.bias", (kv,), kv_heads),
+                P(blk + "attn_v.bias", (kv,)),
+            )
+        targets.append(T(attn + "qkv_proj", qkv))
         targets.append(T(attn + "o_proj", (P(blk + "attn_output.weight", (h, q)),)))
         if config.qkv_bias:
-            biases = (P(blk + "attn_q.bias", (q,), q_heads), P(blk + "attn_k.bias", (kv,), kv_heads))
-            targets.append(T("", (*biases, P(blk + "attn_v.bias", (kv,))), attn + "qkv_proj.bias"))
+            targets.append(T("", qkv_bias, attn + "qkv_proj.bias"))
         if config.o_bias:
             targets.append(T("", (P(blk + "attn_output.bias", (h,)),), attn + "o_proj.bias"))
         if config.qk_norm:
-            targets.append(T("", (P(blk + "attn_q_norm.weight", (hd,)),), attn + "q_norm.weight"))
-            targets.append(T("", (P(blk + "attn_k_norm.weight", (hd,)),), attn + "k_norm.weight"))
-        gate_up = (P(blk + "ffn_gate.weight", (inter, h)), P(blk + "ffn_up.weight", (inter, h)))
+            targets.append(T("", (P(blk + "attn_q_norm.weight", (hd,), offset=shift),), attn + "q_norm.weight"))
+            targets.append(T("", (P(blk + "attn_k_norm.weight", (hd,), offset=shift),), attn + "k_norm.weight"))
+        if layout.fused_gate_up:
+            gate_up: tuple[_Part, ...] = (P(blk + "ffn_up.weight", (2 * inter, h)),)  # gate rows, then up
+        else:
+            gate_up = (P(blk + "ffn_gate.weight", (inter, h)), P(blk + "ffn_up.weight", (inter, h)))
         targets.append(T(ours + "mlp.gate_up_proj", gate_up))
         targets.append(T(ours + "mlp.down_proj", (P(blk + "ffn_down.weight", (h, inter)),)))
-        targets.append(T("", (P(blk + "attn_norm.weight", (h,)),), ours + "input_layernorm.weight"))
-        targets.append(T("", (P(blk + "ffn_norm.weight", (h,)),), ours + "post_attention_layernorm.weight"))
+        for theirs, norm in layout.layer_norms:
+            targets.append(T("", (P(f"{blk}{theirs}.weight", (h,), offset=shift),), f"{ours}{norm}.weight"))
     return targets
+
+
+def _rope_parts(config: ModelConfig) -> tuple[dict[str, _Part], dict[str, _Part]]:
+    """The rope's own tensors, (required, optional): Phi-3's longrope factors, which the config
+    already holds (read from this file when it was prepared) and are checked against it; Llama
+    3.1's divisors of the rotary frequencies, which a llama file may carry."""
+    if config.rope.type == "longrope":
+        pairs = (config.rotated_dims // 2,)
+        return {name: _Part(name, pairs) for name in (LONG_FACTORS, SHORT_FACTORS)}, {}
+    if config.architecture == "llama":
+        return {}, {ROPE_FREQS: _Part(ROPE_FREQS, (config.head_dim // 2,))}
+    return {}, {}
 
 
 def _check(header: GGUFHeader, config: ModelConfig, targets: list[_Target]) -> dict[str, _Part]:
     """Every part's name, shape and type against the file, before a byte of data is read."""
     path = header.path
     arch = header.architecture
-    if arch != config.architecture:
+    family = family_of_gguf(arch) if arch is not None else None
+    if family is None or family.name != config.architecture:
         raise ModelLoadError(f"{path} holds a {arch!r} model, the config a {config.architecture!r} one")
     parts = {part.name: part for target in targets for part in target.parts}
-    optional = {ROPE_FREQS: _Part(ROPE_FREQS, (config.head_dim // 2,))} if arch == "llama" else {}
+    required, optional = _rope_parts(config)
+    parts |= required
     for name in header.tensors:
         if name not in parts and name not in optional:
             raise ModelLoadError(
@@ -145,6 +181,8 @@ def _read(f: io.BufferedReader, header: GGUFHeader, part: _Part) -> Weight:
     info = header.tensors[part.name]
     raw = read_tensor(f, header, part.name)
     weight = raw if info.type in DENSE_TYPES else _quantized(raw, info)
+    if part.offset:  # in fp32, before any narrower run dtype: Gemma's 1 + w back to w
+        weight = _dense(weight, torch.float32) - part.offset
     return weight if part.rope_heads is None else _unpermute(weight, part.rope_heads)
 
 
@@ -220,6 +258,7 @@ def load_gguf_model(
             else:
                 params[target.module + ".weight"] = weight.to(device)
         rope_freqs = _read(f, header, parts[ROPE_FREQS]) if ROPE_FREQS in parts else None
+        factors = {name: _dense(_read(f, header, parts[name]), torch.float32) for name in ROPE_FACTORS if name in parts}
     for module, weight in quantized.items():
         if module == "embed_tokens":
             install_embedding(model, weight)
@@ -231,6 +270,7 @@ def load_gguf_model(
             model.lm_head.weight = cast(nn.Parameter, model.embed_tokens.weight)  # one tensor, as in the file
         else:
             install_linear(model, "lm_head", model.embed_tokens.weight)  # the same quantized table
+    _check_rope_factors(config, factors, path)
     rebuild_rotaries(model, device)
     if rope_freqs is not None:
         _apply_rope_freqs(model, config, rope_freqs, path)
@@ -246,3 +286,11 @@ def _apply_rope_freqs(model: DecoderModel, config: ModelConfig, rope_freqs: Weig
         raise ModelLoadError(f"{path} has {ROPE_FREQS} and the config rope scaling {config.rope.type!r}: both scale")
     divisors = _dense(rope_freqs, torch.float32).to(model.rotary.inv_freq.device)
     model.rotary.inv_freq = model.rotary.inv_freq / divisors
+
+
+def _check_rope_factors(config: ModelConfig, factors: dict[str, torch.Tensor], path: Path) -> None:
+    # Phi-3's longrope factors reach the model through its config, which was read from this
+    # file when it was prepared; a config from elsewhere must agree with them.
+    for name, key in ((LONG_FACTORS, "long_factor"), (SHORT_FACTORS, "short_factor")):
+        if name in factors and not torch.equal(factors[name], torch.tensor(getattr(config.rope, key))):
+            raise ModelLoadError(f"{path}: {name} differs from the config's rope {key}; the config is another model's")
