@@ -9,7 +9,6 @@ and the ways a file is refused."""
 
 from __future__ import annotations
 
-import inspect
 import json
 import shutil
 from collections.abc import Iterator
@@ -200,25 +199,8 @@ def test_weights_are_the_checkpoints(name: str, fmt: str) -> None:
             assert isinstance(quantized.get_submodule(f"layers.0.{module}"), QuantizedLinear), module
 
 
-def _attention_takes_windows() -> bool:
-    from compiled_engine.attention.cpu_backend import CpuAttentionBackend
-
-    return "window" in inspect.signature(CpuAttentionBackend.forward).parameters
-
-
-# Every Gemma layer hands the attention operator a window or a soft cap. Until the attention
-# backends take them, such a run stops there with a TypeError. Strict: should they come to take
-# them under another name, the unexpected pass fails, and this mark must go.
-NEEDS_WINDOWS = pytest.mark.xfail(
-    not _attention_takes_windows(),
-    reason="sliding windows and soft caps have not reached the attention backends",
-    raises=TypeError,
-    strict=True,
-)
-
-
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("name", [pytest.param(n, marks=NEEDS_WINDOWS) if n.startswith("gemma") else n for n in NAMES])
+@pytest.mark.parametrize("name", NAMES)
 def test_engine_on_the_prepared_gguf_matches_transformers(name: str, fmt: str, private_cache: Path) -> None:
     """The prepared directory (config from the metadata, the tokenizer beside the file) run by
     the engine, the Q8_0 tensors kept quantized: transformers' greedy ids, and its logits after a
