@@ -21,21 +21,10 @@ from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.llm import LLM
 from compiled_engine.model.config import ModelConfig
 from reference_oracle import ReferenceOracle
+from tests.conftest import TINY_LLAMA
 
 WINDOW = 16
-SMALL: dict[str, Any] = dict(
-    vocab_size=320,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
+SMALL: dict[str, Any] = dict(TINY_LLAMA, pad_token_id=0)
 GEMMA: dict[str, Any] = dict(SMALL, head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW)
 LONGROPE: dict[str, Any] = {
     "rope_type": "longrope",
