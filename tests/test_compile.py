@@ -266,10 +266,17 @@ def test_a_compiled_decode_step_is_one_compiled_entry_and_one_attention_plan(
         return prepared[-1]
 
     def recording_forward(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, plan: object, scale: float
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: object,
+        scale: float,
+        window: int = 0,
+        soft_cap: float = 0.0,
     ) -> torch.Tensor:
         attended.append(plan)
-        return forward(q, k, v, kv_cache, plan, scale)
+        return forward(q, k, v, kv_cache, plan, scale, window, soft_cap)
 
     monkeypatch.setattr(backend, "prepare", recording_prepare)
     monkeypatch.setattr(backend, "forward", recording_forward)

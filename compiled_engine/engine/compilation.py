@@ -73,7 +73,7 @@ def _decoder_layer(
 # (docs/benchmarks.md has its cost).
 COMPILE_OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {"size_asserts": False, "alignment_asserts": False}
 
-# Each compiled layer's entry (`CompiledForward.compiled_layer`, one for all a model's layers). It
+# Each compiled layer's entry (`CompiledForward.compiled_layers`, one per kind of layer). It
 # is kept here, not as a module attribute, because a saved trace pickles the modules' attributes.
 _LAYER_ENTRIES: weakref.WeakKeyDictionary[CompiledBlock, PrecompiledFunction] = weakref.WeakKeyDictionary()
 
@@ -147,16 +147,21 @@ class CompiledForward(ModelForward):
         def saved(name: str) -> Path | None:
             return saved_dir / name if saved_dir is not None else None
 
-        # One entry for every layer: a family's layers share one class (their windows, Python
-        # constants, may differ: the entry's guards then keep one trace per kind of layer).
-        self.compiled_layer = PrecompiledFunction(
-            type(model.layers[0]).forward, saved("layer.bin"), _LAYER_DYNAMIC_DIMS, options=COMPILE_OPTIONS
-        )
+        # One entry for every layer of a kind: a family's layers share one class, but a window
+        # or a soft-cap is a Python constant of the layer, which a trace guards on. So each kind
+        # (Gemma's sliding and full layers) has its own entry and its own saved trace.
+        self.compiled_layers: dict[tuple[int, float], PrecompiledFunction] = {}
         for index, layer in enumerate(model.layers):
             assert isinstance(layer, DecoderLayer)
+            kind = (layer.self_attn.window, layer.self_attn.soft_cap)
+            if kind not in self.compiled_layers:
+                name = "layer.bin" if kind == (0, 0.0) else f"layer-window{kind[0]}-cap{kind[1]:g}.bin"
+                self.compiled_layers[kind] = PrecompiledFunction(
+                    type(layer).forward, saved(name), _LAYER_DYNAMIC_DIMS, options=COMPILE_OPTIONS
+                )
             block = CompiledBlock(layer)
             model.layers[index] = block
-            _LAYER_ENTRIES[block] = self.compiled_layer
+            _LAYER_ENTRIES[block] = self.compiled_layers[kind]
         self.one_token_forward = (
             None
             if tensor_parallel
@@ -175,7 +180,11 @@ class CompiledForward(ModelForward):
 
     def entries(self) -> dict[str, PrecompiledFunction]:
         """The compiled entries by name, with where each came from (`.source`)."""
-        named = {"layer": self.compiled_layer, "one-token forward": self.one_token_forward, "head": self.one_row_head}
+        layers = {
+            "layer" if kind == (0, 0.0) else f"layer (window {kind[0]}, soft-cap {kind[1]:g})": entry
+            for kind, entry in self.compiled_layers.items()
+        }
+        named = {**layers, "one-token forward": self.one_token_forward, "head": self.one_row_head}
         return {name: entry for name, entry in named.items() if entry is not None}
 
     def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
