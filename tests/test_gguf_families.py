@@ -450,3 +450,23 @@ def test_an_unsupported_rope_scaling(tmp_path: Path) -> None:
     )
     with pytest.raises(ModelSourceError, match=r"rope scaling type 'yarn' is not supported for qwen2 \(only linear\)"):
         config_of(path)
+
+
+def test_serve_runs_a_new_familys_gguf(private_cache: Path, tmp_path: Path) -> None:
+    """`serve --model file.gguf` on Gemma 3 (windows, two ropes, q/k norms, quantized): a
+    completion over token ids gives transformers' greedy ids; the models route names the file."""
+    import httpx
+
+    from tests.server_process import running_server
+
+    path = gguf_path("gemma3", "q8_0")
+    args = ("--model", str(path), "--enforce-eager", "--num-pages", "64", "--page-size", "4")
+    with running_server(tmp_path, *args) as server:
+        ids = prompt(checkpoint_config("gemma3").vocab_size)
+        body = {"model": str(path), "prompt": ids, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+        reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        [choice] = reply.json()["choices"]
+        want_ids, _ = reference_greedy(reference("gemma3", "q8_0"), ids, NEW_TOKENS)
+        assert choice["text"] == Tokenizer(FIXTURES / "gemma3").decode(want_ids)
+        assert reply.json()["usage"]["completion_tokens"] == NEW_TOKENS
