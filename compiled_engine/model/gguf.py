@@ -3,9 +3,9 @@
 The header (version, metadata, tensor directory) is parsed with every count, length and offset
 checked against the file's size; nothing in it is executed, and the engine needs no GGUF library
 to run one. A tensor's data is read as its bytes, checked for its type and extent
-(`check_tensor`, `check_no_overlaps`), and split into its fields: a dense tensor of the file's
-dtype, or the blocks of Q8_0, Q4_0 and Q4_1 (`block_fields`). What the tensors mean for a model
-is elsewhere: the model directory in model/gguf_dir.py, the weights in quantization/gguf.py.
+(`check_tensor`, `check_no_overlaps`): a dense tensor of the file's dtype, or its quantized
+blocks as bytes, which quantization/gguf_blocks.py decodes. What the tensors mean for a model is
+elsewhere: the model directory in model/gguf_dir.py, the weights in quantization/gguf.py.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 
-# ggml tensor types by number, for naming them; only the first six are loaded.
-F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
+# ggml tensor types by number, for naming them; BLOCK_TYPES and DENSE_TYPES are those loaded.
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16 = 0, 1, 2, 3, 6, 7, 8, 30
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 10, 11, 12, 13, 14, 20, 23
 TYPE_NAMES = {
     0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K",
     11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS",
@@ -38,9 +39,12 @@ TYPE_NAMES = {
     27: "I64", 28: "F64", 29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4",
 }  # fmt: skip
 DENSE_TYPES = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
-BLOCK = 32  # weights per block in Q8_0, Q4_0 and Q4_1
-BLOCK_BYTES = {Q8_0: 34, Q4_0: 18, Q4_1: 20}  # fp16 d (and for Q4_1 fp16 m), then the weights
-SUPPORTED_TYPES = ", ".join(TYPE_NAMES[t] for t in (F32, F16, BF16, Q8_0, Q4_0, Q4_1))
+# The quantized types loaded: (weights, bytes) per block; the k-quants' super-blocks are 256 wide.
+BLOCK_TYPES = {
+    Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34), IQ4_NL: (32, 18),
+    Q2_K: (256, 84), Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210), IQ4_XS: (256, 136),
+}  # fmt: skip
+SUPPORTED_TYPES = ", ".join(TYPE_NAMES[t] for t in (*DENSE_TYPES, *BLOCK_TYPES))
 
 # Metadata value types: their struct formats (little-endian), and the two composite ones.
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -219,23 +223,26 @@ def gguf_file(model_dir: Path) -> Path | None:
 def tensor_bytes(info: GGUFTensor) -> int:
     if info.type in DENSE_TYPES:
         return math.prod(info.shape) * DENSE_TYPES[info.type].itemsize
-    return math.prod(info.shape) // BLOCK * BLOCK_BYTES[info.type]
+    weights, nbytes = BLOCK_TYPES[info.type]
+    return math.prod(info.shape) // weights * nbytes
 
 
 def check_tensor(header: GGUFHeader, name: str) -> tuple[int, int]:
     """That tensor `name` is of a type this engine loads, in whole blocks, and inside the file;
     returns the span of its bytes, (start, end)."""
     path, info = header.path, header.tensors[name]
-    if info.type not in DENSE_TYPES and info.type not in BLOCK_BYTES:
+    if info.type not in DENSE_TYPES and info.type not in BLOCK_TYPES:
         raise ModelLoadError(
             f"tensor '{name}' in {path.name} has type {type_name(info.type)}, which this engine does not "
             f"load (supported: {SUPPORTED_TYPES})"
         )
-    if info.type in BLOCK_BYTES and (len(info.shape) != 2 or info.shape[-1] % BLOCK):
-        raise ModelLoadError(
-            f"tensor '{name}' in {path.name} is {type_name(info.type)} with shape {list(info.shape)}: "
-            f"quantized tensors must be matrices whose rows are whole blocks of {BLOCK}"
-        )
+    if info.type in BLOCK_TYPES:
+        weights = BLOCK_TYPES[info.type][0]
+        if len(info.shape) != 2 or info.shape[-1] % weights:
+            raise ModelLoadError(
+                f"tensor '{name}' in {path.name} is {type_name(info.type)} with shape {list(info.shape)}: "
+                f"quantized tensors must be matrices whose rows are whole blocks of {weights}"
+            )
     end = info.offset + tensor_bytes(info)
     if end > header.file_size:
         raise ModelLoadError(
@@ -255,7 +262,7 @@ def check_no_overlaps(header: GGUFHeader, spans: list[tuple[int, int, str]]) -> 
 
 def read_tensor(f: io.BufferedReader, header: GGUFHeader, name: str) -> torch.Tensor:
     """Tensor `name`'s bytes from the open file, on the CPU: a dense tensor of the file's own
-    dtype, or (Q8_0, Q4_0, Q4_1) its blocks as uint8 [rows, blocks, block bytes]."""
+    dtype, or (a quantized type) its blocks as uint8 [rows, blocks, block bytes]."""
     info = header.tensors[name]
     buffer = bytearray(tensor_bytes(info))
     f.seek(info.offset)
@@ -266,21 +273,5 @@ def read_tensor(f: io.BufferedReader, header: GGUFHeader, name: str) -> torch.Te
     if dense is not None:
         return raw.view(dense).reshape(info.shape)
     rows, width = info.shape
-    return raw.reshape(rows, width // BLOCK, BLOCK_BYTES[info.type])
-
-
-def block_fields(blocks: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The fields of Q8_0, Q4_0 or Q4_1 blocks [rows, blocks, block bytes]: the weights' bytes
-    as laid out ([rows, width] int8 for Q8_0, [rows, width / 2] nibble bytes for Q4_0 and Q4_1),
-    d, and for Q4_1 m, both fp32 [rows, blocks]."""
-    rows = blocks.shape[0]
-
-    def half(start: int) -> torch.Tensor:  # an fp16 field of every block, as fp32 [rows, blocks]
-        return blocks[..., start : start + 2].contiguous().view(torch.float16).squeeze(-1).float()
-
-    d = half(0)
-    if ggml_type == Q8_0:
-        return blocks[..., 2:].contiguous().view(torch.int8).reshape(rows, -1), d, None
-    if ggml_type == Q4_0:
-        return blocks[..., 2:].reshape(rows, -1), d, None
-    return blocks[..., 4:].reshape(rows, -1), d, half(2)  # Q4_1
+    weights, nbytes = BLOCK_TYPES[info.type]
+    return raw.reshape(rows, width // weights, nbytes)

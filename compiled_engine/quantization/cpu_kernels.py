@@ -63,7 +63,8 @@ class QuantKernels:
         """`matmul` on a weight's tensors, already checked by `unsupported_reason` (the
         per-forward path: it checks only what changes from call to call, x and the bias)."""
         out_features = data.shape[0]
-        in_features = data.shape[1] * (2 if offsets is not None else 1)
+        int4 = data.dtype == torch.uint8  # else int8, with or without offsets
+        in_features = data.shape[1] * (2 if int4 else 1)
         if x.dim() != 2 or x.shape[1] != in_features or x.dtype != torch.float32 or x.device.type != "cpu":
             raise ValueError(
                 f"quantized matmul: x must be float32 [rows, {in_features}] on the CPU, got {x.dtype} "
@@ -78,15 +79,16 @@ class QuantKernels:
         y = torch.empty(rows, out_features)
         bias_ptr = None if bias is None else bias.data_ptr()
         threads = torch.get_num_threads()
-        if offsets is not None:
+        offsets_ptr = None if offsets is None else offsets.data_ptr()
+        if int4:
             status = self.int4_matmul(
                 x.data_ptr(), rows, in_features, data.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
                 out_features, group_size, bias_ptr, y.data_ptr(), threads,
             )  # fmt: skip
         else:
             status = self.int8_matmul(
-                x.data_ptr(), rows, in_features, data.data_ptr(), scales.data_ptr(), out_features, group_size,
-                bias_ptr, y.data_ptr(), threads,
+                x.data_ptr(), rows, in_features, data.data_ptr(), scales.data_ptr(), offsets_ptr, out_features,
+                group_size, bias_ptr, y.data_ptr(), threads,
             )  # fmt: skip
         if status != 0:
             raise ValueError(f"quantized matmul: the kernel refused [{out_features}, {in_features}] (status {status})")
@@ -104,18 +106,22 @@ class QuantKernels:
     ) -> torch.Tensor:
         """`dequantize` on a weight's tensors, already checked by `unsupported_reason`."""
         out_features = data.shape[0]
-        in_features = data.shape[1] * (2 if offsets is not None else 1)
+        int4 = data.dtype == torch.uint8
+        in_features = data.shape[1] * (2 if int4 else 1)
         out = torch.empty(out_features, in_features)
         threads = torch.get_num_threads()
-        if offsets is not None:
+        if int4:
+            assert offsets is not None
             status = self.int4_dequantize(
                 data.data_ptr(), scales.data_ptr(), offsets.data_ptr(), out_features, in_features, group_size,
                 out.data_ptr(), threads,
             )  # fmt: skip
         else:
+            offsets_ptr = None if offsets is None else offsets.data_ptr()
             status = self.int8_dequantize(
-                data.data_ptr(), scales.data_ptr(), out_features, in_features, group_size, out.data_ptr(), threads
-            )
+                data.data_ptr(), scales.data_ptr(), offsets_ptr, out_features, in_features, group_size,
+                out.data_ptr(), threads,
+            )  # fmt: skip
         if status != 0:
             raise ValueError(f"quantized dequantize: the kernel refused [{out_features}, {in_features}]")
         return out
@@ -128,9 +134,9 @@ def load_quant_kernels() -> QuantKernels:
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     signatures = {
         "int4_matmul_f32": [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, f32],
-        "int8_matmul_f32": [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, f32],
+        "int8_matmul_f32": [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, f32],
         "int4_dequantize_f32": [ptr, ptr, ptr, i64, i64, i64, ptr, f32],
-        "int8_dequantize_f32": [ptr, ptr, i64, i64, i64, ptr, f32],
+        "int8_dequantize_f32": [ptr, ptr, ptr, i64, i64, i64, ptr, f32],
     }
     functions = []
     for name, argtypes in signatures.items():

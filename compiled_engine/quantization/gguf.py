@@ -1,8 +1,8 @@
 """A GGUF file's weights in a model (every family llama.cpp writes, each as its layout in
 model/gguf_families.py names and transforms them), its quantized tensors kept quantized:
 `load_gguf_model` checks every name, shape, type and offset against the config before a byte of
-data is read, then fills the model: Q8_0 becomes an int8 QuantizedWeight in groups of 32, Q4_0
-and Q4_1 int4 in groups of 32 whose nibble bytes are the file's own, and F32, F16 and BF16 dense
+data is read, then fills the model: each quantized type becomes the int4 or int8 QuantizedWeight
+that means the same values (quantization/gguf_blocks.py), and F32, F16 and BF16 dense
 parameters; llama's q/k rows are put back in Hugging Face order and Gemma's norms lose the 1
 llama.cpp added. The file format itself is read by model/gguf.py.
 """
@@ -21,13 +21,8 @@ from compiled_engine.errors import ModelLoadError
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.families import build_model, family_of_gguf
 from compiled_engine.model.gguf import (
-    BLOCK,
     DENSE_TYPES,
-    Q4_0,
-    Q8_0,
     GGUFHeader,
-    GGUFTensor,
-    block_fields,
     check_no_overlaps,
     check_tensor,
     read_gguf_header,
@@ -38,6 +33,7 @@ from compiled_engine.model.layers import DecoderModel
 from compiled_engine.model.loader import rebuild_rotaries
 from compiled_engine.model.shard import NO_SHARD
 from compiled_engine.quantization.apply import install_embedding, install_linear
+from compiled_engine.quantization.gguf_blocks import decode_blocks
 from compiled_engine.quantization.weights import QuantizedWeight, concat_rows
 
 ROPE_FACTORS = (LONG_FACTORS, SHORT_FACTORS)
@@ -176,26 +172,14 @@ Weight = QuantizedWeight | torch.Tensor
 
 
 def _read(f: io.BufferedReader, header: GGUFHeader, part: _Part) -> Weight:
-    """One tensor from the file, on the CPU: a QuantizedWeight for Q8_0/Q4_0/Q4_1, else a dense
+    """One tensor from the file, on the CPU: a QuantizedWeight for a quantized type, else a dense
     tensor of the file's own dtype; llama's q/k rows put back in Hugging Face order."""
     info = header.tensors[part.name]
     raw = read_tensor(f, header, part.name)
-    weight = raw if info.type in DENSE_TYPES else _quantized(raw, info)
+    weight = raw if info.type in DENSE_TYPES else decode_blocks(raw, info.type)
     if part.offset:  # in fp32, before any narrower run dtype: Gemma's 1 + w back to w
         weight = _dense(weight, torch.float32) - part.offset
     return weight if part.rope_heads is None else _unpermute(weight, part.rope_heads)
-
-
-def _quantized(blocks: torch.Tensor, info: GGUFTensor) -> QuantizedWeight:
-    """GGUF's blocks as the engine's formats: Q8_0 is int8 in groups of 32; Q4_1 int4 in groups
-    of 32 with d and m the scale and offset; Q4_0 `d * (q - 8)`, that is offset `-8 d`."""
-    data, d, m = block_fields(blocks, info.type)
-    width = info.shape[1]
-    if info.type == Q8_0:
-        return QuantizedWeight("int8", data, d, None, BLOCK, width)
-    if info.type == Q4_0:
-        return QuantizedWeight("int4", data, d, -8 * d, BLOCK, width)
-    return QuantizedWeight("int4", data, d, m, BLOCK, width)  # Q4_1
 
 
 def _unpermute(weight: Weight, heads: int) -> Weight:
@@ -216,14 +200,12 @@ def _dense(weight: Weight, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _fuse(weights: list[Weight], dtype: torch.dtype, dequantize: bool) -> Weight:
-    """Parts stacked by rows: quantized when every part is of one format and group (with
-    `dequantize`, that stack dequantized: the same rows, one conversion), else dense."""
+    """Parts stacked by rows: quantized when every part is (in their common format, concat_rows;
+    with `dequantize`, that stack dequantized: the same rows, one conversion), else dense."""
     if all(isinstance(w, QuantizedWeight) for w in weights):
         quantized = cast(list[QuantizedWeight], weights)
-        first = quantized[0]
-        if all((w.format, w.group_size) == (first.format, first.group_size) for w in quantized):
-            stacked = first if len(quantized) == 1 else concat_rows(quantized)
-            return stacked.dequantize(dtype) if dequantize else stacked
+        stacked = quantized[0] if len(quantized) == 1 else concat_rows(quantized)
+        return stacked.dequantize(dtype) if dequantize else stacked
     dense = [_dense(w, dtype) for w in weights]
     return dense[0] if len(dense) == 1 else torch.cat(dense)
 
@@ -235,8 +217,8 @@ def load_gguf_model(
     device: torch.device,
     dequantize: bool = False,
 ) -> DecoderModel:
-    """Build the model on the meta device and fill it from a GGUF file: Q8_0, Q4_0 and Q4_1
-    tensors stay quantized (QuantizedLinear, and QuantizedEmbedding for the embedding, which a tied
+    """Build the model on the meta device and fill it from a GGUF file: quantized tensors stay
+    quantized (QuantizedLinear, and QuantizedEmbedding for the embedding, which a tied
     head shares), F32/F16/BF16 become dense parameters of `dtype`. With `dequantize`, every
     weight is dense, dequantized exactly as QuantizedWeight.dequantize() does. Names, shapes, types
     and offsets are all checked before any tensor is read."""

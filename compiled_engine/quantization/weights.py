@@ -3,8 +3,9 @@
 Two formats cover every scheme the engine runs, each with groups of `group_size` consecutive
 weights along a row (the input dimension) sharing fp32 constants:
 
-- **int8, symmetric**: `w = scale * q`, q int8. Per output channel is one group the width of the
-  row; GGUF's Q8_0 is groups of 32.
+- **int8**: `w = scale * q`, q int8, or with offsets `w = scale * q + offset`. Per output channel
+  is one group the width of the row; GGUF's Q8_0 is groups of 32, and the GGUF types of five or
+  six bits and the k-quants' groups of 16 are int8 too (quantization/gguf_blocks.py).
 - **int4, asymmetric**: `w = scale * q + offset`, q in 0..15. GGUF's Q4_1 is exactly this with
   groups of 32 (its fp16 d and m are the scale and the offset), and Q4_0 is `d * (q - 8)`, that is
   offset `-8 d`.
@@ -19,6 +20,7 @@ bytes are used as they are, and the group size of int4 is a multiple of 32.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +40,7 @@ class QuantizedWeight:
     """A quantized [out_features, in_features] matrix.
 
     int8: `data` int8 [out, in]; int4: `data` uint8 [out, in / 2], packed in blocks of 32.
-    `scales` (and for int4 `offsets`) fp32 [out, in / group_size].
+    `scales` and `offsets` (required for int4, optional for int8) fp32 [out, in / group_size].
     """
 
     format: str  # "int8" or "int4"
@@ -62,8 +64,6 @@ class QuantizedWeight:
         if self.format == "int8":
             if self.data.dtype != torch.int8 or tuple(self.data.shape) != (out, width):
                 return f"data must be int8 [{out}, {width}], got {self.data.dtype} {list(self.data.shape)}"
-            if self.offsets is not None:
-                return "int8 weights are symmetric: no offsets"
         else:
             if g % INT4_BLOCK != 0:
                 return f"int4 groups are whole blocks of {INT4_BLOCK} weights, not {g}"
@@ -131,26 +131,51 @@ class QuantizedWeight:
 
 
 def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
-    """Stack weights of one format, group size and width along the output rows (q, k and v into
-    one qkv weight; gate and up into gate_up)."""
+    """Stack weights of one width along the output rows (q, k and v into one qkv weight; gate and
+    up into gate_up). Weights of different formats or groups meet in a common one, exactly: int4
+    rows become int8 rows of the same values (when any part is int8), groups are split to the
+    largest that divides every part's (each constant repeated), and a part without offsets gets
+    zero ones when another has them. A GGUF file often quantizes q, k and v differently."""
     first = weights[0]
     for w in weights[1:]:
-        if (w.format, w.group_size, w.in_features) != (first.format, first.group_size, first.in_features):
+        if w.in_features != first.in_features:
             raise QuantizationError(
-                f"cannot stack a {w.format} weight (group {w.group_size}, width {w.in_features}) onto a "
-                f"{first.format} one (group {first.group_size}, width {first.in_features})"
+                f"cannot stack a weight of width {w.in_features} onto one of width {first.in_features}"
             )
+    fmt = "int8" if any(w.format == "int8" for w in weights) else "int4"
+    group = math.gcd(*(w.group_size for w in weights))
+    if (fmt == "int8" and group % 8) or (fmt == "int4" and group % INT4_BLOCK):
+        raise QuantizationError(
+            f"cannot stack {fmt} weights of groups {sorted({w.group_size for w in weights})}: no common group"
+        )
+    offsets_wanted = fmt == "int4" or any(w.offsets is not None for w in weights)
+    parts = [_as_form(w, fmt, group, offsets_wanted) for w in weights]
     offsets = None
-    if first.offsets is not None:
-        offsets = torch.cat([w.offsets for w in weights if w.offsets is not None])
+    if offsets_wanted:
+        offsets = torch.cat([w.offsets for w in parts if w.offsets is not None])
     return QuantizedWeight(
-        first.format,
-        torch.cat([w.data for w in weights]),
-        torch.cat([w.scales for w in weights]),
+        fmt,
+        torch.cat([w.data for w in parts]),
+        torch.cat([w.scales for w in parts]),
         offsets,
-        first.group_size,
+        group,
         first.in_features,
     )
+
+
+def _as_form(weight: QuantizedWeight, fmt: str, group: int, offsets: bool) -> QuantizedWeight:
+    """The same weight as `fmt` in groups of `group` (which divides its own), with offsets when
+    `offsets` (zero where it had none): every dequantized value unchanged."""
+    data, scales, offs = weight.data, weight.scales, weight.offsets
+    if weight.format != fmt:  # int4 -> int8: the same values 0..15
+        data = unpack_int4(data).to(torch.int8)
+    split = weight.group_size // group
+    if split > 1:
+        scales = scales.repeat_interleave(split, dim=1)
+        offs = None if offs is None else offs.repeat_interleave(split, dim=1)
+    if offsets and offs is None:
+        offs = torch.zeros_like(scales)
+    return QuantizedWeight(fmt, data, scales, offs, group, weight.in_features)
 
 
 def unpack_int4(data: torch.Tensor) -> torch.Tensor:

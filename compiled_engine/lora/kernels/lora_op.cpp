@@ -29,12 +29,13 @@ void int4_matmul_strips_f32(const float *x, int64_t rows, int64_t in, const uint
                             const float *offsets, int64_t out, int64_t group, const float *bias, float *y,
                             const float *sums, int64_t first, int64_t last);
 void int8_matmul_strips_f32(const float *x, int64_t rows, int64_t in, const int8_t *data, const float *scales,
-                            int64_t out, int64_t group, const float *bias, float *y, int64_t first, int64_t last);
+                            const float *offsets, int64_t out, int64_t group, const float *bias, float *y,
+                            const float *sums, int64_t first, int64_t last);
 int64_t quant_strips(int64_t out);
 int64_t quant_strip_rows(void);
 int int4_shape_status(int64_t rows, int64_t in, int64_t out, int64_t group);
 int int8_shape_status(int64_t rows, int64_t in, int64_t out, int64_t group);
-void int4_group_sums_f32(const float *x, int64_t rows, int64_t in, int64_t group, float *sums);
+void quant_group_sums_f32(const float *x, int64_t rows, int64_t in, int64_t group, float *sums);
 }
 
 namespace {
@@ -289,7 +290,7 @@ bool fused_few_tokens(const at::Tensor &x, const at::Tensor &data, const at::Ten
                       const std::optional<at::Tensor> &offsets, const std::optional<at::Tensor> &bias,
                       int64_t group_size, const float *a, const float *bt, int64_t slots, int64_t rank,
                       const std::vector<int64_t> &widths, const at::Tensor &token_slots, at::Tensor &y) {
-    const bool int4 = offsets.has_value();
+    const bool int4 = data.scalar_type() == at::kByte;
     const int64_t rows = x.size(0), in = x.size(1), out = data.size(0);
     if (int4 ? int4_shape_status(rows, in, out, group_size) : int8_shape_status(rows, in, out, group_size))
         return false;
@@ -300,13 +301,13 @@ bool fused_few_tokens(const at::Tensor &x, const at::Tensor &data, const at::Ten
     const int64_t pieces = static_cast<int64_t>(widths.size()), strips = quant_strips(out), strip = quant_strip_rows();
     const int threads = std::max(1, at::get_num_threads());
     const int64_t groups_in = in / group_size;
-    // scratch: int4 group sums, then per thread a partial output [rows, out] and hidden values
-    const int64_t sums_size = int4 ? rows * groups_in : 0, partial_size = groups.empty() ? 0 : rows * out;
+    // scratch: group sums (for offsets), then per thread a partial output [rows, out] and hidden values
+    const int64_t sums_size = offsets ? rows * groups_in : 0, partial_size = groups.empty() ? 0 : rows * out;
     const int64_t hidden_size = rows * pieces * rank;
     thread_local std::vector<float> scratch;
     scratch.resize(sums_size + threads * (partial_size + hidden_size));
     float *sums = scratch.data(), *per_thread = scratch.data() + sums_size;
-    if (int4) int4_group_sums_f32(x.data_ptr<float>(), rows, in, group_size, sums);
+    if (offsets) quant_group_sums_f32(x.data_ptr<float>(), rows, in, group_size, sums);
     const float *xp = x.data_ptr<float>(), *bias_ptr = bias ? bias->data_ptr<float>() : nullptr;
     float *yp = y.data_ptr<float>();
 #pragma omp parallel num_threads(threads)
@@ -317,8 +318,9 @@ bool fused_few_tokens(const at::Tensor &x, const at::Tensor &data, const at::Ten
             int4_matmul_strips_f32(xp, rows, in, data.data_ptr<uint8_t>(), scales.data_ptr<float>(),
                                    offsets->data_ptr<float>(), out, group_size, bias_ptr, yp, sums, s0, s1);
         else
-            int8_matmul_strips_f32(xp, rows, in, data.data_ptr<int8_t>(), scales.data_ptr<float>(), out, group_size,
-                                   bias_ptr, yp, s0, s1);
+            int8_matmul_strips_f32(xp, rows, in, data.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                                   offsets ? offsets->data_ptr<float>() : nullptr, out, group_size, bias_ptr, yp,
+                                   offsets ? sums : nullptr, s0, s1);
         if (!groups.empty()) {
             float *partial = per_thread + me * (partial_size + hidden_size), *hidden = partial + partial_size;
             for (const std::vector<int64_t> &tokens : group_tokens)
@@ -365,11 +367,12 @@ at::Tensor quantized_lora_linear_f32(const at::Tensor &x, const at::Tensor &data
     const std::vector<int64_t> piece_widths(widths.begin(), widths.end());
     int64_t width_sum = 0;
     for (const int64_t w : piece_widths) width_sum += w;
-    const bool int4 = offsets.has_value();
+    const bool int4 = data.scalar_type() == at::kByte;
     const auto plain_f32 = [](const at::Tensor &t) { return t.scalar_type() == at::kFloat && t.is_contiguous() && t.is_cpu(); };
     if (x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= std::min(max_kernel_rows, FEW_TOKENS) && plain_f32(x) &&
         x.size(1) == data.size(1) * (int4 ? 2 : 1) && data.is_contiguous() &&
-        data.scalar_type() == (int4 ? at::kByte : at::kChar) && plain_f32(scales) && (!int4 || plain_f32(*offsets)) &&
+        (int4 ? offsets.has_value() : data.scalar_type() == at::kChar) && plain_f32(scales) &&
+        (!offsets || plain_f32(*offsets)) &&
         (!bias || (plain_f32(*bias) && bias->numel() == out)) && plain_f32(a_store) && plain_f32(b_store) &&
         width_sum == out && token_slots.dim() == 1 && token_slots.scalar_type() == at::kLong &&
         token_slots.is_cpu() && token_slots.is_contiguous() && token_slots.size(0) >= x.size(0)) {

@@ -3,14 +3,15 @@
  *
  *   y[r, o] = sum_i x[r, i] * w[o, i] + bias[o]       x [rows, in], w [out, in], y [rows, out]
  *
- * int8:  w[o, i] = scale[o, g] * q[o, i]               q int8 [out, in]
+ * int8:  w[o, i] = scale[o, g] * q[o, i] (+ offset[o, g]) q int8 [out, in]; offsets optional
  * int4:  w[o, i] = scale[o, g] * q[o, i] + offset[o, g] q 0..15, two to a byte, blocks of 32:
  *        byte j of a block holds weight j (low nibble) and weight j + 16 (high nibble)
  * with g = i / group. Scales and offsets are fp32 [out, in / group].
  *
  * Each weight is read once, whatever the number of rows: a group's dot products with the
- * integer weights are summed in fp32 and scaled once, sum_g scale_g (x_g . q_g), and the int4
- * offsets add offset_g * sum(x_g) from sums of x taken once per call. Accumulation is fp32
+ * integer weights are summed in fp32 and scaled once, sum_g scale_g (x_g . q_g), and the
+ * offsets (int4's, and int8's when it has them) add offset_g * sum(x_g) from sums of x taken once
+ * per call. Accumulation is fp32
  * throughout. Output rows are split across threads (OpenMP); rows of x are taken four at a time
  * so that a block of weights, converted to floats once, serves four rows.
  *
@@ -125,7 +126,7 @@ INLINE void int4_row(const float *xs, int64_t n, int64_t in, const uint8_t *q, c
 }
 
 INLINE void int8_row(const float *xs, int64_t n, int64_t in, const int8_t *q, const float *scale,
-                            int64_t group, int64_t groups, float *out) {
+                     const float *offset, int64_t group, const float *sums, int64_t groups, float *out) {
     vec total[TILE];
     for (int64_t r = 0; r < n; r++) total[r] = splat(0.0f);
     for (int64_t g = 0; g < groups; g++) {
@@ -146,7 +147,8 @@ INLINE void int8_row(const float *xs, int64_t n, int64_t in, const int8_t *q, co
         vec s = splat(scale[g]);
         for (int64_t r = 0; r < n; r++) total[r] += s * acc[r];
     }
-    for (int64_t r = 0; r < n; r++) out[r] = hsum(total[r]);
+    for (int64_t r = 0; r < n; r++)
+        out[r] = hsum(total[r]) + (offset ? dot(offset, sums + r * groups, groups) : 0.0f);
 }
 
 /* Output rows [first * STRIP, last * STRIP) of the int4 product (whole strips; the last may be
@@ -188,9 +190,11 @@ void int4_matmul_strips_f32(const float *x, int64_t rows, int64_t in, const uint
     }
 }
 
-/* The int8 product's strips [first, last), as int4_matmul_strips_f32. */
+/* The int8 product's strips [first, last), as int4_matmul_strips_f32; `offsets` (and then
+ * `sums`) may be NULL. */
 void int8_matmul_strips_f32(const float *x, int64_t rows, int64_t in, const int8_t *data, const float *scales,
-                            int64_t out, int64_t group, const float *bias, float *y, int64_t first, int64_t last) {
+                            const float *offsets, int64_t out, int64_t group, const float *bias, float *y,
+                            const float *sums, int64_t first, int64_t last) {
     int64_t groups = in / group;
     for (int64_t s = first; s < last; s++) {
         float part[TILE];
@@ -198,21 +202,22 @@ void int8_matmul_strips_f32(const float *x, int64_t rows, int64_t in, const int8
         for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
             int64_t n = rows - r0 < TILE ? rows - r0 : TILE;
             for (int64_t o = s * STRIP; o < end; o++) {
-                const float *xs = x + r0 * in, *sc = scales + o * groups;
+                const float *xs = x + r0 * in, *sc = scales + o * groups,
+                            *of = offsets ? offsets + o * groups : NULL, *su = sums ? sums + r0 * groups : NULL;
                 const int8_t *q = data + o * in;
                 if (group == 32) {
                     switch (n) {
-                    case 1: int8_row(xs, 1, in, q, sc, 32, groups, part); break;
-                    case 2: int8_row(xs, 2, in, q, sc, 32, groups, part); break;
-                    case 3: int8_row(xs, 3, in, q, sc, 32, groups, part); break;
-                    default: int8_row(xs, 4, in, q, sc, 32, groups, part); break;
+                    case 1: int8_row(xs, 1, in, q, sc, of, 32, su, groups, part); break;
+                    case 2: int8_row(xs, 2, in, q, sc, of, 32, su, groups, part); break;
+                    case 3: int8_row(xs, 3, in, q, sc, of, 32, su, groups, part); break;
+                    default: int8_row(xs, 4, in, q, sc, of, 32, su, groups, part); break;
                     }
                 } else {
                     switch (n) {
-                    case 1: int8_row(xs, 1, in, q, sc, group, groups, part); break;
-                    case 2: int8_row(xs, 2, in, q, sc, group, groups, part); break;
-                    case 3: int8_row(xs, 3, in, q, sc, group, groups, part); break;
-                    default: int8_row(xs, 4, in, q, sc, group, groups, part); break;
+                    case 1: int8_row(xs, 1, in, q, sc, of, group, su, groups, part); break;
+                    case 2: int8_row(xs, 2, in, q, sc, of, group, su, groups, part); break;
+                    case 3: int8_row(xs, 3, in, q, sc, of, group, su, groups, part); break;
+                    default: int8_row(xs, 4, in, q, sc, of, group, su, groups, part); break;
                     }
                 }
                 for (int64_t r = 0; r < n; r++) y[(r0 + r) * out + o] = part[r] + (bias ? bias[o] : 0.0f);
@@ -234,8 +239,8 @@ int int8_shape_status(int64_t rows, int64_t in, int64_t out, int64_t group) {
     return rows < 1 || out < 1 || group < LANES || group % LANES != 0 || in % group != 0;
 }
 
-/* sums [rows, in / group] for int4_matmul_strips_f32. */
-void int4_group_sums_f32(const float *x, int64_t rows, int64_t in, int64_t group, float *sums) {
+/* sums [rows, in / group] for the strips of a product with offsets. */
+void quant_group_sums_f32(const float *x, int64_t rows, int64_t in, int64_t group, float *sums) {
     group_sums(x, rows, in, group, sums);
 }
 
@@ -254,12 +259,20 @@ int int4_matmul_f32(const float *x, int64_t rows, int64_t in, const uint8_t *dat
     return 0;
 }
 
-int int8_matmul_f32(const float *x, int64_t rows, int64_t in, const int8_t *data, const float *scales, int64_t out,
-                    int64_t group, const float *bias, float *y, int threads) {
+int int8_matmul_f32(const float *x, int64_t rows, int64_t in, const int8_t *data, const float *scales,
+                    const float *offsets, int64_t out, int64_t group, const float *bias, float *y, int threads) {
     if (int8_shape_status(rows, in, out, group)) return 1;
+    float *sums = NULL;
+    if (offsets) {
+        sums = malloc(sizeof(float) * rows * (in / group));
+        if (!sums) return 2;
+        group_sums(x, rows, in, group, sums);
+    }
     int64_t strips = quant_strips(out);
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t s = 0; s < strips; s++) int8_matmul_strips_f32(x, rows, in, data, scales, out, group, bias, y, s, s + 1);
+    for (int64_t s = 0; s < strips; s++)
+        int8_matmul_strips_f32(x, rows, in, data, scales, offsets, out, group, bias, y, sums, s, s + 1);
+    free(sums);
     return 0;
 }
 
@@ -284,17 +297,24 @@ __attribute__((optimize("fp-contract=off"))) int int4_dequantize_f32(const uint8
     return 0;
 }
 
-/* w [out, in] fp32 from int8 weights. */
-int int8_dequantize_f32(const int8_t *data, const float *scales, int64_t out, int64_t in, int64_t group, float *w,
-                        int threads) {
+/* w [out, in] fp32 from int8 weights: scale * q, rounded, plus the offset (if any), rounded. */
+__attribute__((optimize("fp-contract=off"))) int int8_dequantize_f32(const int8_t *data, const float *scales,
+                                                                     const float *offsets, int64_t out, int64_t in,
+                                                                     int64_t group, float *w, int threads) {
     if (out < 1 || group < LANES || group % LANES != 0 || in % group != 0) return 1;
     int64_t groups = in / group;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t o = 0; o < out; o++) {
         for (int64_t g = 0; g < groups; g++) {
             vec s = splat(scales[o * groups + g]);
-            for (int64_t i = g * group; i < (g + 1) * group; i += LANES)
-                store(w + o * in + i, s * int8s(data + o * in + i));
+            if (offsets) {
+                vec m = splat(offsets[o * groups + g]);
+                for (int64_t i = g * group; i < (g + 1) * group; i += LANES)
+                    store(w + o * in + i, s * int8s(data + o * in + i) + m);
+            } else {
+                for (int64_t i = g * group; i < (g + 1) * group; i += LANES)
+                    store(w + o * in + i, s * int8s(data + o * in + i));
+            }
         }
     }
     return 0;
