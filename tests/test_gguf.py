@@ -695,7 +695,7 @@ def test_wrong_offsets(good: Path, offset: int, match: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("qtype", "name"), [(QT.Q5_0, "blk.1.ffn_up.weight"), (QT.F64, "blk.0.attn_norm.weight")], ids=["Q5_0", "F64"]
+    ("qtype", "name"), [(QT.MXFP4, "blk.1.ffn_up.weight"), (QT.F64, "blk.0.attn_norm.weight")], ids=["MXFP4", "F64"]
 )
 def test_unsupported_tensor_type(tmp_path: Path, qtype: QT, name: str) -> None:
     if qtype == QT.F64:

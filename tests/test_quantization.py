@@ -120,8 +120,11 @@ def test_rows_narrow_and_concat_agree_with_the_dense_matrix() -> None:
     assert torch.equal(both.narrow_rows(8, 4).dequantize(), b.dequantize())
     index = torch.tensor([[3, 9], [0, 0]])
     assert torch.equal(both.rows(index), both.dequantize()[index])
-    with pytest.raises(QuantizationError, match="cannot stack"):
-        concat_rows([a, _weight(4, 64, "int8", 32)])
+    mixed = concat_rows([a, _weight(4, 64, "int8", 32, seed=3)])  # int4 rows join as int8, exactly
+    assert mixed.format == "int8"
+    assert torch.equal(mixed.narrow_rows(0, 8).dequantize(), a.dequantize())
+    with pytest.raises(QuantizationError, match="cannot stack a weight of width 32"):
+        concat_rows([a, _weight(4, 32, "int4", 32)])
 
 
 # ---------------------------------------------------------------------------------------------
