@@ -29,8 +29,16 @@ class ReferenceOracle:
                 "the reference oracle needs transformers: pip install 'compiled_engine[convert]'"
             ) from exc
         self.model_dir = Path(model_dir)
+        # A directory prepared from a GGUF alone (model.gguf, no dense weights): transformers
+        # dequantizes the file itself (through gguf-py), under the directory's config.
+        source: dict[str, Any] = {}
+        dense = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+        if (self.model_dir / "model.gguf").is_file() and not any((self.model_dir / n).is_file() for n in dense):
+            from transformers import AutoConfig
+
+            source = {"gguf_file": "model.gguf", "config": AutoConfig.from_pretrained(self.model_dir)}
         self.model = AutoModelForCausalLM.from_pretrained(
-            self.model_dir, dtype=torch.float32, attn_implementation="eager"
+            self.model_dir, dtype=torch.float32, attn_implementation="eager", **source
         ).eval()
         self.tokenizer: Any = None
         if (self.model_dir / "tokenizer.json").is_file():

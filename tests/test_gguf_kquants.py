@@ -300,3 +300,19 @@ def test_a_truncated_tensor_is_refused_before_any_is_read(q4_k_m: Path, private_
         f.truncate(last.offset + 10)
     with pytest.raises(ModelLoadError, match=rf"tensor '{last.name}' .* past the end of the file"):
         load(q4_k_m)
+
+
+def test_verify_matches_the_oracle_on_a_q4_k_m_file_alone(tmp_path: Path, private_cache: Path, capsys: Any) -> None:
+    """`verify --model file.gguf` on a k-quant file with nothing beside it: the oracle loads the
+    prepared directory's GGUF through transformers (gguf-py's dequantization) and the engine,
+    which keeps the file quantized, gives its greedy ids."""
+    from compiled_engine.verify import verify
+
+    alone = tmp_path / "alone" / "tiny-Q4_K_M.gguf"
+    alone.parent.mkdir()
+    shutil.copyfile(whole_file("Q4_K_M"), alone)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the quick brown fox\nhello world, hello tests\n")
+    config = EngineConfig(model=str(alone), page_size=4, num_pages=64, enforce_eager=True)
+    assert verify(config, prompts, chat=False, max_tokens=8) == 0
+    assert "MATCH: 2 prompts" in capsys.readouterr().out
