@@ -316,3 +316,42 @@ def test_verify_matches_the_oracle_on_a_q4_k_m_file_alone(tmp_path: Path, privat
     config = EngineConfig(model=str(alone), page_size=4, num_pages=64, enforce_eager=True)
     assert verify(config, prompts, chat=False, max_tokens=8) == 0
     assert "MATCH: 2 prompts" in capsys.readouterr().out
+
+
+def test_bench_perplexity_takes_gguf_files_side_by_side_with_transformers_on_each(
+    tmp_path: Path, private_cache: Path
+) -> None:
+    """`bench perplexity --formats a.gguf,b.gguf --baseline hf`: each file run kept quantized,
+    scored on the same windows as transformers on that file's dequantization."""
+    import json
+
+    from compiled_engine.bench import __main__ as bench
+
+    out = tmp_path / "perplexity.json"
+    files = [str(whole_file(t)) for t in ("Q4_K_M", "Q2_K")]
+    argv = [
+        "perplexity", "--model", files[0], "--formats", ",".join(files), "--baseline", "hf", "--enforce-eager",
+        "--kv-cache-memory-gib", "0.05", "--max-tokens", "120", "--window", "48", "--stride", "24", "--json", str(out),
+    ]  # fmt: skip
+    assert bench.main(argv) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [row["format"] for row in rows] == files
+    for row in rows:
+        assert row["weights"].startswith("GGUF")
+        assert row["baseline_perplexity"] == pytest.approx(row["perplexity"], rel=1e-5), row["format"]
+    assert rows[0]["perplexity"] != pytest.approx(rows[1]["perplexity"], rel=1e-3)  # two files, two models' worth
+
+
+def test_bench_perplexity_refuses_a_missing_file_and_another_models_file(
+    capsys: pytest.CaptureFixture[str], private_cache: Path
+) -> None:
+    from compiled_engine.bench import __main__ as bench
+
+    with pytest.raises(SystemExit):
+        bench._parser().parse_args(["perplexity", "--formats", "none,missing.gguf"])
+    assert "no such GGUF file: missing.gguf" in capsys.readouterr().err
+    other = Path(__file__).parent / "fixtures" / "gguf" / "qwen2" / "model-q8_0.gguf"
+    argv = ["perplexity", "--model", str(whole_file("Q6_K")), "--formats", f"gguf,{other}", "--enforce-eager"]
+    argv += ["--kv-cache-memory-gib", "0.05", "--max-tokens", "60", "--window", "32", "--stride", "32"]
+    assert bench.main(argv) == 2
+    assert "tokenizes the text differently" in capsys.readouterr().err

@@ -16,13 +16,28 @@ class BaselineUnavailable(Exception):
     pass
 
 
-def load_hf(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Any:
+DENSE_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
+def load_hf(model_dir: Path, dtype: torch.dtype, device: torch.device, gguf: str | None = None) -> Any:
+    """transformers' model of `model_dir`: its dense weights, or with `gguf` (a file name in the
+    directory) that GGUF as transformers dequantizes it (through gguf-py), under the directory's
+    config. A directory prepared from a GGUF alone has no dense weights: its `model.gguf` then."""
     try:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as exc:
         raise BaselineUnavailable("transformers is not installed (pip install 'compiled_engine[convert]')") from exc
+    if (
+        gguf is None
+        and (model_dir / "model.gguf").is_file()
+        and not any((model_dir / n).is_file() for n in DENSE_FILES)
+    ):
+        gguf = "model.gguf"
     try:
-        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        source: dict[str, Any] = {}
+        if gguf is not None:
+            source = {"gguf_file": gguf, "config": AutoConfig.from_pretrained(model_dir)}
+        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **source)
         return model.to(device).eval()
     except Exception as exc:  # any load failure: report it and let our figures stand alone
         raise BaselineUnavailable(f"transformers could not load {model_dir}: {exc}") from exc

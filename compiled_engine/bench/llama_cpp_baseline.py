@@ -18,8 +18,9 @@ import torch
 from compiled_engine.bench.hf_baseline import BaselineUnavailable
 
 
-def load_llama_cpp(gguf: Path | None, context: int) -> Any:
-    """A llama.cpp context on `gguf` holding `context` tokens, on torch's thread count."""
+def load_llama_cpp(gguf: Path | None, context: int, logits_all: bool = False) -> Any:
+    """A llama.cpp context on `gguf` holding `context` tokens, on torch's thread count; with
+    `logits_all`, keeping the logits of every token it evaluates (`scores`)."""
     if gguf is None:
         raise BaselineUnavailable("the llama-cpp baseline needs a GGUF model (the default model, or --model file.gguf)")
     try:
@@ -36,6 +37,7 @@ def load_llama_cpp(gguf: Path | None, context: int) -> Any:
         n_batch=512,
         n_threads=threads,
         n_threads_batch=threads,
+        logits_all=logits_all,
         verbose=False,
     )
 

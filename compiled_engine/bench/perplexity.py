@@ -6,7 +6,13 @@ as context. With stride < window every token but the text's first is scored once
 window a window's first token has no context and is not scored. Each window runs through the
 engine's own runner as the prefill of a fresh sequence on pages of the engine's pool, freed after it.
 
+A format is a weight format of the model (`none`, `int8`, `int4`, `gguf`: its own GGUF's tensors)
+or a GGUF file of the same model (a path ending in .gguf: each quantization llama.cpp makes, side
+by side). `--baseline hf` scores the same windows with transformers on the same weights (a GGUF as
+transformers dequantizes it), `--baseline llama-cpp` with llama.cpp on the same GGUF.
+
 python -m compiled_engine.bench perplexity --formats none,int8,int4,gguf --window 1024 --stride 512
+python -m compiled_engine.bench perplexity --formats m-Q4_K_M.gguf,m-Q6_K.gguf --baseline hf --max-tokens 4096
 """
 
 from __future__ import annotations
@@ -25,9 +31,12 @@ from rich.console import Console
 from rich.table import Table
 
 from compiled_engine.bench.environment import environment
+from compiled_engine.bench.hf_baseline import BaselineUnavailable, load_hf
+from compiled_engine.bench.llama_cpp_baseline import load_llama_cpp
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.step_inputs import StepInputs
 from compiled_engine.engine_options import add_engine_options, engine_config_from_args
+from compiled_engine.model.gguf import gguf_file
 from compiled_engine.model.source import resolve_model_dir
 from compiled_engine.tokenizer import Tokenizer
 
@@ -120,9 +129,14 @@ def perplexity(engine: LLMEngine, token_ids: list[int], window: int, stride: int
 
 def _formats(value: str) -> list[str]:
     names = [name.strip() for name in value.split(",") if name.strip()]
-    unknown = [name for name in names if name not in FORMATS]
+    unknown = [name for name in names if name not in FORMATS and not name.endswith(".gguf")]
     if unknown or not names:
-        raise argparse.ArgumentTypeError(f"formats are a comma-separated list of {', '.join(FORMATS)}; got {value!r}")
+        raise argparse.ArgumentTypeError(
+            f"formats are a comma-separated list of {', '.join(FORMATS)} or .gguf files; got {value!r}"
+        )
+    missing = [name for name in names if name.endswith(".gguf") and not Path(name).is_file()]
+    if missing:
+        raise argparse.ArgumentTypeError(f"no such GGUF file: {', '.join(missing)}")
     if len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(f"a format is listed twice in {value!r}")
     return names
@@ -140,7 +154,14 @@ def add_perplexity_command(commands: Any) -> argparse.ArgumentParser:
         type=_formats,
         default=list(FORMATS),
         help=f"comma-separated weight formats, the first the reference (default: {','.join(FORMATS)}; "
-        "none = dense weights, gguf = the checkpoint's own)",
+        "none = dense weights, gguf = the checkpoint's own, path.gguf = that GGUF file of the same model)",
+    )
+    sub.add_argument(
+        "--baseline",
+        choices=["none", "hf", "llama-cpp"],
+        default="none",
+        help="score the same windows with transformers on the same weights (hf: dense ones, or a GGUF as "
+        "transformers dequantizes it) or with llama.cpp on the same GGUF (llama-cpp)",
     )
     sub.add_argument("--window", type=int, default=1024, metavar="N", help="tokens per window (default: 1024)")
     sub.add_argument("--stride", type=int, default=512, metavar="N", help="tokens between window starts (default: 512)")
@@ -167,6 +188,60 @@ def _free(engine: LLMEngine) -> None:
         torch.cuda.empty_cache()
 
 
+@torch.inference_mode()
+def hf_perplexity(model: Any, token_ids: list[int], window: int, stride: int) -> PerplexityResult:
+    """`perplexity` of transformers' model over the same windows: each window one forward."""
+    nll, scored = 0.0, 0
+    spans = windows(len(token_ids), window, stride)
+    for begin, first, end in spans:
+        logits = model(torch.tensor([token_ids[begin:end]])).logits[0].float()
+        nll += _scored_nll(logits, token_ids[begin:end], first - begin)
+        scored += end - first
+    return PerplexityResult(tokens_scored=scored, windows=len(spans), mean_nll=nll / scored)
+
+
+def llama_cpp_perplexity(gguf: Path, token_ids: list[int], window: int, stride: int) -> PerplexityResult:
+    """`perplexity` of llama.cpp on `gguf` over the same windows, from its logits of every token."""
+    llm = load_llama_cpp(gguf, window, logits_all=True)
+    nll, scored = 0.0, 0
+    spans = windows(len(token_ids), window, stride)
+    for begin, first, end in spans:
+        llm.reset()
+        llm.eval(token_ids[begin:end])
+        logits = torch.from_numpy(llm.scores[: end - begin].copy()).float()
+        nll += _scored_nll(logits, token_ids[begin:end], first - begin)
+        scored += end - first
+    return PerplexityResult(tokens_scored=scored, windows=len(spans), mean_nll=nll / scored)
+
+
+def _scored_nll(logits: torch.Tensor, ids: list[int], first_scored: int) -> float:
+    """Summed NLL of ids[first_scored:] from `logits` [len(ids), vocab] (row i predicts ids[i + 1])."""
+    logprobs = torch.log_softmax(logits[first_scored - 1 : len(ids) - 1].double(), dim=-1)
+    targets = torch.tensor(ids[first_scored:], dtype=torch.int64)
+    return float(-logprobs.gather(1, targets[:, None]).sum())
+
+
+def _baseline_perplexity(
+    args: argparse.Namespace, model_dir: Path, quantization: str | None, token_ids: list[int]
+) -> tuple[float | None, str | None]:
+    """The baseline's perplexity on the weights this format runs, or (None, why not)."""
+    if args.baseline == "none":
+        return None, None
+    gguf = gguf_file(model_dir)
+    try:
+        if quantization in ("int8", "int4"):
+            raise BaselineUnavailable(f"{args.baseline} has no {quantization} format of its own")
+        if args.baseline == "hf":
+            on_gguf = quantization is None and gguf is not None
+            model = load_hf(model_dir, torch.float32, torch.device("cpu"), gguf.name if gguf and on_gguf else None)
+            return hf_perplexity(model, token_ids, args.window, args.stride).perplexity, None
+        if quantization is not None or gguf is None:
+            raise BaselineUnavailable("llama.cpp runs GGUF files only")
+        return llama_cpp_perplexity(gguf, token_ids, args.window, args.stride).perplexity, None
+    except BaselineUnavailable as exc:
+        return None, str(exc)
+
+
 def bench_perplexity(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     check_window(args.window, args.stride)
     if args.max_tokens is not None and args.max_tokens < 2:
@@ -179,9 +254,14 @@ def bench_perplexity(args: argparse.Namespace, console: Console) -> dict[str, An
     rows: list[dict[str, Any]] = []
     env: dict[str, Any] = {}
     for name in args.formats:
-        quantization = FORMATS[name]
+        quantization = FORMATS.get(name)  # None for a GGUF file: its own tensors
         group_size = args.perplexity_group_size if quantization in ("int8", "int4") else None
-        engine = LLMEngine(engine_config_from_args(args, quantization=quantization, quantization_group_size=group_size))
+        model = {"model": name} if name.endswith(".gguf") else {}
+        config = engine_config_from_args(args, quantization=quantization, quantization_group_size=group_size, **model)
+        engine = LLMEngine(config)
+        if model and Tokenizer(engine.model_dir).encode(text.decode("utf-8"))[: len(token_ids)] != token_ids:
+            _free(engine)
+            raise ValueError(f"{name} tokenizes the text differently from {args.model or 'the model'}: another model")
         try:
             started = time.perf_counter()
             result = perplexity(engine, token_ids, args.window, args.stride)
@@ -189,8 +269,10 @@ def bench_perplexity(args: argparse.Namespace, console: Console) -> dict[str, An
             if not env:
                 env = environment(engine.runner.device, engine.runner.dtype, engine.model_dir)
             weights = getattr(engine.runner, "weights_description", None)
+            format_dir = engine.model_dir
         finally:
             _free(engine)
+        baseline, why_not = _baseline_perplexity(args, format_dir, quantization, token_ids)
         rows.append(
             {
                 "format": name,
@@ -201,11 +283,16 @@ def bench_perplexity(args: argparse.Namespace, console: Console) -> dict[str, An
                 "mean_nll": result.mean_nll,
                 "perplexity": result.perplexity,
                 "seconds": seconds,
+                "baseline_perplexity": baseline,
+                "baseline_error": why_not,
             }
         )
+        against = "" if baseline is None else f"; {args.baseline} {baseline:.4f} ({result.perplexity / baseline:.5f}x)"
         console.print(
-            f"{name}: perplexity {result.perplexity:.4f} over {result.tokens_scored} tokens ({seconds:.1f} s)"
+            f"{name}: perplexity {result.perplexity:.4f} over {result.tokens_scored} tokens ({seconds:.1f} s){against}"
         )
+        if why_not is not None:
+            console.print(f"[yellow]{name}: baseline {args.baseline} did not run: {why_not}[/yellow]")
     reference = rows[0]["perplexity"]
     for row in rows:
         row["ratio"] = row["perplexity"] / reference
@@ -214,13 +301,19 @@ def bench_perplexity(args: argparse.Namespace, console: Console) -> dict[str, An
         title=f"perplexity: {TEXT_PATH.name}, {len(token_ids)} tokens, window {args.window}, stride {args.stride} "
         f"({env.get('device')}, {env.get('dtype')})"
     )
-    for column in ("format", "tokens scored", "perplexity", f"/ {rows[0]['format']}", f"within {TOLERANCE:.0%}"):
+    columns = ["format", "tokens scored", "perplexity", f"/ {rows[0]['format']}", f"within {TOLERANCE:.0%}"]
+    if args.baseline != "none":
+        columns += [args.baseline, f"ours / {args.baseline}"]
+    for column in columns:
         table.add_column(column)
     for i, row in enumerate(rows):
         verdict = "reference" if i == 0 else ("yes" if row["within_tolerance"] else "NO")
-        table.add_row(
-            row["format"], str(row["tokens_scored"]), f"{row['perplexity']:.4f}", f"{row['ratio']:.4f}", verdict
-        )
+        cells = [Path(row["format"]).name, str(row["tokens_scored"]), f"{row['perplexity']:.4f}", f"{row['ratio']:.4f}"]
+        cells.append(verdict)
+        if args.baseline != "none":
+            theirs = row["baseline_perplexity"]
+            cells += ["-", "-"] if theirs is None else [f"{theirs:.4f}", f"{row['perplexity'] / theirs:.5f}"]
+        table.add_row(*cells)
     console.print(table)
     return {
         "benchmark": "perplexity",
@@ -232,6 +325,7 @@ def bench_perplexity(args: argparse.Namespace, console: Console) -> dict[str, An
             "stride": args.stride,
             "max_tokens": args.max_tokens,
             "formats": args.formats,
+            "baseline": args.baseline,
             "tolerance": TOLERANCE,
         },
         "results": rows,

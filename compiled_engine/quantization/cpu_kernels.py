@@ -82,7 +82,7 @@ class QuantKernels:
         offsets_ptr = None if offsets is None else offsets.data_ptr()
         if int4:
             status = self.int4_matmul(
-                x.data_ptr(), rows, in_features, data.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
+                x.data_ptr(), rows, in_features, data.data_ptr(), scales.data_ptr(), offsets_ptr,
                 out_features, group_size, bias_ptr, y.data_ptr(), threads,
             )  # fmt: skip
         else:
