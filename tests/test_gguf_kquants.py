@@ -355,3 +355,26 @@ def test_bench_perplexity_refuses_a_missing_file_and_another_models_file(
     argv += ["--kv-cache-memory-gib", "0.05", "--max-tokens", "60", "--window", "32", "--stride", "32"]
     assert bench.main(argv) == 2
     assert "tokenizes the text differently" in capsys.readouterr().err
+
+
+def test_a_rank_keeps_whole_groups_of_columns_or_is_refused(private_cache: Path) -> None:
+    """Row-parallel slices are whole groups: four ranks would split o_proj's 64 input columns into
+    16, half a Q5_0 group, which is refused naming the tensor; two ranks' slices dequantize to
+    the columns of the whole weight."""
+    from compiled_engine.model.shard import TPShard
+    from compiled_engine.quantization.weights import QuantizationError
+
+    weight = fixture_weight(QT.Q4_K)
+    assert torch.equal(weight.narrow_cols(128, 128).dequantize(), weight.dequantize()[:, 128:])
+    with pytest.raises(QuantizationError, match="not whole groups of 32"):
+        weight.narrow_cols(16, 32)
+    path = whole_file("Q4_K_M")
+    config = ModelConfig.from_model_dir(prepare_gguf_dir(path))
+    whole = load_gguf_model(path, config, torch.float32, CPU)
+    half = load_gguf_model(path, config, torch.float32, CPU, shard=TPShard(1, 2))
+    down = whole.get_submodule("layers.0.mlp.down_proj").weight.dequantize()
+    assert torch.equal(half.get_submodule("layers.0.mlp.down_proj").weight.dequantize(), down[:, 128:])
+    with pytest.raises(
+        ModelLoadError, match=r"'blk\.0\.attn_output\.weight' .* columns 16\.\.32 split its groups of 32"
+    ):
+        load_gguf_model(path, config, torch.float32, CPU, shard=TPShard(1, 4))

@@ -166,18 +166,32 @@ def test_speculative_decoding_under_tp_keeps_the_single_process_greedy_ids(
 
 
 def test_default_model_tp3_matches_tp1(default_model_dir: Path) -> None:
-    """The default model has 9 query and 3 KV heads, so it splits 3 ways (not 2). Tensor
-    parallelism runs its dense weights (its GGUF's quantized tensors do not shard yet), so the
-    single process here runs them too."""
+    """The default model has 9 query and 3 KV heads, so it splits 3 ways (not 2). Each rank keeps
+    its slices of the GGUF's quantized tensors (Q4_1 rows and whole groups of columns, Q8_0)."""
     from compiled_engine.prompts import DEFAULT_PROMPTS
     from compiled_engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(default_model_dir)
     prompts = [tokenizer.encode_prompt(p.text, p.chat) for p in DEFAULT_PROMPTS[:2]]
-    base = EngineConfig(kv_cache_memory_gib=0.05, enforce_eager=True, quantization="none")
+    base = EngineConfig(kv_cache_memory_gib=0.05, enforce_eager=True)
     _assert_same(
         _in_child(EngineConfig(**{**_fields(base), "tensor_parallel_size": 3}), prompts, 8), _generate(base, prompts, 8)
     )
+
+
+KQUANTS = Path(__file__).parent / "fixtures" / "gguf_kquants" / "model"
+
+
+@pytest.mark.parametrize(("file_type", "eager"), [("Q4_K_M", True), ("Q6_K", False)])
+def test_a_k_quant_gguf_shards_its_quantized_products(file_type: str, eager: bool) -> None:
+    """A llama.cpp Q4_K_M / Q6_K file (Q5_0, Q8_0, Q4_K and Q6_K products) at TP = 2: every rank
+    runs its slices kept quantized (the row-parallel ones summed by a functional all-reduce,
+    traced whole when compiled), with one process's greedy ids and logprobs."""
+    model = str(KQUANTS / f"model-{file_type}.gguf")
+    prompts = [[5, 17, 42, 90, 7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [60, 61]]
+    base = EngineConfig(model=model, kv_cache_memory_gib=0.01, enforce_eager=eager, max_num_batched_tokens=8)
+    single = _generate(base, prompts, 6)
+    _assert_same(_in_child(EngineConfig(**{**_fields(base), "tensor_parallel_size": 2}), prompts, 6), single)
 
 
 def _fields(config: EngineConfig) -> dict[str, Any]:

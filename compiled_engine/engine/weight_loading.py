@@ -2,7 +2,8 @@
 quantization options.
 
 - A model directory with a GGUF (`model.gguf`: the default model, or a user's `.gguf` prepared by
-  model/gguf_dir.py) runs the GGUF's own quantized tensors unless `quantization` says otherwise;
+  model/gguf_dir.py) runs the GGUF's own quantized tensors (under tensor parallelism, each rank
+  its slices of them) unless `quantization` says otherwise;
   with "none" it runs dense weights (its safetensors if the directory has them, else the GGUF
   dequantized); with int8/int4, dense weights quantized at load.
 - A safetensors checkpoint is dense unless `quantization` is int8 or int4.
@@ -61,17 +62,11 @@ def load_weights(
             quantization,
             device.type,
         )
-    if shard.size > 1 and gguf is not None:
-        if not has_dense:
-            raise ValueError("a GGUF model does not run with tensor parallelism yet: pass --tensor-parallel-size 1")
-        if quantization is None:
-            logger.warning("tensor parallelism runs the dense weights: the GGUF's quantized tensors do not shard yet")
-            quantization = "none"
     if gguf is not None and quantization is None:
-        model = load_gguf_model(gguf, model_config, dtype, device)
+        model = load_gguf_model(gguf, model_config, dtype, device, shard=shard)
         return LoadedWeights(model, f"GGUF {gguf.name}, its quantized tensors as they are")
     if gguf is not None and not has_dense:
-        model = load_gguf_model(gguf, model_config, dtype, device, dequantize=True)
+        model = load_gguf_model(gguf, model_config, dtype, device, dequantize=True, shard=shard)
         source = f"GGUF {gguf.name} dequantized to {str(dtype).removeprefix('torch.')}"
     else:
         model = load_model(model_dir, model_config, dtype, device, shard)

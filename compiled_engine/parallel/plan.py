@@ -9,6 +9,11 @@ simpler and no slower on CPU than a vocab-parallel one plus an all-gather.
 Weights arrive already sliced (each rank reads only its part of the checkpoint), so the styles
 wrap local tensors with `DTensor.from_local` instead of scattering full ones. Our `Linear`
 stores [out, in]: column-parallel is Shard(0), row-parallel Shard(1).
+
+A GGUF's quantized products (`QuantizedLinear`, which DTensor does not know) arrive sliced too
+(quantization/gguf.py): column-parallel they need nothing (replicated input, local features
+out), row-parallel they run on the local input and are wrapped in `AllReduced`, which sums the
+ranks' partial outputs with a functional collective (traced whole under torch.compile).
 """
 
 from __future__ import annotations
@@ -16,12 +21,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from compiled_engine.model.layers import DecoderModel, Linear
+from compiled_engine.products.walk import replace
+from compiled_engine.quantization.modules import QuantizedLinear
 
 
 def _wrap_local(module: nn.Module, mesh: DeviceMesh, weight: Shard | Replicate, bias: Shard | Replicate) -> None:
@@ -73,16 +81,41 @@ class RowwiseLinear(ParallelStyle):
         return distribute_module(module, device_mesh, partition, prepare_input, prepare_output)  # type: ignore[arg-type]
 
 
-def tensor_parallel_plan(num_layers: int) -> dict[str, ParallelStyle]:
+class AllReduced(nn.Module):
+    """A row-parallel product that DTensor does not run (a quantized one): `inner` on this rank's
+    input features, then the sum of every rank's partial output."""
+
+    def __init__(self, inner: nn.Module, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.inner = inner
+        self.mesh = mesh
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return funcol.all_reduce(self.inner(x), "sum", self.mesh)
+
+
+COLUMN_PARALLEL = ("self_attn.qkv_proj", "mlp.gate_up_proj")
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def tensor_parallel_plan(model: nn.Module, num_layers: int) -> dict[str, ParallelStyle]:
+    """DTensor's styles for the dense products; the quantized ones are left to `parallelize`."""
     plan: dict[str, ParallelStyle] = {}
     for i in range(num_layers):
-        plan[f"layers.{i}.self_attn.qkv_proj"] = ColwiseLinear()
-        plan[f"layers.{i}.self_attn.o_proj"] = RowwiseLinear()
-        plan[f"layers.{i}.mlp.gate_up_proj"] = ColwiseLinear()
-        plan[f"layers.{i}.mlp.down_proj"] = RowwiseLinear()
+        for names, style in ((COLUMN_PARALLEL, ColwiseLinear), (ROW_PARALLEL, RowwiseLinear)):
+            for name in names:
+                path = f"layers.{i}.{name}"
+                if not isinstance(model.get_submodule(path), QuantizedLinear):
+                    plan[path] = style()
     return plan
 
 
 def parallelize(model: DecoderModel, mesh: DeviceMesh) -> DecoderModel:
-    parallelize_module(model, mesh, tensor_parallel_plan(model.config.num_layers))
+    parallelize_module(model, mesh, tensor_parallel_plan(model, model.config.num_layers))
+    for i in range(model.config.num_layers):
+        for name in ROW_PARALLEL:
+            path = f"layers.{i}.{name}"
+            module = model.get_submodule(path)
+            if isinstance(module, QuantizedLinear):
+                replace(model, path, AllReduced(module, mesh))
     return model

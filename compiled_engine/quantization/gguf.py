@@ -4,7 +4,9 @@ model/gguf_families.py names and transforms them), its quantized tensors kept qu
 data is read, then fills the model: each quantized type becomes the int4 or int8 QuantizedWeight
 that means the same values (quantization/gguf_blocks.py), and F32, F16 and BF16 dense
 parameters; llama's q/k rows are put back in Hugging Face order and Gemma's norms lose the 1
-llama.cpp added. The file format itself is read by model/gguf.py.
+llama.cpp added. Under tensor parallelism each rank keeps its slice of the sharded products
+(column-parallel rows, row-parallel whole groups of columns), quantized. The file format itself is
+read by model/gguf.py.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from torch import nn
 
 from compiled_engine.errors import ModelLoadError
 from compiled_engine.model.config import ModelConfig
-from compiled_engine.model.families import build_model, family_of_gguf
+from compiled_engine.model.families import build_model, check_shard, family_of_gguf
 from compiled_engine.model.gguf import (
     DENSE_TYPES,
     GGUFHeader,
@@ -31,7 +33,7 @@ from compiled_engine.model.gguf import (
 from compiled_engine.model.gguf_families import LAYOUTS, LONG_FACTORS, ROPE_FREQS, SHORT_FACTORS, GGUFLayout
 from compiled_engine.model.layers import DecoderModel
 from compiled_engine.model.loader import rebuild_rotaries
-from compiled_engine.model.shard import NO_SHARD
+from compiled_engine.model.shard import NO_SHARD, TPShard
 from compiled_engine.quantization.apply import install_embedding, install_linear
 from compiled_engine.quantization.gguf_blocks import decode_blocks
 from compiled_engine.quantization.weights import QuantizedWeight, concat_rows
@@ -42,13 +44,16 @@ ROPE_FACTORS = (LONG_FACTORS, SHORT_FACTORS)
 @dataclass(frozen=True)
 class _Part:
     """A GGUF tensor the config implies: its name, torch-order shape, for llama's q/k the head
-    count of the rope permutation llama.cpp applied to its rows, and what llama.cpp added to
-    every value (Gemma's norms: 1)."""
+    count of the rope permutation llama.cpp applied to its rows, what llama.cpp added to every
+    value (Gemma's norms: 1), and the (start, count) of its rows or columns this tensor-parallel
+    rank keeps (None: all)."""
 
     name: str
     shape: tuple[int, ...]
     rope_heads: int | None = None
     offset: float = 0.0
+    rows: tuple[int, int] | None = None
+    cols: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -68,9 +73,9 @@ def _layout(config: ModelConfig) -> GGUFLayout:
     return layout
 
 
-def _targets(config: ModelConfig) -> list[_Target]:
+def _targets(config: ModelConfig, shard: TPShard = NO_SHARD) -> list[_Target]:
     """Every tensor a GGUF of this config holds and where it lands, as the family's layout
-    (model/gguf_families.py) names and transforms them."""
+    (model/gguf_families.py) names and transforms them, and what of it `shard` keeps."""
     layout = _layout(config)
     h, hd, inter, vocab = config.hidden_size, config.head_dim, config.intermediate_size, config.vocab_size
     q, kv = config.q_size, config.kv_size
@@ -78,6 +83,10 @@ def _targets(config: ModelConfig) -> list[_Target]:
     kv_heads = config.num_kv_heads if layout.permuted_qk else None
     shift = layout.norm_offset
     P, T = _Part, _Target
+    q_rows = kv_rows = inter_rows = None
+    if shard.size > 1:
+        (q0, qn), (k0, kn), (i0, i_n) = shard.heads(config), shard.kv_heads(config), shard.intermediate(config)
+        q_rows, kv_rows, inter_rows = (q0 * hd, qn * hd), (k0 * hd, kn * hd), (i0, i_n)
     targets = [
         T("embed_tokens", (P("token_embd.weight", (vocab, h)),)),
         T("", (P("output_norm.weight", (h,), offset=shift),), "norm.weight"),
@@ -94,20 +103,20 @@ def _targets(config: ModelConfig) -> list[_Target]:
             qkv_bias = (P(blk + "attn_qkv.bias", (q + 2 * kv,)),)
         else:
             qkv = (
-                P(blk + "attn_q.weight", (q, h), q_heads),
-                P(blk + "attn_k.weight", (kv, h), kv_heads),
-                P(blk + "attn_v.weight", (kv, h)),
+                P(blk + "attn_q.weight", (q, h), q_heads, rows=q_rows),
+                P(blk + "attn_k.weight", (kv, h), kv_heads, rows=kv_rows),
+                P(blk + "attn_v.weight", (kv, h), rows=kv_rows),
             )
             qkv_bias = (
-                P(blk + "attn_q.bias", (q,), q_heads),
-                P(blk + "attn_k.bias", (kv,), kv_heads),
-                P(blk + "attn_v.bias", (kv,)),
+                P(blk + "attn_q.bias", (q,), q_heads, rows=q_rows),
+                P(blk + "attn_k.bias", (kv,), kv_heads, rows=kv_rows),
+                P(blk + "attn_v.bias", (kv,), rows=kv_rows),
             )
         targets.append(T(attn + "qkv_proj", qkv))
-        targets.append(T(attn + "o_proj", (P(blk + "attn_output.weight", (h, q)),)))
+        targets.append(T(attn + "o_proj", (P(blk + "attn_output.weight", (h, q), cols=q_rows),)))
         if config.qkv_bias:
             targets.append(T("", qkv_bias, attn + "qkv_proj.bias"))
-        if config.o_bias:
+        if config.o_bias and shard.rank == 0:  # a row-parallel sum: one rank adds the bias
             targets.append(T("", (P(blk + "attn_output.bias", (h,)),), attn + "o_proj.bias"))
         if config.qk_norm:
             targets.append(T("", (P(blk + "attn_q_norm.weight", (hd,), offset=shift),), attn + "q_norm.weight"))
@@ -115,9 +124,12 @@ def _targets(config: ModelConfig) -> list[_Target]:
         if layout.fused_gate_up:
             gate_up: tuple[_Part, ...] = (P(blk + "ffn_up.weight", (2 * inter, h)),)  # gate rows, then up
         else:
-            gate_up = (P(blk + "ffn_gate.weight", (inter, h)), P(blk + "ffn_up.weight", (inter, h)))
+            gate_up = (
+                P(blk + "ffn_gate.weight", (inter, h), rows=inter_rows),
+                P(blk + "ffn_up.weight", (inter, h), rows=inter_rows),
+            )
         targets.append(T(ours + "mlp.gate_up_proj", gate_up))
-        targets.append(T(ours + "mlp.down_proj", (P(blk + "ffn_down.weight", (h, inter)),)))
+        targets.append(T(ours + "mlp.down_proj", (P(blk + "ffn_down.weight", (h, inter), cols=inter_rows),)))
         for theirs, norm in layout.layer_norms:
             targets.append(T("", (P(f"{blk}{theirs}.weight", (h,), offset=shift),), f"{ours}{norm}.weight"))
     return targets
@@ -145,8 +157,9 @@ def _check(header: GGUFHeader, config: ModelConfig, targets: list[_Target]) -> d
     parts = {part.name: part for target in targets for part in target.parts}
     required, optional = _rope_parts(config)
     parts |= required
+    skipped = {f"blk.{i}.attn_output.bias" for i in range(config.num_layers)} if config.o_bias else set()
     for name in header.tensors:
-        if name not in parts and name not in optional:
+        if name not in parts and name not in optional and name not in skipped:
             raise ModelLoadError(
                 f"unexpected tensor '{name}' in {path.name}: the {config.architecture} config has no such parameter"
             )
@@ -179,7 +192,31 @@ def _read(f: io.BufferedReader, header: GGUFHeader, part: _Part) -> Weight:
     weight = raw if info.type in DENSE_TYPES else decode_blocks(raw, info.type)
     if part.offset:  # in fp32, before any narrower run dtype: Gemma's 1 + w back to w
         weight = _dense(weight, torch.float32) - part.offset
-    return weight if part.rope_heads is None else _unpermute(weight, part.rope_heads)
+    if part.rope_heads is not None:
+        weight = _unpermute(weight, part.rope_heads)
+    return _slice(weight, part, header)
+
+
+def _slice(weight: Weight, part: _Part, header: GGUFHeader) -> Weight:
+    """The rows or columns of `weight` this tensor-parallel rank keeps."""
+    if part.rows is not None:
+        start, count = part.rows
+        weight = (
+            weight.narrow(0, start, count).contiguous()
+            if isinstance(weight, torch.Tensor)
+            else weight.narrow_rows(start, count)
+        )
+    if part.cols is not None:
+        start, count = part.cols
+        if isinstance(weight, torch.Tensor):
+            return weight.narrow(1, start, count).contiguous()
+        if start % weight.group_size or count % weight.group_size:
+            raise ModelLoadError(
+                f"tensor '{part.name}' in {header.path.name}: this rank's columns {start}..{start + count} "
+                f"split its groups of {weight.group_size}; choose a --tensor-parallel-size that keeps whole groups"
+            )
+        return weight.narrow_cols(start, count)
+    return weight
 
 
 def _unpermute(weight: Weight, heads: int) -> Weight:
@@ -216,18 +253,21 @@ def load_gguf_model(
     dtype: torch.dtype,
     device: torch.device,
     dequantize: bool = False,
+    shard: TPShard = NO_SHARD,
 ) -> DecoderModel:
     """Build the model on the meta device and fill it from a GGUF file: quantized tensors stay
     quantized (QuantizedLinear, and QuantizedEmbedding for the embedding, which a tied
     head shares), F32/F16/BF16 become dense parameters of `dtype`. With `dequantize`, every
     weight is dense, dequantized exactly as QuantizedWeight.dequantize() does. Names, shapes, types
-    and offsets are all checked before any tensor is read."""
+    and offsets are all checked before any tensor is read. With `shard`, this tensor-parallel
+    rank's slices of the sharded products (the rest replicated)."""
     path = Path(gguf_path)
+    check_shard(config, shard)
     header = read_gguf_header(path)
-    targets = _targets(config)
+    targets = _targets(config, shard)
     parts = _check(header, config, targets)
     with torch.device("meta"):
-        model = build_model(config, NO_SHARD)
+        model = build_model(config, shard)
     params: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantizedWeight] = {}
     with path.open("rb") as f:

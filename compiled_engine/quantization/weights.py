@@ -118,6 +118,22 @@ class QuantizedWeight:
             self.in_features,
         )
 
+    def narrow_cols(self, start: int, count: int) -> QuantizedWeight:
+        """Input columns start..start+count (a tensor-parallel rank's share of a row-parallel
+        product), copied contiguous; both must be whole groups."""
+        g = self.group_size
+        if start % g or count % g or start < 0 or count < 1 or start + count > self.in_features:
+            raise QuantizationError(
+                f"columns {start}..{start + count} of a weight {self.in_features} wide are not whole groups of {g}"
+            )
+        per_byte = 2 if self.format == "int4" else 1
+
+        def cols(t: torch.Tensor, unit: int) -> torch.Tensor:
+            return t.narrow(1, start // unit, count // unit).contiguous()
+
+        offsets = None if self.offsets is None else cols(self.offsets, g)
+        return QuantizedWeight(self.format, cols(self.data, per_byte), cols(self.scales, g), offsets, g, count)
+
     def to(self, device: torch.device | str) -> QuantizedWeight:
         offsets = None if self.offsets is None else self.offsets.to(device)
         return QuantizedWeight(
