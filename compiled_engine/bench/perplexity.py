@@ -301,7 +301,7 @@ def bench_perplexity(args: argparse.Namespace, console: Console) -> dict[str, An
         title=f"perplexity: {TEXT_PATH.name}, {len(token_ids)} tokens, window {args.window}, stride {args.stride} "
         f"({env.get('device')}, {env.get('dtype')})"
     )
-    columns = ["format", "tokens scored", "perplexity", f"/ {rows[0]['format']}", f"within {TOLERANCE:.0%}"]
+    columns = ["format", "tokens scored", "perplexity", f"/ {Path(rows[0]['format']).name}", f"within {TOLERANCE:.0%}"]
     if args.baseline != "none":
         columns += [args.baseline, f"ours / {args.baseline}"]
     for column in columns:

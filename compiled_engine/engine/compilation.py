@@ -30,6 +30,7 @@ import logging
 import os
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from torch.distributed.tensor import DTensor
 
 from compiled_engine.cache_paths import INDUCTOR_CACHE_ENV
-from compiled_engine.engine.precompiled import PrecompiledFunction
+from compiled_engine.engine.precompiled import PrecompiledFunction, model_signature
 from compiled_engine.model.layers import DecoderLayer, DecoderModel, soft_cap
 from compiled_engine.model.packed_linear import CpuLinear
 
@@ -76,6 +77,32 @@ COMPILE_OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {"size_asser
 # Each compiled layer's entry (`CompiledForward.compiled_layers`, one per kind of layer). It
 # is kept here, not as a module attribute, because a saved trace pickles the modules' attributes.
 _LAYER_ENTRIES: weakref.WeakKeyDictionary[CompiledBlock, PrecompiledFunction] = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """What a compiled layer's trace depends on beyond its inputs: the attention window and
+    soft-cap (Python constants of the layer) and its tensors' names, dtypes and shapes (its
+    products' weight formats)."""
+
+    window: int
+    soft_cap: float
+    tensors: tuple[str, ...]
+
+    def file_name(self, variant: int) -> str:
+        """The saved trace's file: `variant` counts the kinds before it of the same attention."""
+        base = (
+            "layer" if (self.window, self.soft_cap) == (0, 0.0) else f"layer-window{self.window}-cap{self.soft_cap:g}"
+        )
+        return f"{base}.bin" if variant == 0 else f"{base}-weights{variant}.bin"
+
+    def entry_name(self, variant: int) -> str:
+        base = (
+            "layer"
+            if (self.window, self.soft_cap) == (0, 0.0)
+            else f"layer (window {self.window}, soft-cap {self.soft_cap:g})"
+        )
+        return base if variant == 0 else f"{base}, weights #{variant + 1}"
 
 
 class CompiledBlock(nn.Module):
@@ -148,17 +175,22 @@ class CompiledForward(ModelForward):
             return saved_dir / name if saved_dir is not None else None
 
         # One entry for every layer of a kind: a family's layers share one class, but a window
-        # or a soft-cap is a Python constant of the layer, which a trace guards on. So each kind
-        # (Gemma's sliding and full layers) has its own entry and its own saved trace.
-        self.compiled_layers: dict[tuple[int, float], PrecompiledFunction] = {}
+        # or a soft-cap is a Python constant of the layer, and its products' weight formats are
+        # the dtypes and shapes of its tensors, all of which a trace guards on. So each kind
+        # (Gemma's sliding and full layers; a Q4_K_M file's layers whose down_proj is Q4_K or
+        # Q6_K) has its own entry and its own saved trace.
+        self.compiled_layers: dict[LayerKind, PrecompiledFunction] = {}
+        self._layer_names: dict[LayerKind, str] = {}
         for index, layer in enumerate(model.layers):
             assert isinstance(layer, DecoderLayer)
-            kind = (layer.self_attn.window, layer.self_attn.soft_cap)
+            attention = (layer.self_attn.window, layer.self_attn.soft_cap)
+            kind = LayerKind(*attention, tuple(model_signature(layer)))
             if kind not in self.compiled_layers:
-                name = "layer.bin" if kind == (0, 0.0) else f"layer-window{kind[0]}-cap{kind[1]:g}.bin"
+                variant = sum(1 for known in self.compiled_layers if (known.window, known.soft_cap) == attention)
                 self.compiled_layers[kind] = PrecompiledFunction(
-                    type(layer).forward, saved(name), _LAYER_DYNAMIC_DIMS, options=COMPILE_OPTIONS
+                    type(layer).forward, saved(kind.file_name(variant)), _LAYER_DYNAMIC_DIMS, options=COMPILE_OPTIONS
                 )
+                self._layer_names[kind] = kind.entry_name(variant)
             block = CompiledBlock(layer)
             model.layers[index] = block
             _LAYER_ENTRIES[block] = self.compiled_layers[kind]
@@ -180,10 +212,7 @@ class CompiledForward(ModelForward):
 
     def entries(self) -> dict[str, PrecompiledFunction]:
         """The compiled entries by name, with where each came from (`.source`)."""
-        layers = {
-            "layer" if kind == (0, 0.0) else f"layer (window {kind[0]}, soft-cap {kind[1]:g})": entry
-            for kind, entry in self.compiled_layers.items()
-        }
+        layers = {self._layer_names[kind]: entry for kind, entry in self.compiled_layers.items()}
         named = {**layers, "one-token forward": self.one_token_forward, "head": self.one_row_head}
         return {name: entry for name, entry in named.items() if entry is not None}
 
