@@ -61,11 +61,8 @@ def main() -> None:
     print(f"[{args.out}, {args.width}] products, {torch.get_num_threads()} threads, median of {args.calls} calls")
     print(f"{'type':8} {'file B/w':>8} {'mem B/w':>8} {'format':>16} {'1 row us':>9} {'GB/s':>6} {'4 rows us':>10}")
     dense = torch.randn(args.out, args.width)
-    for rows in (1, 4):
-        x = torch.randn(rows, args.width)
-        us = median_us(lambda v: F.linear(v, dense), x, args.calls)
-        print(f"{'F32':8} {4.0:8.3f} {4.0:8.3f} {'dense':>16} " if rows == 1 else "", end="")
-        print(f"{us:9.1f} {dense.numel() * 4 / us / 1e3:6.1f}" if rows == 1 else f" {us:10.1f}")
+    one, four = (median_us(lambda v: F.linear(v, dense), torch.randn(r, args.width), args.calls) for r in (1, 4))
+    print(f"{'F32':8} {4.0:8.3f} {4.0:8.3f} {'dense':>16} {one:9.1f} {dense.numel() * 4 / one / 1e3:6.1f} {four:10.1f}")
     for ggml_type, (weights, nbytes) in BLOCK_TYPES.items():
         weight = decode_blocks(random_blocks(ggml_type, args.out, args.width), ggml_type)
         product = QuantizedLinear(weight)

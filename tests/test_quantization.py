@@ -329,8 +329,8 @@ def test_int4_weights_take_under_a_third_of_the_fp32_bytes(tiny_model_factory: C
     assert int4 < dense / 3
 
 
-def test_tensor_parallelism_takes_the_dense_weights_or_refuses(
-    default_model_dir: Path, tiny_model_factory: Callable[..., Path], caplog: pytest.LogCaptureFixture
+def test_tensor_parallelism_shards_the_gguf_or_refuses_quantizing_at_load(
+    default_model_dir: Path, tiny_model_factory: Callable[..., Path]
 ) -> None:
     from compiled_engine.engine.weight_loading import load_weights
     from compiled_engine.model.config import ModelConfig
@@ -338,10 +338,17 @@ def test_tensor_parallelism_takes_the_dense_weights_or_refuses(
 
     config = ModelConfig.from_model_dir(default_model_dir)
     cpu = torch.device("cpu")
-    with caplog.at_level(logging.WARNING):
-        loaded = load_weights(default_model_dir, config, EngineConfig(), torch.float32, cpu, TPShard(0, 3))
-    assert loaded.description.startswith("dense") and "do not shard yet" in caplog.text
-    assert not any(isinstance(m, QuantizedLinear) for m in loaded.model.modules())
+    loaded = load_weights(default_model_dir, config, EngineConfig(), torch.float32, cpu, TPShard(1, 3))
+    assert loaded.description.startswith("GGUF")  # the file's quantized tensors, this rank's slices
+    down = loaded.model.get_submodule("layers.0.mlp.down_proj")
+    assert isinstance(down, QuantizedLinear) and down.weight.shape == (576, 512)
+    qkv = loaded.model.get_submodule("layers.0.self_attn.qkv_proj")
+    assert isinstance(qkv, QuantizedLinear) and qkv.weight.shape == (3 * 64 + 2 * 64, 576)
+    dense = load_weights(
+        default_model_dir, config, EngineConfig(quantization="none"), torch.float32, cpu, TPShard(0, 3)
+    )
+    assert dense.description.startswith("dense")
+    assert not any(isinstance(m, QuantizedLinear) for m in dense.model.modules())
     tiny = tiny_model_factory("llama")
     with pytest.raises(ValueError, match="--quantization int4 does not run with tensor parallelism"):
         load_weights(

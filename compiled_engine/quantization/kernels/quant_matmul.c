@@ -125,30 +125,48 @@ INLINE void int4_row(const float *xs, int64_t n, int64_t in, const uint8_t *q, c
     for (int64_t r = 0; r < n; r++) out[r] = hsum(even[r] + odd[r]) + dot(offset, sums + r * groups, groups);
 }
 
+/* One group of int8 weights against n rows: total[r] += scale * (x_g . q_g). */
+INLINE void int8_group(const float *xs, int64_t n, int64_t in, const int8_t *q, float scale, int64_t first,
+                       int64_t group, vec *total) {
+    vec acc[TILE];
+    for (int64_t r = 0; r < n; r++) acc[r] = splat(0.0f);
+    int64_t i = first, end = first + group;
+    for (; i + 32 <= end; i += 32) {
+        vec w0 = int8s(q + i), w1 = int8s(q + i + 8), w2 = int8s(q + i + 16), w3 = int8s(q + i + 24);
+        for (int64_t r = 0; r < n; r++) {
+            const float *x = xs + r * in + i;
+            acc[r] += w0 * load(x) + w1 * load(x + 8) + w2 * load(x + 16) + w3 * load(x + 24);
+        }
+    }
+    for (; i + 16 <= end; i += 16) {
+        vec w0 = int8s(q + i), w1 = int8s(q + i + 8);
+        for (int64_t r = 0; r < n; r++) {
+            const float *x = xs + r * in + i;
+            acc[r] += w0 * load(x) + w1 * load(x + 8);
+        }
+    }
+    for (; i < end; i += LANES) {
+        vec w = int8s(q + i);
+        for (int64_t r = 0; r < n; r++) acc[r] += w * load(xs + r * in + i);
+    }
+    vec s = splat(scale);
+    for (int64_t r = 0; r < n; r++) total[r] += s * acc[r];
+}
+
 INLINE void int8_row(const float *xs, int64_t n, int64_t in, const int8_t *q, const float *scale,
                      const float *offset, int64_t group, const float *sums, int64_t groups, float *out) {
-    vec total[TILE];
-    for (int64_t r = 0; r < n; r++) total[r] = splat(0.0f);
-    for (int64_t g = 0; g < groups; g++) {
-        vec acc[TILE];
-        for (int64_t r = 0; r < n; r++) acc[r] = splat(0.0f);
-        int64_t i = g * group, end = (g + 1) * group;
-        for (; i + 32 <= end; i += 32) {
-            vec w0 = int8s(q + i), w1 = int8s(q + i + 8), w2 = int8s(q + i + 16), w3 = int8s(q + i + 24);
-            for (int64_t r = 0; r < n; r++) {
-                const float *x = xs + r * in + i;
-                acc[r] += w0 * load(x) + w1 * load(x + 8) + w2 * load(x + 16) + w3 * load(x + 24);
-            }
-        }
-        for (; i < end; i += LANES) {
-            vec w = int8s(q + i);
-            for (int64_t r = 0; r < n; r++) acc[r] += w * load(xs + r * in + i);
-        }
-        vec s = splat(scale[g]);
-        for (int64_t r = 0; r < n; r++) total[r] += s * acc[r];
+    /* Even and odd groups add into separate totals, as in int4_row: with the k-quants' groups of
+     * 16, one chain of multiply-adds would wait on itself at every group. */
+    vec even[TILE], odd[TILE];
+    for (int64_t r = 0; r < n; r++) even[r] = odd[r] = splat(0.0f);
+    int64_t g = 0;
+    for (; g + 2 <= groups; g += 2) {
+        int8_group(xs, n, in, q, scale[g], g * group, group, even);
+        int8_group(xs, n, in, q, scale[g + 1], (g + 1) * group, group, odd);
     }
+    if (g < groups) int8_group(xs, n, in, q, scale[g], g * group, group, even);
     for (int64_t r = 0; r < n; r++)
-        out[r] = hsum(total[r]) + (offset ? dot(offset, sums + r * groups, groups) : 0.0f);
+        out[r] = hsum(even[r] + odd[r]) + (offset ? dot(offset, sums + r * groups, groups) : 0.0f);
 }
 
 /* Output rows [first * STRIP, last * STRIP) of the int4 product (whole strips; the last may be
@@ -211,6 +229,13 @@ void int8_matmul_strips_f32(const float *x, int64_t rows, int64_t in, const int8
                     case 2: int8_row(xs, 2, in, q, sc, of, 32, su, groups, part); break;
                     case 3: int8_row(xs, 3, in, q, sc, of, 32, su, groups, part); break;
                     default: int8_row(xs, 4, in, q, sc, of, 32, su, groups, part); break;
+                    }
+                } else if (group == 16) { /* the k-quants' groups (Q2_K, Q3_K, Q6_K) */
+                    switch (n) {
+                    case 1: int8_row(xs, 1, in, q, sc, of, 16, su, groups, part); break;
+                    case 2: int8_row(xs, 2, in, q, sc, of, 16, su, groups, part); break;
+                    case 3: int8_row(xs, 3, in, q, sc, of, 16, su, groups, part); break;
+                    default: int8_row(xs, 4, in, q, sc, of, 16, su, groups, part); break;
                     }
                 } else {
                     switch (n) {
