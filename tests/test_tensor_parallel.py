@@ -182,14 +182,14 @@ def test_default_model_tp3_matches_tp1(default_model_dir: Path) -> None:
 KQUANTS = Path(__file__).parent / "fixtures" / "gguf_kquants" / "model"
 
 
-@pytest.mark.parametrize(("file_type", "eager"), [("Q4_K_M", True), ("Q6_K", False)])
-def test_a_k_quant_gguf_shards_its_quantized_products(file_type: str, eager: bool) -> None:
-    """A llama.cpp Q4_K_M / Q6_K file (Q5_0, Q8_0, Q4_K and Q6_K products) at TP = 2: every rank
-    runs its slices kept quantized (the row-parallel ones summed by a functional all-reduce,
-    traced whole when compiled), with one process's greedy ids and logprobs."""
-    model = str(KQUANTS / f"model-{file_type}.gguf")
+def test_a_k_quant_gguf_shards_its_quantized_products() -> None:
+    """A llama.cpp Q4_K_M file (Q5_0, Q8_0, Q4_K and Q6_K products) at TP = 2: every rank runs its
+    slices kept quantized (the row-parallel ones summed by a functional all-reduce), with one
+    process's greedy ids and logprobs. (The all-reduce is a functional collective like DTensor's,
+    whose compiled TP test is test_compiled_tp_matches_eager_single_process.)"""
+    model = str(KQUANTS / "model-Q4_K_M.gguf")
     prompts = [[5, 17, 42, 90, 7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [60, 61]]
-    base = EngineConfig(model=model, kv_cache_memory_gib=0.01, enforce_eager=eager, max_num_batched_tokens=8)
+    base = EngineConfig(model=model, kv_cache_memory_gib=0.01, enforce_eager=True, max_num_batched_tokens=8)
     single = _generate(base, prompts, 6)
     _assert_same(_in_child(EngineConfig(**{**_fields(base), "tensor_parallel_size": 2}), prompts, 6), single)
 
