@@ -15,7 +15,9 @@
  * throughout. Output rows are split across threads (OpenMP); rows of x are taken four at a time
  * so that a block of weights, converted to floats once, serves four rows.
  *
- * Vectors are GCC/Clang vector extensions of 8 floats, as in the attention kernel.
+ * Vectors are GCC/Clang vector extensions of 8 floats, as in the attention kernel. The products'
+ * inner loops run on `wvec`, the widest vector the CPU converts integers into: 16 floats where the
+ * build has AVX-512 (one conversion and one multiply-add per 16 weights), else the 8 of `vec`.
  * Every function returns 0, or a nonzero status for shapes it does not take.
  */
 #include <stdint.h>
@@ -51,7 +53,31 @@ static inline void nibbles32(const uint8_t *block, vec w[4]) {
 static inline vec int8s(const int8_t *p) {
     return (vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
-#else /* portable, and slower: compilers convert vectors of bytes to floats one byte at a time */
+#endif
+#if defined(__AVX512F__)
+/* The products' vectors: 16 floats. */
+#define WL 16
+typedef float wvec __attribute__((vector_size(64)));
+typedef float wvec_u __attribute__((vector_size(64), aligned(4)));
+static inline wvec wload(const float *p) { return *(const wvec_u *)p; }
+static inline wvec wsplat(float x) { return (wvec)_mm512_set1_ps(x); }
+static inline float whsum(wvec x) { return _mm512_reduce_add_ps((__m512)x); }
+/* A block of 32 int4 weights as two vectors: weights 0-15 (low nibbles), 16-31 (high). */
+static inline void wnibbles32(const uint8_t *block, wvec w[2]) {
+    __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)block));
+    w[0] = (wvec)_mm512_cvtepi32_ps(_mm512_and_si512(a, _mm512_set1_epi32(15)));
+    w[1] = (wvec)_mm512_cvtepi32_ps(_mm512_srli_epi32(a, 4));
+}
+static inline wvec wint8s(const int8_t *p) {
+    return (wvec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+/* 8 int8 weights and 8 floats of x in the low half of a vector, zeros above (a group's tail). */
+static inline wvec wint8s_low(const int8_t *p) {
+    return (wvec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline wvec wload_low(const float *p) { return (wvec)_mm512_maskz_loadu_ps(0x00FF, p); }
+#endif
+#if !defined(__AVX2__) /* portable, and slower: compilers convert vectors of bytes to floats one byte at a time */
 static inline void nibbles32(const uint8_t *block, vec w[4]) {
     for (int j = 0; j < 8; j++) {
         w[0][j] = block[j] & 15;
@@ -65,6 +91,17 @@ static inline vec int8s(const int8_t *p) {
     for (int j = 0; j < 8; j++) w[j] = p[j];
     return w;
 }
+#endif
+#if !defined(__AVX512F__)
+#define WL 8
+typedef vec wvec;
+static inline wvec wload(const float *p) { return load(p); }
+static inline wvec wsplat(float x) { return splat(x); }
+static inline float whsum(wvec x) { return hsum(x); }
+static inline void wnibbles32(const uint8_t *block, wvec w[4]) { nibbles32(block, w); }
+static inline wvec wint8s(const int8_t *p) { return int8s(p); }
+static inline wvec wint8s_low(const int8_t *p) { return int8s(p); }
+static inline wvec wload_low(const float *p) { return load(p); }
 #endif
 
 /* sums[r, g] = sum of x[r] over group g. */
@@ -95,18 +132,20 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 
 /* One group of int4 weights against n rows: acc[r] += scale * (x_g . q_g). */
 INLINE void int4_group(const float *xs, int64_t n, int64_t in, const uint8_t *q, float scale, int64_t first,
-                       int64_t group, vec *total) {
-    vec acc[TILE];
-    for (int64_t r = 0; r < n; r++) acc[r] = splat(0.0f);
+                       int64_t group, wvec *total) {
+    wvec acc[TILE];
+    for (int64_t r = 0; r < n; r++) acc[r] = wsplat(0.0f);
     for (int64_t i = first; i < first + group; i += 32) {
-        vec w[4];
-        nibbles32(q + i / 2, w);
+        wvec w[32 / WL];
+        wnibbles32(q + i / 2, w);
         for (int64_t r = 0; r < n; r++) {
             const float *x = xs + r * in + i;
-            acc[r] += w[0] * load(x) + w[1] * load(x + 8) + w[2] * load(x + 16) + w[3] * load(x + 24);
+            wvec sum = w[0] * wload(x);
+            for (int k = 1; k < 32 / WL; k++) sum += w[k] * wload(x + k * WL);
+            acc[r] += sum;
         }
     }
-    vec s = splat(scale);
+    wvec s = wsplat(scale);
     for (int64_t r = 0; r < n; r++) total[r] += s * acc[r];
 }
 
@@ -114,42 +153,48 @@ INLINE void int4_row(const float *xs, int64_t n, int64_t in, const uint8_t *q, c
                      const float *offset, int64_t group, const float *sums, int64_t groups, float *out) {
     /* Even and odd groups add into separate totals, so that consecutive groups do not wait on
      * each other's multiply-add. */
-    vec even[TILE], odd[TILE];
-    for (int64_t r = 0; r < n; r++) even[r] = odd[r] = splat(0.0f);
+    wvec even[TILE], odd[TILE];
+    for (int64_t r = 0; r < n; r++) even[r] = odd[r] = wsplat(0.0f);
     int64_t g = 0;
     for (; g + 2 <= groups; g += 2) {
         int4_group(xs, n, in, q, scale[g], g * group, group, even);
         int4_group(xs, n, in, q, scale[g + 1], (g + 1) * group, group, odd);
     }
     if (g < groups) int4_group(xs, n, in, q, scale[g], g * group, group, even);
-    for (int64_t r = 0; r < n; r++) out[r] = hsum(even[r] + odd[r]) + dot(offset, sums + r * groups, groups);
+    for (int64_t r = 0; r < n; r++) out[r] = whsum(even[r] + odd[r]) + dot(offset, sums + r * groups, groups);
 }
 
 /* One group of int8 weights against n rows: total[r] += scale * (x_g . q_g). */
 INLINE void int8_group(const float *xs, int64_t n, int64_t in, const int8_t *q, float scale, int64_t first,
-                       int64_t group, vec *total) {
-    vec acc[TILE];
-    for (int64_t r = 0; r < n; r++) acc[r] = splat(0.0f);
+                       int64_t group, wvec *total) {
+    wvec acc[TILE];
+    for (int64_t r = 0; r < n; r++) acc[r] = wsplat(0.0f);
     int64_t i = first, end = first + group;
     for (; i + 32 <= end; i += 32) {
-        vec w0 = int8s(q + i), w1 = int8s(q + i + 8), w2 = int8s(q + i + 16), w3 = int8s(q + i + 24);
+        wvec w[32 / WL];
+        for (int k = 0; k < 32 / WL; k++) w[k] = wint8s(q + i + k * WL);
         for (int64_t r = 0; r < n; r++) {
             const float *x = xs + r * in + i;
-            acc[r] += w0 * load(x) + w1 * load(x + 8) + w2 * load(x + 16) + w3 * load(x + 24);
+            wvec sum = w[0] * wload(x);
+            for (int k = 1; k < 32 / WL; k++) sum += w[k] * wload(x + k * WL);
+            acc[r] += sum;
         }
     }
     for (; i + 16 <= end; i += 16) {
-        vec w0 = int8s(q + i), w1 = int8s(q + i + 8);
+        wvec w[16 / WL];
+        for (int k = 0; k < 16 / WL; k++) w[k] = wint8s(q + i + k * WL);
         for (int64_t r = 0; r < n; r++) {
             const float *x = xs + r * in + i;
-            acc[r] += w0 * load(x) + w1 * load(x + 8);
+            wvec sum = w[0] * wload(x);
+            for (int k = 1; k < 16 / WL; k++) sum += w[k] * wload(x + k * WL);
+            acc[r] += sum;
         }
     }
-    for (; i < end; i += LANES) {
-        vec w = int8s(q + i);
-        for (int64_t r = 0; r < n; r++) acc[r] += w * load(xs + r * in + i);
+    for (; i < end; i += LANES) { /* a tail of 8 (the low half of a wide vector) */
+        wvec w = wint8s_low(q + i);
+        for (int64_t r = 0; r < n; r++) acc[r] += w * wload_low(xs + r * in + i);
     }
-    vec s = splat(scale);
+    wvec s = wsplat(scale);
     for (int64_t r = 0; r < n; r++) total[r] += s * acc[r];
 }
 
@@ -157,8 +202,8 @@ INLINE void int8_row(const float *xs, int64_t n, int64_t in, const int8_t *q, co
                      const float *offset, int64_t group, const float *sums, int64_t groups, float *out) {
     /* Even and odd groups add into separate totals, as in int4_row: with the k-quants' groups of
      * 16, one chain of multiply-adds would wait on itself at every group. */
-    vec even[TILE], odd[TILE];
-    for (int64_t r = 0; r < n; r++) even[r] = odd[r] = splat(0.0f);
+    wvec even[TILE], odd[TILE];
+    for (int64_t r = 0; r < n; r++) even[r] = odd[r] = wsplat(0.0f);
     int64_t g = 0;
     for (; g + 2 <= groups; g += 2) {
         int8_group(xs, n, in, q, scale[g], g * group, group, even);
@@ -166,7 +211,7 @@ INLINE void int8_row(const float *xs, int64_t n, int64_t in, const int8_t *q, co
     }
     if (g < groups) int8_group(xs, n, in, q, scale[g], g * group, group, even);
     for (int64_t r = 0; r < n; r++)
-        out[r] = hsum(even[r] + odd[r]) + (offset ? dot(offset, sums + r * groups, groups) : 0.0f);
+        out[r] = whsum(even[r] + odd[r]) + (offset ? dot(offset, sums + r * groups, groups) : 0.0f);
 }
 
 /* Output rows [first * STRIP, last * STRIP) of the int4 product (whole strips; the last may be
