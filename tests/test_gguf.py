@@ -11,7 +11,6 @@ import re
 import shutil
 import struct
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,14 +44,7 @@ DEFAULT_GGUF = DEFAULT_DIR / GGUF_NAME
 needs_default = pytest.mark.skipif(not DEFAULT_GGUF.is_file(), reason="the default model's GGUF is not prepared")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """This file's tensor work is many mid-sized elementwise ops; with other processes on the
-    cores, two intra-op threads wait on each other and it runs many times slower than with one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -47,13 +46,7 @@ NEW_TOKENS = 8
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    # Tiny models: one intra-op thread runs them fastest beside other processes on the cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def gguf_path(name: str, fmt: str) -> Path:

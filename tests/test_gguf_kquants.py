@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import shutil
 import struct
-from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -55,12 +54,7 @@ WHOLE = {
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @cache

@@ -149,21 +149,6 @@ INLINE void int4_group(const float *xs, int64_t n, int64_t in, const uint8_t *q,
     for (int64_t r = 0; r < n; r++) total[r] += s * acc[r];
 }
 
-INLINE void int4_row(const float *xs, int64_t n, int64_t in, const uint8_t *q, const float *scale,
-                     const float *offset, int64_t group, const float *sums, int64_t groups, float *out) {
-    /* Even and odd groups add into separate totals, so that consecutive groups do not wait on
-     * each other's multiply-add. */
-    wvec even[TILE], odd[TILE];
-    for (int64_t r = 0; r < n; r++) even[r] = odd[r] = wsplat(0.0f);
-    int64_t g = 0;
-    for (; g + 2 <= groups; g += 2) {
-        int4_group(xs, n, in, q, scale[g], g * group, group, even);
-        int4_group(xs, n, in, q, scale[g + 1], (g + 1) * group, group, odd);
-    }
-    if (g < groups) int4_group(xs, n, in, q, scale[g], g * group, group, even);
-    for (int64_t r = 0; r < n; r++) out[r] = whsum(even[r] + odd[r]) + dot(offset, sums + r * groups, groups);
-}
-
 /* One group of int8 weights against n rows: total[r] += scale * (x_g . q_g). */
 INLINE void int8_group(const float *xs, int64_t n, int64_t in, const int8_t *q, float scale, int64_t first,
                        int64_t group, wvec *total) {
@@ -198,20 +183,35 @@ INLINE void int8_group(const float *xs, int64_t n, int64_t in, const int8_t *q, 
     for (int64_t r = 0; r < n; r++) total[r] += s * acc[r];
 }
 
-INLINE void int8_row(const float *xs, int64_t n, int64_t in, const int8_t *q, const float *scale,
-                     const float *offset, int64_t group, const float *sums, int64_t groups, float *out) {
-    /* Even and odd groups add into separate totals, as in int4_row: with the k-quants' groups of
-     * 16, one chain of multiply-adds would wait on itself at every group. */
+/* One weight row (int4 when `int4`, a constant once inlined; else int8) against n rows of x:
+ * out[r] = sum_g scale_g (x_g . q_g) + sum_g offset_g * sum(x_g) (offsets may be NULL for int8).
+ * Even and odd groups add into separate totals, so that consecutive groups (the k-quants' groups
+ * of 16 above all) do not wait on each other's multiply-add. */
+INLINE void quant_row(const float *xs, int64_t n, int64_t in, const void *q, int int4, const float *scale,
+                      const float *offset, int64_t group, const float *sums, int64_t groups, float *out) {
     wvec even[TILE], odd[TILE];
     for (int64_t r = 0; r < n; r++) even[r] = odd[r] = wsplat(0.0f);
     int64_t g = 0;
     for (; g + 2 <= groups; g += 2) {
-        int8_group(xs, n, in, q, scale[g], g * group, group, even);
-        int8_group(xs, n, in, q, scale[g + 1], (g + 1) * group, group, odd);
+        for (int64_t h = 0; h < 2; h++) {
+            if (int4) int4_group(xs, n, in, q, scale[g + h], (g + h) * group, group, h ? odd : even);
+            else int8_group(xs, n, in, q, scale[g + h], (g + h) * group, group, h ? odd : even);
+        }
     }
-    if (g < groups) int8_group(xs, n, in, q, scale[g], g * group, group, even);
+    if (g < groups) {
+        if (int4) int4_group(xs, n, in, q, scale[g], g * group, group, even);
+        else int8_group(xs, n, in, q, scale[g], g * group, group, even);
+    }
     for (int64_t r = 0; r < n; r++)
         out[r] = whsum(even[r] + odd[r]) + (offset ? dot(offset, sums + r * groups, groups) : 0.0f);
+}
+INLINE void int4_row(const float *xs, int64_t n, int64_t in, const uint8_t *q, const float *scale,
+                     const float *offset, int64_t group, const float *sums, int64_t groups, float *out) {
+    quant_row(xs, n, in, q, 1, scale, offset, group, sums, groups, out);
+}
+INLINE void int8_row(const float *xs, int64_t n, int64_t in, const int8_t *q, const float *scale,
+                     const float *offset, int64_t group, const float *sums, int64_t groups, float *out) {
+    quant_row(xs, n, in, q, 0, scale, offset, group, sums, groups, out);
 }
 
 /* Output rows [first * STRIP, last * STRIP) of the int4 product (whole strips; the last may be
