@@ -333,15 +333,12 @@ def test_a_saved_trace_loads_at_the_next_start_without_tracing_and_matches_eager
         assert torch.equal(b.argmax(-1), e.argmax(-1))
 
 
-def test_a_gguf_of_mixed_types_saves_one_trace_per_kind_of_layer_and_loads_them_all(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_gguf_of_mixed_types_saves_one_trace_per_kind_of_layer_and_loads_them_all(private_cache: Path) -> None:
     """llama.cpp's Q4_K_M of a small model: layer 0's down_proj is Q4_K (int4), layer 1's Q6_K
     (int8, groups of 16), so the layers are two kinds with a compiled entry and a saved trace
     each. The next start loads both and traces nothing; the logits equal eager's."""
     from compiled_engine.model.gguf_dir import prepare_gguf_dir
 
-    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     model_dir = prepare_gguf_dir(Path(__file__).parent / "fixtures" / "gguf_kquants" / "model" / "model-Q4_K_M.gguf")
     gen = torch.Generator().manual_seed(4)
     tokens = {s: torch.randint(3, 96, (40,), generator=gen).tolist() for s in range(4)}

@@ -325,7 +325,7 @@ def test_bench_perplexity_takes_gguf_files_side_by_side_with_transformers_on_eac
     files = [str(whole_file(t)) for t in ("Q4_K_M", "Q2_K")]
     argv = [
         "perplexity", "--model", files[0], "--formats", ",".join(files), "--baseline", "hf", "--enforce-eager",
-        "--kv-cache-memory-gib", "0.05", "--max-tokens", "120", "--window", "48", "--stride", "24", "--json", str(out),
+        "--kv-cache-memory-gib", "0.05", "--max-tokens", "80", "--window", "32", "--stride", "16", "--json", str(out),
     ]  # fmt: skip
     assert bench.main(argv) == 0
     rows = json.loads(out.read_text())["results"]
@@ -337,9 +337,10 @@ def test_bench_perplexity_takes_gguf_files_side_by_side_with_transformers_on_eac
 
 
 def test_bench_perplexity_refuses_a_missing_file_and_another_models_file(
-    capsys: pytest.CaptureFixture[str], private_cache: Path
+    capsys: pytest.CaptureFixture[str], private_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from compiled_engine.bench import __main__ as bench
+    from compiled_engine.bench import perplexity as bench_perplexity
 
     with pytest.raises(SystemExit):
         bench._parser().parse_args(["perplexity", "--formats", "none,missing.gguf"])
@@ -347,8 +348,11 @@ def test_bench_perplexity_refuses_a_missing_file_and_another_models_file(
     other = Path(__file__).parent / "fixtures" / "gguf" / "qwen2" / "model-q8_0.gguf"
     argv = ["perplexity", "--model", str(whole_file("Q6_K")), "--formats", f"gguf,{other}", "--enforce-eager"]
     argv += ["--kv-cache-memory-gib", "0.05", "--max-tokens", "60", "--window", "32", "--stride", "32"]
+    built = []
+    monkeypatch.setattr(bench_perplexity, "LLMEngine", lambda *args: built.append(args))
     assert bench.main(argv) == 2
     assert "tokenizes the text differently" in capsys.readouterr().err
+    assert not built  # refused before any format ran
 
 
 def test_a_rank_keeps_whole_groups_of_columns_or_is_refused(private_cache: Path) -> None:

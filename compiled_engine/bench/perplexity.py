@@ -253,15 +253,20 @@ def bench_perplexity(args: argparse.Namespace, console: Console) -> dict[str, An
         token_ids = token_ids[: args.max_tokens]
     rows: list[dict[str, Any]] = []
     env: dict[str, Any] = {}
+    # Every GGUF file is checked before any runs: it must be the same model's (its vocabulary
+    # encodes the text to the same ids), or the comparison means nothing.
+    for name in args.formats:
+        if (
+            name.endswith(".gguf")
+            and Tokenizer(resolve_model_dir(name)).encode(text.decode("utf-8"))[: len(token_ids)] != token_ids
+        ):
+            raise ValueError(f"{name} tokenizes the text differently from {args.model or 'the model'}: another model")
     for name in args.formats:
         quantization = FORMATS.get(name)  # None for a GGUF file: its own tensors
         group_size = args.perplexity_group_size if quantization in ("int8", "int4") else None
         model = {"model": name} if name.endswith(".gguf") else {}
         config = engine_config_from_args(args, quantization=quantization, quantization_group_size=group_size, **model)
         engine = LLMEngine(config)
-        if model and Tokenizer(engine.model_dir).encode(text.decode("utf-8"))[: len(token_ids)] != token_ids:
-            _free(engine)
-            raise ValueError(f"{name} tokenizes the text differently from {args.model or 'the model'}: another model")
         try:
             started = time.perf_counter()
             result = perplexity(engine, token_ids, args.window, args.stride)
