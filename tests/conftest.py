@@ -61,6 +61,16 @@ def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return root
 
 
+@pytest.fixture
+def private_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A models directory of the test's own (not the user's), for tests that prepare a model in
+    processes they start: the session's cache stays theirs, so its built kernels serve them."""
+    models = tmp_path / "models"
+    models.mkdir()
+    monkeypatch.setenv(MODELS_ENV, str(models))
+    return models
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     # `make test` prepares the model first; a missing one is a setup error, not a skip.

@@ -445,7 +445,7 @@ def test_an_unsupported_rope_scaling(tmp_path: Path) -> None:
         config_of(path)
 
 
-def test_serve_runs_a_new_familys_gguf(private_cache: Path, tmp_path: Path) -> None:
+def test_serve_runs_a_new_familys_gguf(private_models: Path, tmp_path: Path) -> None:
     """`serve --model file.gguf` on Gemma 3 (windows, two ropes, q/k norms, quantized): a
     completion over token ids gives transformers' greedy ids; the models route names the file."""
     import httpx

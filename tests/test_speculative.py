@@ -239,7 +239,7 @@ def test_the_sampled_distribution_is_the_target_distribution(smol_plain: LLM, sm
     (drawn in verification, the drafts before it accepted or not) follow one distribution.
     Pearson's two-sample chi-square at the 0.1% level (Wilson-Hilferty's critical value)."""
     prompt = LOOPS[1]
-    draws, at_once = 200, 40
+    draws, at_once = 200, 100
 
     def sample(llm: LLM, first_seed: int) -> Counter[int]:
         found: Counter[int] = Counter()

@@ -182,7 +182,7 @@ def test_default_model_tp3_matches_tp1(default_model_dir: Path) -> None:
 KQUANTS = Path(__file__).parent / "fixtures" / "gguf_kquants" / "model"
 
 
-def test_a_k_quant_gguf_shards_its_quantized_products(private_cache: Path) -> None:
+def test_a_k_quant_gguf_shards_its_quantized_products(private_models: Path) -> None:
     """A llama.cpp Q4_K_M file (Q5_0, Q8_0, Q4_K and Q6_K products) at TP = 2: every rank runs its
     slices kept quantized (the row-parallel ones summed by a functional all-reduce), with one
     process's greedy ids and logprobs. (The all-reduce is a functional collective like DTensor's,
