@@ -182,12 +182,42 @@ def test_default_model_tp3_matches_tp1(default_model_dir: Path) -> None:
 KQUANTS = Path(__file__).parent / "fixtures" / "gguf_kquants" / "model"
 
 
-def test_a_k_quant_gguf_shards_its_quantized_products(private_models: Path) -> None:
+def _with_attention_biases(source: Path, target: Path) -> Path:
+    """A copy of a llama GGUF with random F32 q/k/v and o biases added (a llama model with
+    attention_bias, whose o bias a row-parallel product must add once)."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(str(target), "llama")
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            item = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=item)
+    rng = np.random.default_rng(0)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, tensor.data, raw_shape=tensor.data.shape, raw_dtype=tensor.tensor_type)
+        name, _, suffix = tensor.name.rpartition(".")
+        if suffix == "weight" and name.rsplit(".", 1)[-1] in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            rows = int(tensor.shape[1])  # gguf's shape lists the row width first
+            writer.add_tensor(f"{name}.bias", (0.5 * rng.standard_normal(rows)).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+@pytest.mark.parametrize("biases", [False, True], ids=["plain", "attention-biases"])
+def test_a_k_quant_gguf_shards_its_quantized_products(biases: bool, private_models: Path, tmp_path: Path) -> None:
     """A llama.cpp Q4_K_M file (Q5_0, Q8_0, Q4_K and Q6_K products) at TP = 2: every rank runs its
-    slices kept quantized (the row-parallel ones summed by a functional all-reduce), with one
-    process's greedy ids and logprobs. (The all-reduce is a functional collective like DTensor's,
-    whose compiled TP test is test_compiled_tp_matches_eager_single_process.)"""
+    slices kept quantized (the row-parallel ones summed by a functional all-reduce, the o bias
+    added once after it), with one process's greedy ids and logprobs. (The all-reduce is a
+    functional collective like DTensor's, whose compiled TP test is
+    test_compiled_tp_matches_eager_single_process.)"""
     model = str(KQUANTS / "model-Q4_K_M.gguf")
+    if biases:
+        model = str(_with_attention_biases(Path(model), tmp_path / "biased.gguf"))
     prompts = [[5, 17, 42, 90, 7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [60, 61]]
     base = EngineConfig(model=model, kv_cache_memory_gib=0.01, enforce_eager=True, max_num_batched_tokens=8)
     single = _generate(base, prompts, 6)

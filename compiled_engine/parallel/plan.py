@@ -83,15 +83,19 @@ class RowwiseLinear(ParallelStyle):
 
 class AllReduced(nn.Module):
     """A row-parallel product that DTensor does not run (a quantized one): `inner` on this rank's
-    input features, then the sum of every rank's partial output."""
+    input features, then the sum of every rank's partial output, then the bias (taken from
+    `inner`, which every rank holds whole, so that it is added once)."""
 
-    def __init__(self, inner: nn.Module, mesh: DeviceMesh) -> None:
+    def __init__(self, inner: QuantizedLinear, mesh: DeviceMesh) -> None:
         super().__init__()
+        self.bias = inner.bias
+        inner.bias = None
         self.inner = inner
         self.mesh = mesh
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return funcol.all_reduce(self.inner(x), "sum", self.mesh)
+        out = funcol.all_reduce(self.inner(x), "sum", self.mesh)
+        return out if self.bias is None else out + self.bias
 
 
 COLUMN_PARALLEL = ("self_attn.qkv_proj", "mlp.gate_up_proj")

@@ -116,7 +116,7 @@ def _targets(config: ModelConfig, shard: TPShard = NO_SHARD) -> list[_Target]:
         targets.append(T(attn + "o_proj", (P(blk + "attn_output.weight", (h, q), cols=q_rows),)))
         if config.qkv_bias:
             targets.append(T("", qkv_bias, attn + "qkv_proj.bias"))
-        if config.o_bias and shard.rank == 0:  # a row-parallel sum: one rank adds the bias
+        if config.o_bias:  # whole on every rank (row-parallel: added once, after the sum)
             targets.append(T("", (P(blk + "attn_output.bias", (h,)),), attn + "o_proj.bias"))
         if config.qk_norm:
             targets.append(T("", (P(blk + "attn_q_norm.weight", (hd,), offset=shift),), attn + "q_norm.weight"))
@@ -157,9 +157,8 @@ def _check(header: GGUFHeader, config: ModelConfig, targets: list[_Target]) -> d
     parts = {part.name: part for target in targets for part in target.parts}
     required, optional = _rope_parts(config)
     parts |= required
-    skipped = {f"blk.{i}.attn_output.bias" for i in range(config.num_layers)} if config.o_bias else set()
     for name in header.tensors:
-        if name not in parts and name not in optional and name not in skipped:
+        if name not in parts and name not in optional:
             raise ModelLoadError(
                 f"unexpected tensor '{name}' in {path.name}: the {config.architecture} config has no such parameter"
             )
