@@ -102,10 +102,10 @@ COLUMN_PARALLEL = ("self_attn.qkv_proj", "mlp.gate_up_proj")
 ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
 
 
-def tensor_parallel_plan(model: nn.Module, num_layers: int) -> dict[str, ParallelStyle]:
+def tensor_parallel_plan(model: DecoderModel) -> dict[str, ParallelStyle]:
     """DTensor's styles for the dense products; the quantized ones are left to `parallelize`."""
     plan: dict[str, ParallelStyle] = {}
-    for i in range(num_layers):
+    for i in range(model.config.num_layers):
         for names, style in ((COLUMN_PARALLEL, ColwiseLinear), (ROW_PARALLEL, RowwiseLinear)):
             for name in names:
                 path = f"layers.{i}.{name}"
@@ -115,7 +115,7 @@ def tensor_parallel_plan(model: nn.Module, num_layers: int) -> dict[str, Paralle
 
 
 def parallelize(model: DecoderModel, mesh: DeviceMesh) -> DecoderModel:
-    parallelize_module(model, mesh, tensor_parallel_plan(model, model.config.num_layers))
+    parallelize_module(model, mesh, tensor_parallel_plan(model))
     for i in range(model.config.num_layers):
         for name in ROW_PARALLEL:
             path = f"layers.{i}.{name}"

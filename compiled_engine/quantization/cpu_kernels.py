@@ -64,6 +64,8 @@ class QuantKernels:
         per-forward path: it checks only what changes from call to call, x and the bias)."""
         out_features = data.shape[0]
         int4 = data.dtype == torch.uint8  # else int8, with or without offsets
+        if int4 and offsets is None:
+            raise ValueError("quantized matmul: int4 weights need offsets")
         in_features = data.shape[1] * (2 if int4 else 1)
         if x.dim() != 2 or x.shape[1] != in_features or x.dtype != torch.float32 or x.device.type != "cpu":
             raise ValueError(
@@ -111,7 +113,8 @@ class QuantKernels:
         out = torch.empty(out_features, in_features)
         threads = torch.get_num_threads()
         if int4:
-            assert offsets is not None
+            if offsets is None:
+                raise ValueError("quantized dequantize: int4 weights need offsets")
             status = self.int4_dequantize(
                 data.data_ptr(), scales.data_ptr(), offsets.data_ptr(), out_features, in_features, group_size,
                 out.data_ptr(), threads,
