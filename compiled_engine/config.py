@@ -15,6 +15,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 QUANTIZATIONS = ("none", "int8", "int4")
+CPU_ACTIVATIONS = ("fp32", "int8")
 SAMPLERS = ("torch", "flashinfer")
 DEFAULT_PAGE_SIZE = 16  # tokens per KV page
 
@@ -129,6 +130,9 @@ class EngineConfig(msgspec.Struct, frozen=True):
     quantization: str | None = None
     quantization_group_size: int | None = None  # None = per output channel for int8, 32 for int4
     quantize_head: bool = True  # with int8/int4: the head and embedding too, as int8 in groups of 32
+    # One of CPU_ACTIVATIONS: "fp32" (exact) or "int8", the quantized products' activations rounded
+    # to int8 in blocks of 32 for integer dot products (llama.cpp's numerics; lossy, opt-in).
+    cpu_activations: str = "fp32"
     # LoRA adapters (lora/): off unless enabled; then `max_loras` device slots, adapters of rank
     # up to `max_lora_rank`, and at most `max_cpu_loras` loaded (None: as many as the slots).
     enable_lora: bool = False
@@ -145,6 +149,10 @@ class EngineConfig(msgspec.Struct, frozen=True):
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.quantization_group_size is not None and self.quantization not in ("int8", "int4"):
             raise ValueError("quantization_group_size needs quantization int8 or int4")
+        if self.cpu_activations not in CPU_ACTIVATIONS:
+            raise ValueError(
+                f"cpu_activations must be one of {', '.join(CPU_ACTIVATIONS)}, got {self.cpu_activations!r}"
+            )
         if self.sampler is not None and self.sampler not in SAMPLERS:
             raise ValueError(f"sampler must be {' or '.join(SAMPLERS)}, got {self.sampler!r}")
         # Parsed once, here: a bad one fails before any work.

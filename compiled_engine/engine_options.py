@@ -18,7 +18,15 @@ from typing import Any, Union, get_args, get_origin
 import msgspec
 
 from compiled_engine.attention.selector import BACKENDS
-from compiled_engine.config import DEVICES, DTYPES, ENFORCE_EAGER_ENV, QUANTIZATIONS, SAMPLERS, EngineConfig
+from compiled_engine.config import (
+    CPU_ACTIVATIONS,
+    DEVICES,
+    DTYPES,
+    ENFORCE_EAGER_ENV,
+    QUANTIZATIONS,
+    SAMPLERS,
+    EngineConfig,
+)
 
 # The namespace attribute that records which fields a parser declared, so that
 # engine_config_from_args reads those and never a command's own option of the same name
@@ -156,6 +164,14 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
         "quantize_head",
         "--no-quantize-head",
         "with --quantization int8/int4, keep the head and embedding dense (default: int8 in groups of 32)",
+    ),
+    EngineOption(
+        "cpu_activations",
+        "--cpu-activations",
+        "activations of the quantized products on the CPU: fp32 (exact, the default) or int8 (rounded "
+        "to int8 in blocks of 32 for integer dot products, as llama.cpp does: faster decode, lossy; "
+        "weights in groups of 16 and prompts of more than 32 tokens stay exact)",
+        CPU_ACTIVATIONS,
     ),
 )
 

@@ -21,7 +21,7 @@ from compiled_engine.model.layers import Linear
 from compiled_engine.native_build import KernelBuildError
 from compiled_engine.quantization import cpu_kernels, ops
 from compiled_engine.quantization.apply import QuantizationScheme, quantize_model
-from compiled_engine.quantization.modules import QuantizedEmbedding, QuantizedLinear
+from compiled_engine.quantization.modules import Int8ActivationsLinear, QuantizedEmbedding, QuantizedLinear
 from compiled_engine.quantization.quantize import quantize, quantize_int4, quantize_int8
 from compiled_engine.quantization.weights import (
     QuantizationError,
@@ -354,3 +354,61 @@ def test_tensor_parallelism_shards_the_gguf_or_refuses_quantizing_at_load(
         load_weights(
             tiny, ModelConfig.from_model_dir(tiny), EngineConfig(quantization="int4"), torch.float32, cpu, TPShard(0, 2)
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# int8 activations (--cpu-activations int8: lossy, opt-in)
+
+# (format, group size, offsets): Q4_1/Q4_K's int4, Q4_K-like wider int4 groups, Q8_0's int8, and
+# int8 with offsets (Q5_1's form).
+Q8X_FORMATS = [("int4", 32, True), ("int4", 64, True), ("int8", 32, False), ("int8", 32, True)]
+
+
+def _q8x_weight(out: int, width: int, fmt: str, group: int, offsets: bool, seed: int) -> QuantizedWeight:
+    weight = _weight(out, width, fmt, group, seed)
+    if fmt == "int8" and offsets:
+        weight = QuantizedWeight(
+            "int8", weight.data, weight.scales, torch.randn_like(weight.scales) * 0.01, group, width
+        )
+    return weight
+
+
+@pytest.mark.parametrize(("fmt", "group", "offsets"), Q8X_FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 32])
+def test_int8_activation_products_match_their_torch_twin(fmt: str, group: int, offsets: bool, rows: int) -> None:
+    weight = _q8x_weight(53, 384, fmt, group, offsets, seed=rows)  # 53 outputs, 12 blocks a row
+    x = torch.randn(rows, 384)
+    x[0, :32] = 0.0  # an all-zero block: scale 0, no division by zero
+    bias = torch.randn(53)
+    module = Int8ActivationsLinear(weight, bias)
+    args = (x, weight.data, weight.scales, weight.offsets, module.bias, weight.group_size)
+    expected = ops.int8_activations_reference(*args)
+    torch.testing.assert_close(module(x), expected, rtol=1e-5, atol=1e-4)
+    # lossy against the exact product, and by as much as 8-bit activations lose
+    exact = ops.reference_linear(*args)
+    error = ((module(x) - exact).norm() / exact.norm()).item()
+    assert 1e-4 < error < 3e-2
+
+
+def test_int8_activation_products_run_longer_prompts_exactly() -> None:
+    weight = _weight(48, 256, "int4", 32)
+    module = Int8ActivationsLinear(weight)
+    x = torch.randn(ops.KERNEL_MAX_ROWS + 1, 256)
+    args = (x, weight.data, weight.scales, weight.offsets, None, weight.group_size)
+    torch.testing.assert_close(module(x), ops.reference_linear(*args), rtol=1e-5, atol=1e-4)
+    compiled = torch.compile(module.forward, fullgraph=True)
+    one = x[:1]
+    torch.testing.assert_close(compiled(one), ops.int8_activations_reference(one, *args[1:]), rtol=1e-5, atol=1e-4)
+
+
+def test_weights_in_groups_of_16_keep_exact_activations() -> None:
+    held = QuantizedLinear(_weight(16, 64, "int8", 16))
+    assert type(Int8ActivationsLinear.from_held(held)) is QuantizedLinear
+    with pytest.raises(ValueError, match="groups of whole blocks of 32, not 16"):
+        Int8ActivationsLinear(held.weight)
+    assert type(Int8ActivationsLinear.from_held(QuantizedLinear(_weight(16, 64, "int4", 32)))) is Int8ActivationsLinear
+
+
+def test_int8_activations_are_refused_off_the_cpu_and_by_name() -> None:
+    with pytest.raises(ValueError, match="cpu_activations must be one of fp32, int8, got 'int16'"):
+        EngineConfig(cpu_activations="int16")

@@ -88,7 +88,9 @@ class ModelRunner:
         )
         self.backend = self._choose_backend(config)
         self.model = self._load(model_dir, config, mesh)
-        install_products(self.model, not config.resolved_enforce_eager())
+        if config.cpu_activations != "fp32" and self.device.type != "cpu":
+            raise ValueError(f"--cpu-activations {config.cpu_activations} runs on the CPU only, not {self.device.type}")
+        install_products(self.model, not config.resolved_enforce_eager(), config.cpu_activations)
         max_tokens = max(config.max_num_batched_tokens, WARM_UP_TOKENS, MAX_CAPTURE_SIZE)
         self.adapter_slots = install_adapters(self.model, self.model_config, max_tokens, self.dtype)
         self.forward, self.compile_seconds = self._compile_and_warm_up(config)

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from compiled_engine.model.layers import Linear
 from compiled_engine.model.packed_linear import CpuLinear
-from compiled_engine.quantization.modules import QuantizedLinear
+from compiled_engine.quantization.modules import Int8ActivationsLinear, QuantizedLinear
 
 
 @dataclass(frozen=True)
@@ -31,15 +31,16 @@ class Product:
     device: str  # "cpu", "cuda", ...
     tensor_parallel: bool  # its weight is this rank's shard (a DTensor)
     compiled: bool  # the model runs compiled (engine/compilation.py), not eager
+    activations: str = "fp32"  # the CPU activations asked for (--cpu-activations): "fp32" or "int8"
 
     @classmethod
-    def of(cls, module: nn.Module, compiled: bool) -> Product | None:
+    def of(cls, module: nn.Module, compiled: bool, activations: str = "fp32") -> Product | None:
         """The product `module` runs as loaded, or None when it is not a linear product."""
         if isinstance(module, QuantizedLinear):
-            return cls(module.format, module.data.device.type, False, compiled)
+            return cls(module.format, module.data.device.type, False, compiled, activations)
         if isinstance(module, Linear):
             weight = module.weight
-            return cls("dense", weight.device.type, isinstance(weight, DTensor), compiled)
+            return cls("dense", weight.device.type, isinstance(weight, DTensor), compiled, activations)
         return None
 
 
@@ -69,6 +70,11 @@ def _quantized(native: bool) -> Callable[[nn.Module], nn.Module]:
     return build
 
 
+def _int8_activations(held: nn.Module) -> nn.Module:
+    assert isinstance(held, QuantizedLinear)
+    return Int8ActivationsLinear.from_held(held)
+
+
 # F.linear on the weight as loaded (under tensor parallelism, DTensor's sharded product).
 DENSE = Kernel("dense", _as_loaded)
 # The weight packed for oneDNN (its one copy where it can be): up to four rows the native kernel
@@ -77,6 +83,9 @@ PACKED_CPU = Kernel("packed CPU", _packed_cpu)
 # The C++ operator straight from the quantized weight: up to 32 rows the direct kernels, more
 # rows dequantize-then-GEMM (quantization/ops.py); with LoRA, product and delta in one operator.
 QUANTIZED_NATIVE = Kernel("quantized native", _quantized(native=True))
+# The same operator with x rounded to int8 in blocks of 32 for the direct kernel's integer dot
+# products (--cpu-activations int8, lossy); weights in groups of 16 stay exact.
+QUANTIZED_INT8_ACTIVATIONS = Kernel("quantized native, int8 activations", _int8_activations)
 # The opaque dispatcher `compiled_engine::quantized_linear`: off the CPU, dequantize in torch and
 # F.linear (the reference the native kernels are tested against).
 QUANTIZED_REFERENCE = Kernel("quantized reference", _quantized(native=False))
@@ -88,23 +97,26 @@ class Row:
     device: str | None
     tensor_parallel: bool | None
     compiled: bool | None
+    activations: str | None
     kernel: Kernel
 
     def matches(self, product: Product) -> bool:
-        wanted = (self.weight, self.device, self.tensor_parallel, self.compiled)
-        have = (product.weight, product.device, product.tensor_parallel, product.compiled)
+        wanted = (self.weight, self.device, self.tensor_parallel, self.compiled, self.activations)
+        have = (product.weight, product.device, product.tensor_parallel, product.compiled, product.activations)
         return all(want is None or want == value for want, value in zip(wanted, have, strict=True))
 
 
 # fmt: off
 KERNELS: tuple[Row, ...] = (
-    #   weight   device  tensor-parallel  compiled  kernel
-    Row("dense", "cpu",  False,           True,     PACKED_CPU),
-    Row("dense", None,   None,            None,     DENSE),
-    Row("int8",  "cpu",  False,           None,     QUANTIZED_NATIVE),
-    Row("int8",  None,   None,            None,     QUANTIZED_REFERENCE),
-    Row("int4",  "cpu",  False,           None,     QUANTIZED_NATIVE),
-    Row("int4",  None,   None,            None,     QUANTIZED_REFERENCE),
+    #   weight   device  tensor-parallel  compiled  activations  kernel
+    Row("dense", "cpu",  False,           True,     None,        PACKED_CPU),
+    Row("dense", None,   None,            None,     None,        DENSE),
+    Row("int8",  "cpu",  False,           None,     "int8",      QUANTIZED_INT8_ACTIVATIONS),
+    Row("int8",  "cpu",  False,           None,     None,        QUANTIZED_NATIVE),
+    Row("int8",  None,   None,            None,     None,        QUANTIZED_REFERENCE),
+    Row("int4",  "cpu",  False,           None,     "int8",      QUANTIZED_INT8_ACTIVATIONS),
+    Row("int4",  "cpu",  False,           None,     None,        QUANTIZED_NATIVE),
+    Row("int4",  None,   None,            None,     None,        QUANTIZED_REFERENCE),
 )
 # fmt: on
 

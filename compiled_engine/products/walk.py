@@ -22,19 +22,20 @@ from compiled_engine.model.packed_linear import BlockedEmbedding, CpuLinear
 from compiled_engine.products.table import Product, kernel_for
 
 
-def install_products(model: DecoderModel, compiled: bool) -> None:
+def install_products(model: DecoderModel, compiled: bool, activations: str = "fp32") -> None:
     """Run the walk on `model` (loaded, and sharded under tensor parallelism), for a model run
-    compiled or eager."""
+    compiled or eager, with the CPU activations asked for ("fp32", or "int8" for the quantized
+    products)."""
     tied = model.lm_head.weight is model.embed_tokens.weight
-    install_kernels(model, compiled)
+    install_kernels(model, compiled, activations)
     if tied:
         _tie_embedding(model)
 
 
-def install_kernels(model: nn.Module, compiled: bool) -> None:
+def install_kernels(model: nn.Module, compiled: bool, activations: str = "fp32") -> None:
     """Every linear product of `model` runs the kernel the table picks for it."""
     for name, module in list(model.named_modules()):
-        product = Product.of(module, compiled)
+        product = Product.of(module, compiled, activations)
         if product is None:
             continue
         kernel = kernel_for(product).build(module)

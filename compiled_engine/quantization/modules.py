@@ -16,7 +16,12 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from compiled_engine.quantization.ops import KERNEL_MAX_ROWS, native_operator, quantized_linear
+from compiled_engine.quantization.ops import (
+    KERNEL_MAX_ROWS,
+    int8_activations_operator,
+    native_operator,
+    quantized_linear,
+)
 from compiled_engine.quantization.weights import QuantizedWeight, dequantize_tensors
 
 
@@ -99,6 +104,42 @@ class QuantizedLinear(_HoldsQuantizedWeight):
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, {self.format}, group_size={self.group_size}"
+
+
+class Int8ActivationsLinear(QuantizedLinear):
+    """The product with x rounded to int8 in blocks of 32 before the direct kernel's integer dot
+    products (`--cpu-activations int8`: llama.cpp's numerics, lossy, opt-in); prompts of more
+    than KERNEL_MAX_ROWS tokens run exactly (dequantize-then-GEMM). Its own class, so that a
+    saved trace of the exact products is never replayed for it (the trace key names classes).
+    Without LoRA: adapters take the exact fused operator (`fuses_lora`)."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+        if weight.group_size % 32 != 0:
+            raise ValueError(
+                f"int8 activations need weight groups of whole blocks of 32, not {weight.group_size} "
+                "(run this format with --cpu-activations fp32)"
+            )
+        super().__init__(weight, bias, native=True)
+        operator = int8_activations_operator()
+        if operator is None:
+            raise ValueError("int8 activations need the native quantized operator, which cannot be built here")
+        self.int8_operator = operator
+
+    @classmethod
+    def from_held(cls, held: QuantizedLinear) -> QuantizedLinear:
+        """`held`'s product with int8 activations, or `held` run natively where its groups are
+        not whole blocks of 32 (the k-quants' groups of 16), which stay exact."""
+        if held.group_size % 32 != 0:
+            return QuantizedLinear.kernel(held, native=True)
+        return cls(held.weight, held.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu":
+            out: torch.Tensor = self.int8_operator(
+                x, self.data, self.scales, self.offsets, self.bias, self.group_size, KERNEL_MAX_ROWS
+            )
+            return out
+        return super().forward(x)
 
 
 class QuantizedEmbedding(_HoldsQuantizedWeight):

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from compiled_engine.native_build import KernelBuildError, TorchOperatorLibrary
 from compiled_engine.quantization.cpu_kernels import LIBRARY, QuantKernels, load_quant_kernels
-from compiled_engine.quantization.weights import dequantize_tensors
+from compiled_engine.quantization.weights import dequantize_tensors, unpack_int4
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,41 @@ def reference_linear(
     return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
 
 
+ACTIVATION_BLOCK = 32  # activations rounded to int8 share one scale per block of this many
+
+
+def int8_activations_reference(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    group_size: int,
+) -> torch.Tensor:
+    """The meaning of the int8-activation product (`quantized_linear_q8x_f32`'s direct rows), in
+    torch: each row of x [rows, in] rounded to int8 in blocks of 32 (scale d = max|x| / 127,
+    halves to even), each block's integer dot product with the integer weights scaled by
+    d times its group's weight scale, plus offset_g times the exact sum of x over the group."""
+    rows, width = x.shape
+    out = data.shape[0]
+    blocks = x.float().reshape(rows, width // ACTIVATION_BLOCK, ACTIVATION_BLOCK)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    d = amax / 127.0
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    xq = torch.round(blocks * inverse)  # halves to even, as the kernel's nearbyintf
+    q = (unpack_int4(data) if data.dtype == torch.uint8 else data).to(torch.float64)
+    q = q.reshape(out, width // ACTIVATION_BLOCK, ACTIVATION_BLOCK)
+    dots = torch.einsum("rbk,obk->rob", xq.double(), q)  # exact integers
+    block_scales = scales.repeat_interleave(group_size // ACTIVATION_BLOCK, dim=1)  # [out, blocks]
+    y = (dots * (d.squeeze(-1)[:, None, :] * block_scales[None]).double()).sum(-1)
+    if offsets is not None:
+        sums = x.double().reshape(rows, width // group_size, group_size).sum(-1)
+        y = y + sums @ offsets.double().T
+    if bias is not None:
+        y = y + bias.double()
+    return y.float()
+
+
 torch.library.define(
     "compiled_engine::quantized_linear",
     "(Tensor x, Tensor data, Tensor scales, Tensor? offsets, Tensor? bias, int group_size) -> Tensor",
@@ -143,5 +178,16 @@ def quantized_linear(
 
 
 def _register_native_fake() -> None:
-    """The C++ operator's shape function, once its schema exists (after native_operator())."""
+    """The C++ operators' shape function, once their schemas exist (after native_operator())."""
     torch.library.register_fake("compiled_engine::quantized_linear_f32")(_native_fake)
+    torch.library.register_fake("compiled_engine::quantized_linear_q8x_f32")(_native_fake)
+
+
+def int8_activations_operator() -> torch._ops.OpOverload | None:
+    """`compiled_engine::quantized_linear_q8x_f32`: the native product with x rounded to int8 in
+    blocks of 32 (llama.cpp's activation numerics; lossy, opt-in) for up to KERNEL_MAX_ROWS
+    rows, exact beyond; None when the native operator cannot be built."""
+    if native_operator() is None:
+        return None
+    op: torch._ops.OpOverload = torch.ops.compiled_engine.quantized_linear_q8x_f32.default
+    return op

@@ -20,6 +20,7 @@
  * build has AVX-512 (one conversion and one multiply-add per 16 weights), else the 8 of `vec`.
  * Every function returns 0, or a nonzero status for shapes it does not take.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -387,5 +388,121 @@ __attribute__((optimize("fp-contract=off"))) int int8_dequantize_f32(const int8_
             }
         }
     }
+    return 0;
+}
+
+/* ---- Products with 8-bit activations (opt-in, lossy: llama.cpp's numerics) ----------------
+ *
+ * Each row of x is rounded to int8 in blocks of 32 with one fp32 scale per block
+ * (xq = round(x / d), d = max|x| / 127, halves to even), and each block of weights is multiplied
+ * with it in integers: the 32 products of a block sum exactly in int32, then are scaled once by
+ * d * scale_g. Offsets add offset_g * sum(x_g) with the exact fp32 sums of x. Groups must be whole
+ * blocks of 32. On AVX2 a block is one unsigned-by-signed byte multiply (int4 weights are 0..15;
+ * int8 weights go through their absolute value, the sign moved onto x) and one widening add.
+ */
+
+/* xq [rows, in] int8 and d [rows, in / 32] from x. */
+static void quantize_rows_q8(const float *x, int64_t rows, int64_t in, int8_t *xq, float *d) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < in / 32; b++) {
+            const float *p = x + r * in + b * 32;
+            float amax = 0.0f;
+            for (int i = 0; i < 32; i++) amax = p[i] > amax ? p[i] : (-p[i] > amax ? -p[i] : amax);
+            float scale = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+            d[r * (in / 32) + b] = scale;
+            /* Rounded to nearest, halves to even: one exact operation on the rounded quotient, so
+             * no multiply-add contraction can move a tie (the torch twin rounds the same). */
+            for (int i = 0; i < 32; i++) xq[r * in + b * 32 + i] = (int8_t)nearbyintf(p[i] * inverse);
+        }
+}
+
+/* The integer dot product of one block of 32 weights with 32 int8 activations. */
+#if defined(__AVX2__)
+static inline __m256i int4_block_dot(const uint8_t *q, const int8_t *xq) {
+    __m128i v = _mm_loadu_si128((const __m128i *)q), low = _mm_set1_epi8(15);
+    __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+    __m256i pairs = _mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)xq));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+static inline __m256i int8_block_dot(const int8_t *q, const int8_t *xq) {
+    __m256i w = _mm256_loadu_si256((const __m256i *)q), a = _mm256_loadu_si256((const __m256i *)xq);
+    __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+#endif
+
+/* The same without AVX2: `block` is the block's 16 (int4) or 32 (int8) bytes. */
+static inline int32_t block_dot_scalar(const void *block, int int4, const int8_t *xq) {
+    int32_t acc = 0;
+    for (int j = 0; j < 32; j++) {
+        int w;
+        if (int4) {
+            uint8_t byte = ((const uint8_t *)block)[j & 15];
+            w = j < 16 ? byte & 15 : byte >> 4;
+        } else {
+            w = ((const int8_t *)block)[j];
+        }
+        acc += w * xq[j];
+    }
+    return acc;
+}
+
+/* One weight row against one row of quantized x. */
+INLINE float q8x_row(const int8_t *xq, const float *d, int64_t in, const void *q, int int4,
+                            const float *scale, const float *offset, int64_t group, const float *sums) {
+    int64_t groups = in / group, per_group = group / 32;
+#if defined(__AVX2__)
+    __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+    for (int64_t g = 0, b = 0; g < groups; g++)
+        for (int64_t end = b + per_group; b < end; b++) {
+            __m256i dot = int4 ? int4_block_dot((const uint8_t *)q + b * 16, xq + b * 32)
+                               : int8_block_dot((const int8_t *)q + b * 32, xq + b * 32);
+            __m256 s = _mm256_set1_ps(d[b] * scale[g]);
+            if (b & 1) odd = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, odd);
+            else even = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, even);
+        }
+    float total = hsum((vec)_mm256_add_ps(even, odd));
+#else
+    float total = 0.0f;
+    for (int64_t g = 0, b = 0; g < groups; g++)
+        for (int64_t end = b + per_group; b < end; b++)
+            total += (float)block_dot_scalar((const uint8_t *)q + b * (int4 ? 16 : 32), int4, xq + b * 32) *
+                     (d[b] * scale[g]);
+#endif
+    return total + (offset ? dot(offset, sums, groups) : 0.0f);
+}
+
+/* y [rows, out] = x [rows, in] times int4 (`int4`, uint8 data with offsets) or int8 (int8
+ * data, offsets optional) weights, with x rounded to int8 as above. 0, or nonzero for shapes it
+ * does not take (groups not whole blocks of 32) or when memory runs out. */
+int quant_matmul_q8x_f32(const float *x, int64_t rows, int64_t in, const void *data, int int4, const float *scales,
+                         const float *offsets, int64_t out, int64_t group, const float *bias, float *y, int threads) {
+    if (rows < 1 || out < 1 || group < 32 || group % 32 != 0 || in % group != 0 || (int4 && !offsets)) return 1;
+    int64_t groups = in / group, row_bytes = int4 ? in / 2 : in;
+    int8_t *xq = malloc(rows * in);
+    float *d = malloc(sizeof(float) * rows * (in / 32));
+    float *sums = offsets ? malloc(sizeof(float) * rows * groups) : NULL;
+    if (!xq || !d || (offsets && !sums)) {
+        free(xq), free(d), free(sums);
+        return 2;
+    }
+    quantize_rows_q8(x, rows, in, xq, d);
+    if (offsets) group_sums(x, rows, in, group, sums);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t o = 0; o < out; o++) {
+        const uint8_t *q = (const uint8_t *)data + o * row_bytes;
+        const float *sc = scales + o * groups, *of = offsets ? offsets + o * groups : NULL;
+        for (int64_t r = 0; r < rows; r++) {
+            const int8_t *xr = xq + r * in;
+            const float *dr = d + r * (in / 32), *su = offsets ? sums + r * groups : NULL;
+            float v; /* the common shapes as constants, so that the block loop has no branches */
+            if (int4 && group == 32) v = q8x_row(xr, dr, in, q, 1, sc, of, 32, su);
+            else if (int4) v = q8x_row(xr, dr, in, q, 1, sc, of, group, su);
+            else if (group == 32) v = q8x_row(xr, dr, in, q, 0, sc, of, 32, su);
+            else v = q8x_row(xr, dr, in, q, 0, sc, of, group, su);
+            y[r * out + o] = v + (bias ? bias[o] : 0.0f);
+        }
+    }
+    free(xq), free(d), free(sums);
     return 0;
 }

@@ -22,13 +22,15 @@ int int4_dequantize_f32(const uint8_t *data, const float *scales, const float *o
                         int64_t group, float *w, int threads);
 int int8_dequantize_f32(const int8_t *data, const float *scales, const float *offsets, int64_t out, int64_t in,
                         int64_t group, float *w, int threads);
+int quant_matmul_q8x_f32(const float *x, int64_t rows, int64_t in, const void *data, int int4, const float *scales,
+                         const float *offsets, int64_t out, int64_t group, const float *bias, float *y, int threads);
 }
 
 namespace {
 
-at::Tensor quantized_linear_f32(const at::Tensor &x, const at::Tensor &data, const at::Tensor &scales,
-                                const std::optional<at::Tensor> &offsets, const std::optional<at::Tensor> &bias,
-                                int64_t group_size, int64_t max_kernel_rows) {
+at::Tensor product(const at::Tensor &x, const at::Tensor &data, const at::Tensor &scales,
+                   const std::optional<at::Tensor> &offsets, const std::optional<at::Tensor> &bias, int64_t group_size,
+                   int64_t max_kernel_rows, bool int8_activations) {
     // uint8 data is int4 (offsets required), int8 data the int8 format (offsets optional)
     const bool int4 = data.scalar_type() == at::kByte;
     const int64_t out = data.size(0), in = data.size(1) * (int4 ? 2 : 1);
@@ -50,7 +52,10 @@ at::Tensor quantized_linear_f32(const at::Tensor &x, const at::Tensor &data, con
     int status;
     if (rows <= max_kernel_rows) {
         at::Tensor y = at::empty({rows, out}, x.options());
-        if (int4)
+        if (int8_activations)
+            status = quant_matmul_q8x_f32(xc.data_ptr<float>(), rows, in, data.data_ptr(), int4, scales.data_ptr<float>(),
+                                          offsets_ptr, out, group_size, bias_ptr, y.data_ptr<float>(), threads);
+        else if (int4)
             status = int4_matmul_f32(xc.data_ptr<float>(), rows, in, data.data_ptr<uint8_t>(), scales.data_ptr<float>(),
                                      offsets->data_ptr<float>(), out, group_size, bias_ptr, y.data_ptr<float>(),
                                      threads);
@@ -71,11 +76,31 @@ at::Tensor quantized_linear_f32(const at::Tensor &x, const at::Tensor &data, con
     return at::linear(xc, w, bias);
 }
 
+at::Tensor quantized_linear_f32(const at::Tensor &x, const at::Tensor &data, const at::Tensor &scales,
+                                const std::optional<at::Tensor> &offsets, const std::optional<at::Tensor> &bias,
+                                int64_t group_size, int64_t max_kernel_rows) {
+    return product(x, data, scales, offsets, bias, group_size, max_kernel_rows, false);
+}
+
+// The same with x rounded to int8 in blocks of 32 for the direct kernel's rows (quant_matmul.c's
+// 8-bit-activation products; lossy, opt-in). More rows than max_kernel_rows run exactly as above.
+at::Tensor quantized_linear_q8x_f32(const at::Tensor &x, const at::Tensor &data, const at::Tensor &scales,
+                                    const std::optional<at::Tensor> &offsets, const std::optional<at::Tensor> &bias,
+                                    int64_t group_size, int64_t max_kernel_rows) {
+    TORCH_CHECK(group_size % 32 == 0, "quantized_linear_q8x_f32: groups must be whole blocks of 32, not ", group_size);
+    return product(x, data, scales, offsets, bias, group_size, max_kernel_rows, true);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(compiled_engine, m) {
     m.def("quantized_linear_f32(Tensor x, Tensor data, Tensor scales, Tensor? offsets, Tensor? bias, int group_size, "
           "int max_kernel_rows) -> Tensor");
+    m.def("quantized_linear_q8x_f32(Tensor x, Tensor data, Tensor scales, Tensor? offsets, Tensor? bias, "
+          "int group_size, int max_kernel_rows) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(compiled_engine, CPU, m) { m.impl("quantized_linear_f32", quantized_linear_f32); }
+TORCH_LIBRARY_IMPL(compiled_engine, CPU, m) {
+    m.impl("quantized_linear_f32", quantized_linear_f32);
+    m.impl("quantized_linear_q8x_f32", quantized_linear_q8x_f32);
+}
