@@ -447,29 +447,47 @@ static inline int32_t block_dot_scalar(const void *block, int int4, const int8_t
     return acc;
 }
 
-/* One weight row against one row of quantized x. */
-INLINE float q8x_row(const int8_t *xq, const float *d, int64_t in, const void *q, int int4,
-                            const float *scale, const float *offset, int64_t group, const float *sums) {
-    int64_t groups = in / group, per_group = group / 32;
+/* One weight row against n (1..TILE) rows of quantized x `in` apart: each block of weights is
+ * loaded (and its nibbles split) once for the n rows. out[r] as for one row. */
+INLINE void q8x_rows(const int8_t *xq, const float *d, int64_t n, int64_t in, const void *q, int int4,
+                     const float *scale, const float *offset, int64_t group, const float *sums, float *out) {
+    int64_t groups = in / group, per_group = group / 32, blocks = in / 32;
 #if defined(__AVX2__)
-    __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+    __m256 total[2][TILE]; /* even and odd blocks: two multiply-add chains a row */
+    for (int64_t r = 0; r < n; r++) total[0][r] = total[1][r] = _mm256_setzero_ps();
+    const __m128i low = _mm_set1_epi8(15);
+    const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t g = 0, b = 0; g < groups; g++)
         for (int64_t end = b + per_group; b < end; b++) {
-            __m256i dot = int4 ? int4_block_dot((const uint8_t *)q + b * 16, xq + b * 32)
-                               : int8_block_dot((const int8_t *)q + b * 32, xq + b * 32);
-            __m256 s = _mm256_set1_ps(d[b] * scale[g]);
-            if (b & 1) odd = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, odd);
-            else even = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, even);
+            __m256i w, sign = _mm256_setzero_si256();
+            if (int4) {
+                __m128i v = _mm_loadu_si128((const __m128i *)((const uint8_t *)q + b * 16));
+                w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+            } else {
+                sign = _mm256_loadu_si256((const __m256i *)((const int8_t *)q + b * 32));
+                w = _mm256_sign_epi8(sign, sign);
+            }
+            for (int64_t r = 0; r < n; r++) {
+                __m256i a = _mm256_loadu_si256((const __m256i *)(xq + r * in + b * 32));
+                if (!int4) a = _mm256_sign_epi8(a, sign);
+                __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones);
+                __m256 s = _mm256_set1_ps(d[r * blocks + b] * scale[g]);
+                if (b & 1) total[1][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, total[1][r]);
+                else total[0][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, total[0][r]);
+            }
         }
-    float total = hsum((vec)_mm256_add_ps(even, odd));
+    for (int64_t r = 0; r < n; r++) out[r] = hsum((vec)_mm256_add_ps(total[0][r], total[1][r]));
 #else
-    float total = 0.0f;
-    for (int64_t g = 0, b = 0; g < groups; g++)
-        for (int64_t end = b + per_group; b < end; b++)
-            total += (float)block_dot_scalar((const uint8_t *)q + b * (int4 ? 16 : 32), int4, xq + b * 32) *
-                     (d[b] * scale[g]);
+    for (int64_t r = 0; r < n; r++) {
+        out[r] = 0.0f;
+        for (int64_t g = 0, b = 0; g < groups; g++)
+            for (int64_t end = b + per_group; b < end; b++)
+                out[r] += (float)block_dot_scalar((const uint8_t *)q + b * (int4 ? 16 : 32), int4, xq + r * in + b * 32) *
+                          (d[r * blocks + b] * scale[g]);
+    }
 #endif
-    return total + (offset ? dot(offset, sums, groups) : 0.0f);
+    if (offset)
+        for (int64_t r = 0; r < n; r++) out[r] += dot(offset, sums + r * groups, groups);
 }
 
 /* y [rows, out] = x [rows, in] times int4 (`int4`, uint8 data with offsets) or int8 (int8
@@ -492,15 +510,25 @@ int quant_matmul_q8x_f32(const float *x, int64_t rows, int64_t in, const void *d
     for (int64_t o = 0; o < out; o++) {
         const uint8_t *q = (const uint8_t *)data + o * row_bytes;
         const float *sc = scales + o * groups, *of = offsets ? offsets + o * groups : NULL;
-        for (int64_t r = 0; r < rows; r++) {
-            const int8_t *xr = xq + r * in;
-            const float *dr = d + r * (in / 32), *su = offsets ? sums + r * groups : NULL;
-            float v; /* the common shapes as constants, so that the block loop has no branches */
-            if (int4 && group == 32) v = q8x_row(xr, dr, in, q, 1, sc, of, 32, su);
-            else if (int4) v = q8x_row(xr, dr, in, q, 1, sc, of, group, su);
-            else if (group == 32) v = q8x_row(xr, dr, in, q, 0, sc, of, 32, su);
-            else v = q8x_row(xr, dr, in, q, 0, sc, of, group, su);
-            y[r * out + o] = v + (bias ? bias[o] : 0.0f);
+        for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
+            int64_t n = rows - r0 < TILE ? rows - r0 : TILE;
+            const int8_t *xr = xq + r0 * in;
+            const float *dr = d + r0 * (in / 32), *su = offsets ? sums + r0 * groups : NULL;
+            float part[TILE];
+            /* the common shapes as constants, so that the block loop has no branches */
+#define Q8X_CASE(N)                                                                  \
+    if (int4 && group == 32) q8x_rows(xr, dr, N, in, q, 1, sc, of, 32, su, part);    \
+    else if (int4) q8x_rows(xr, dr, N, in, q, 1, sc, of, group, su, part);           \
+    else if (group == 32) q8x_rows(xr, dr, N, in, q, 0, sc, of, 32, su, part);       \
+    else q8x_rows(xr, dr, N, in, q, 0, sc, of, group, su, part);
+            switch (n) {
+            case 1: Q8X_CASE(1) break;
+            case 2: Q8X_CASE(2) break;
+            case 3: Q8X_CASE(3) break;
+            default: Q8X_CASE(4) break;
+            }
+#undef Q8X_CASE
+            for (int64_t r = 0; r < n; r++) y[(r0 + r) * out + o] = part[r] + (bias ? bias[o] : 0.0f);
         }
     }
     free(xq), free(d), free(sums);
