@@ -3,7 +3,7 @@ o [576, 576], gate_up [3072, 576] and down [576, 1536]) in one GGUF block type's
 through the native operator, for 1, 2, 4 and 8 rows of x: the cost of a step and of verifying a
 speculative draft of 1-7 tokens. Random blocks, as perf/gguf_type_speed.py makes them.
 
-    python perf/decode_products.py [--type Q4_1] [--steps 30]
+    python perf/decode_products.py [--type Q4_1] [--steps 30] [--activations int8]
 
 Prints, per row count, the median milliseconds a step's products take, the weight bytes read per
 second, the multiply-adds per second, and the time as a multiple of one row's.
@@ -20,7 +20,7 @@ from gguf_type_speed import random_blocks
 
 from compiled_engine.model.gguf import TYPE_NAMES
 from compiled_engine.quantization.gguf_blocks import decode_blocks
-from compiled_engine.quantization.modules import QuantizedLinear
+from compiled_engine.quantization.modules import Int8ActivationsLinear, QuantizedLinear
 
 LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in) of qkv, o, gate_up, down
 
@@ -31,10 +31,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rows", default="1,2,4,8")
+    parser.add_argument("--activations", default="fp32", choices=("fp32", "int8"), help="as --cpu-activations")
     args = parser.parse_args()
     ggml_type = next(number for number, name in TYPE_NAMES.items() if name == args.type)
+    kind = Int8ActivationsLinear.from_held if args.activations == "int8" else (lambda held: held)
     products = [
-        QuantizedLinear(decode_blocks(random_blocks(ggml_type, out, width), ggml_type))
+        kind(QuantizedLinear(decode_blocks(random_blocks(ggml_type, out, width), ggml_type)))
         for _ in range(args.layers)
         for out, width in LAYER_SHAPES
     ]
@@ -42,7 +44,8 @@ def main() -> None:
     weight_bytes = sum(p.weight.nbytes for p in products)
     multiply_adds = args.layers * sum(out * width for out, width in LAYER_SHAPES)
     print(
-        f"{args.type} as {first.format} g{first.group_size}{' +offsets' if first.offsets is not None else ''}: "
+        f"{args.type} as {first.format} g{first.group_size}{' +offsets' if first.offsets is not None else ''}, "
+        f"{args.activations} activations ({type(products[0]).__name__}): "
         f"{len(products)} products, {weight_bytes / 1e6:.1f} MB, {torch.get_num_threads()} threads, "
         f"median of {args.steps} steps"
     )

@@ -105,8 +105,11 @@ def int8_activations_reference(
     out = data.shape[0]
     blocks = x.float().reshape(rows, width // ACTIVATION_BLOCK, ACTIVATION_BLOCK)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
-    d = amax / 127.0
-    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # Divisions of two tensors: `127.0 / amax` would be 127 times amax's reciprocal, rounded twice,
+    # not the kernel's one rounding.
+    steps = torch.full_like(amax, 127.0)
+    d = amax / steps
+    inverse = torch.where(amax > 0, steps / amax, torch.zeros_like(amax))
     xq = torch.round(blocks * inverse)  # halves to even, as the kernel's nearbyintf
     q = (unpack_int4(data) if data.dtype == torch.uint8 else data).to(torch.float64)
     q = q.reshape(out, width // ACTIVATION_BLOCK, ACTIVATION_BLOCK)
