@@ -412,3 +412,20 @@ def test_weights_in_groups_of_16_keep_exact_activations() -> None:
 def test_int8_activations_are_refused_off_the_cpu_and_by_name() -> None:
     with pytest.raises(ValueError, match="cpu_activations must be one of fp32, int8, got 'int16'"):
         EngineConfig(cpu_activations="int16")
+
+
+def test_the_int8_activation_operator_refuses_bad_input_by_its_own_name() -> None:
+    weight = _weight(16, 64, "int4", 32)
+    op = ops.int8_activations_operator()
+    assert op is not None
+    args = (weight.data, weight.scales, weight.offsets, None, weight.group_size, ops.KERNEL_MAX_ROWS)
+    with pytest.raises(RuntimeError, match=r"quantized_linear_q8x_f32: x must be float32 \[rows, 64\]"):
+        op(torch.randn(2, 32), *args)
+    with pytest.raises(RuntimeError, match="quantized_linear_q8x_f32: groups must be whole blocks of 32, not 16"):
+        op(torch.randn(2, 64), *args[:3], None, 16, ops.KERNEL_MAX_ROWS)
+
+
+def test_int8_activations_without_the_native_operator_fail_with_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ops, "native_operator", lambda: None)
+    with pytest.raises(ValueError, match="int8 activations need the native quantized operator"):
+        Int8ActivationsLinear(_weight(16, 64, "int4", 32))

@@ -31,19 +31,20 @@ namespace {
 at::Tensor product(const at::Tensor &x, const at::Tensor &data, const at::Tensor &scales,
                    const std::optional<at::Tensor> &offsets, const std::optional<at::Tensor> &bias, int64_t group_size,
                    int64_t max_kernel_rows, bool int8_activations) {
+    const char *name = int8_activations ? "quantized_linear_q8x_f32" : "quantized_linear_f32";
     // uint8 data is int4 (offsets required), int8 data the int8 format (offsets optional)
     const bool int4 = data.scalar_type() == at::kByte;
     const int64_t out = data.size(0), in = data.size(1) * (int4 ? 2 : 1);
     TORCH_CHECK(x.dim() == 2 && x.size(1) == in && x.scalar_type() == at::kFloat && x.is_cpu(),
-                "quantized_linear_f32: x must be float32 [rows, ", in, "] on the CPU");
+                name, ": x must be float32 [rows, ", in, "] on the CPU");
     TORCH_CHECK(data.is_contiguous() && scales.is_contiguous() && (!offsets || offsets->is_contiguous()),
-                "quantized_linear_f32: the weight's tensors must be contiguous");
+                name, ": the weight's tensors must be contiguous");
     TORCH_CHECK((int4 ? offsets.has_value() : data.scalar_type() == at::kChar) && scales.scalar_type() == at::kFloat &&
                     (!offsets || offsets->scalar_type() == at::kFloat),
-                "quantized_linear_f32: int4 data is uint8 with offsets, int8 data is int8 with or without offsets");
+                name, ": int4 data is uint8 with offsets, int8 data is int8 with or without offsets");
     const float *offsets_ptr = offsets ? offsets->data_ptr<float>() : nullptr;
     TORCH_CHECK(!bias || (bias->numel() == out && bias->scalar_type() == at::kFloat && bias->is_contiguous()),
-                "quantized_linear_f32: bias must be float32 [", out, "]");
+                name, ": bias must be float32 [", out, "]");
     const int64_t rows = x.size(0);
     if (rows == 0) return at::empty({0, out}, x.options());
     const at::Tensor xc = x.contiguous();
@@ -62,7 +63,7 @@ at::Tensor product(const at::Tensor &x, const at::Tensor &data, const at::Tensor
         else
             status = int8_matmul_f32(xc.data_ptr<float>(), rows, in, data.data_ptr<int8_t>(), scales.data_ptr<float>(),
                                      offsets_ptr, out, group_size, bias_ptr, y.data_ptr<float>(), threads);
-        TORCH_CHECK(status == 0, "quantized_linear_f32: the kernel refused [", out, ", ", in, "] (status ", status, ")");
+        TORCH_CHECK(status == 0, name, ": the kernel refused [", out, ", ", in, "] (status ", status, ")");
         return y;
     }
     at::Tensor w = at::empty({out, in}, x.options());
@@ -72,7 +73,7 @@ at::Tensor product(const at::Tensor &x, const at::Tensor &data, const at::Tensor
     else
         status = int8_dequantize_f32(data.data_ptr<int8_t>(), scales.data_ptr<float>(), offsets_ptr, out, in,
                                      group_size, w.data_ptr<float>(), threads);
-    TORCH_CHECK(status == 0, "quantized_linear_f32: dequantizing [", out, ", ", in, "] failed");
+    TORCH_CHECK(status == 0, name, ": dequantizing [", out, ", ", in, "] failed");
     return at::linear(xc, w, bias);
 }
 
