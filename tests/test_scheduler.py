@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from compiled_engine.cache.block_manager import BlockManager
+from compiled_engine.cache.block_manager import BlockManager, PageCopy
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.engine.scheduler import Scheduler, SchedulerOutput
 from compiled_engine.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -156,13 +156,31 @@ def test_prefix_cache_hit_skips_the_cached_tokens() -> None:
     scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=64)
     first = make_seq(10, max_tokens=1)
     scheduler.add(first)
+    out = scheduler.schedule()
+    first_pages = list(first.block_table)
+    for seq in scheduler.advance(out):
+        scheduler.finish(seq, FinishReason.LENGTH)
+    again = make_seq(10, max_tokens=1)
+    scheduler.add(again)
+    out = scheduler.schedule()
+    # Two full pages shared, then the first one of the two tokens the finished sequence left in
+    # its last page, copied; the last token is always computed.
+    assert again.num_cached_tokens == 9
+    assert out.scheduled[0].num_tokens == 1
+    assert again.block_table[:2] == first_pages[:2] and again.block_table[2] != first_pages[2]
+    assert out.page_copies == [PageCopy(first_pages[2], again.block_table[2], 1)]
+    assert manager.stats.hit_tokens == 9 and manager.stats.queried_tokens == 20
+
+
+def test_without_the_prefix_cache_a_finished_last_page_is_not_kept() -> None:
+    manager = BlockManager(num_pages=32, page_size=4, enable_prefix_caching=False)
+    scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=64)
+    scheduler.add(make_seq(10, max_tokens=1))
     run_to_completion(scheduler)
     again = make_seq(10, max_tokens=1)
     scheduler.add(again)
     out = fake_step(scheduler)
-    assert again.num_cached_tokens == 8  # two full pages; the last token is always computed
-    assert out.scheduled[0].num_tokens == 2
-    assert manager.stats.hit_tokens == 8 and manager.stats.queried_tokens == 20
+    assert again.num_cached_tokens == 0 and out.page_copies == [] and manager.num_free_pages == 32
 
 
 def test_forked_completions_share_the_prompt_pages() -> None:

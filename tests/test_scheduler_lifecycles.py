@@ -166,11 +166,18 @@ class Harness:
         self.steps += 1
         self.check_schedule(out, had_work)
         COUNTERS["preemptions"] += len(out.preempted)
-        # Admissions: hits cover whole pages, never the last token.
+        # Admissions: hits cover whole pages and then, through one page copy, part of the next;
+        # never the last token.
         admitted = [item.seq for item in out.scheduled if item.seq.seq_id in waiting_before]
         self.check_queue_order(queue_before, admitted)
+        copies = {copy.dst: copy for copy in out.page_copies}
+        assert len(copies) == len(out.page_copies)
         for seq in admitted:
-            assert seq.num_computed_tokens % page_size == 0
+            partial = seq.num_computed_tokens % page_size
+            if partial:
+                copy = copies.pop(seq.block_table[seq.num_computed_tokens // page_size])
+                assert copy.num_tokens == partial
+                COUNTERS["page_copies"] += 1
             assert 0 <= seq.num_computed_tokens < seq.num_tokens
             if seq.num_computed_tokens:
                 forked = seq.fork_of is not None and seq.fork_of.status is SequenceStatus.RUNNING
@@ -179,8 +186,15 @@ class Harness:
         assert self.bm.stats.queried_tokens - queried_before == sum(s.num_tokens for s in admitted)
         assert self.bm.stats.hit_tokens - hits_before == sum(s.num_computed_tokens for s in admitted)
         self.bm.check_consistency([s.block_table for s in self.sched.running])
-        # The forward pass: write each scheduled token into its slot. Pages past the computed
-        # ones were just handed out (fresh or evicted): whatever they held before is gone.
+        assert not copies, "a page copy for no admitted sequence"
+        # The forward pass: first the page copies, in order (what the source holds now, under
+        # its writer's salt; the rest of the page is garbage); then each scheduled token into
+        # its slot. Pages past the computed ones were just handed out (fresh or evicted):
+        # whatever they held before is gone.
+        for copy in out.page_copies:
+            held = self.shadow[copy.src][: copy.num_tokens]
+            self.shadow[copy.dst] = held + [None] * (page_size - copy.num_tokens)
+            self.shadow_salt[copy.dst] = self.shadow_salt[copy.src]
         for item in out.scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
             for index in range(ceil_div(start, page_size), len(seq.block_table)):
@@ -375,7 +389,7 @@ def test_random_lifecycles() -> None:
     assert COUNTERS["requests"] >= MIN_LIFECYCLES
     # The interesting paths were taken, not just the easy ones.
     assert COUNTERS["preemptions"] > 0
-    assert COUNTERS["examples_with_hits"] > 0 and COUNTERS["prefix_hits"] > 0
+    assert COUNTERS["examples_with_hits"] > 0 and COUNTERS["prefix_hits"] > 0 and COUNTERS["page_copies"] > 0
     assert COUNTERS["examples_with_evictions"] > 0
     assert COUNTERS["fork_shares"] > 0 and COUNTERS["forks_overtaken"] > 0
     for state in ("waiting", "prefilling", "decoding"):

@@ -5,7 +5,14 @@ Prefix cache: once a page is full and its K/V computed, it is registered under a
 (the previous page's key, this page's token ids, the cache salt). A later sequence whose prompt
 starts with the same pages under the same salt takes references to them instead of recomputing.
 A page nobody references stays cached ("evictable") until allocation needs it, least recently
-freed first. Partially filled pages are never registered, so never shared.
+freed first.
+
+Past the last whole page, a prompt may still continue a cached page's first tokens: the last
+page of a finished sequence (kept, partly filled, when its pages are freed) or a full page that
+agrees with the prompt only for a while. `match_tail` finds the cached page after the matched
+ones that agrees longest with the prompt, and the scheduler copies the K/V of those tokens into
+the prompt's own next page (`PageCopy`). So a repeated prompt recomputes its last token only.
+Partly filled pages are copied from, never shared.
 """
 
 from __future__ import annotations
@@ -21,10 +28,42 @@ def page_key(parent_key: int | None, token_ids: Sequence[int], salt: Hashable) -
     return hash((parent_key, tuple(token_ids), salt))
 
 
+@dataclass(frozen=True)
+class PageCopy:
+    """Copy the K/V of the first `num_tokens` tokens of page `src` into page `dst` (every layer),
+    before the step's forward writes anything."""
+
+    src: int
+    dst: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class TailHit:
+    """A cached page whose first `num_tokens` tokens continue a prompt's matched pages."""
+
+    page: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class _CachedTokens:
+    """What a cached page holds: the tokens after the page keyed `parent` under `salt`."""
+
+    parent: int | None
+    salt: Hashable
+    tokens: tuple[int, ...]
+
+    @property
+    def index_key(self) -> tuple[int | None, Hashable, int]:
+        return (self.parent, self.salt, self.tokens[0])
+
+
 @dataclass
 class PrefixCacheStats:
     queried_tokens: int = 0
-    hit_tokens: int = 0
+    hit_tokens: int = 0  # shared whole pages' tokens and copied ones
+    copied_tokens: int = 0  # of those, the ones copied from inside a cached page
     evictions: int = 0
 
 
@@ -39,8 +78,12 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_pages))  # unreferenced and not cached
         self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced but cached, LRU first
         self._refcount = [0] * num_pages
-        self._key_of_page: list[int | None] = [None] * num_pages
+        self._key_of_page: list[int | None] = [None] * num_pages  # full pages only
         self._page_of_key: dict[int, int] = {}
+        # Every cached page's tokens (full pages and kept last pages), and the cached pages by
+        # (parent key, salt, first token): where `match_tail` looks for a continuation.
+        self._tokens_of_page: list[_CachedTokens | None] = [None] * num_pages
+        self._pages_after: dict[tuple[int | None, Hashable, int], dict[int, None]] = {}
 
     @property
     def num_free_pages(self) -> int:
@@ -78,11 +121,25 @@ class BlockManager:
             return self._free.popleft()
         page, _ = self._evictable.popitem(last=False)
         key = self._key_of_page[page]
-        assert key is not None
-        del self._page_of_key[key]
-        self._key_of_page[page] = None
+        if key is not None:
+            del self._page_of_key[key]
+            self._key_of_page[page] = None
+        self._forget_tokens(page)
         self.stats.evictions += 1
         return page
+
+    def _remember_tokens(self, page: int, cached: _CachedTokens) -> None:
+        self._tokens_of_page[page] = cached
+        self._pages_after.setdefault(cached.index_key, {})[page] = None
+
+    def _forget_tokens(self, page: int) -> None:
+        cached = self._tokens_of_page[page]
+        assert cached is not None, f"page {page} was evictable without cached tokens"
+        self._tokens_of_page[page] = None
+        siblings = self._pages_after[cached.index_key]
+        del siblings[page]
+        if not siblings:
+            del self._pages_after[cached.index_key]
 
     def free(self, block_table: list[int]) -> None:
         """Drop one reference to every page in `block_table` and empty it."""
@@ -96,11 +153,34 @@ class BlockManager:
         for page in block_table:
             self._refcount[page] -= 1
             if self._refcount[page] == 0:
-                if self._key_of_page[page] is None:
+                if self._tokens_of_page[page] is None:
                     self._free.append(page)
                 else:
                     self._evictable[page] = None
         block_table.clear()
+
+    def free_keeping_last_page(
+        self,
+        block_table: list[int],
+        page_keys: Sequence[int],
+        token_ids: Sequence[int],
+        num_computed: int,
+        salt: Hashable,
+    ) -> None:
+        """`free`, but first keep the sequence's partly filled last page cached (its computed
+        tokens after its full pages `page_keys`), for a later prompt to copy from."""
+        full = len(page_keys)
+        count = num_computed - full * self.page_size
+        if (
+            self.enable_prefix_caching
+            and 0 < count < self.page_size
+            and full < len(block_table)
+            and self._refcount[block_table[full]] == 1
+            and self._tokens_of_page[block_table[full]] is None
+        ):
+            tokens = tuple(token_ids[full * self.page_size : num_computed])
+            self._remember_tokens(block_table[full], _CachedTokens(page_keys[-1] if full else None, salt, tokens))
+        self.free(block_table)
 
     def truncate(self, block_table: list[int], num_tokens: int) -> None:
         """Drop the pages of `block_table` past the first `num_tokens` tokens (rejected draft
@@ -144,9 +224,33 @@ class BlockManager:
             parent = key
         return pages, keys
 
-    def record_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
+    def match_tail(self, token_ids: Sequence[int], keys: Sequence[int], salt: Hashable) -> TailHit | None:
+        """After the full pages `keys` that `match_prefix` found: the cached page whose first
+        tokens agree longest with the prompt's next ones (never covering its last token)."""
+        if not self.enable_prefix_caching:
+            return None
+        start = len(keys) * self.page_size
+        wanted = token_ids[start : min(len(token_ids) - 1, start + self.page_size)]
+        if not wanted:
+            return None
+        pages = self._pages_after.get((keys[-1] if keys else None, salt, wanted[0]))
+        best: TailHit | None = None
+        for page in pages or ():
+            cached = self._tokens_of_page[page]
+            assert cached is not None
+            agree = 0
+            for mine, theirs in zip(wanted, cached.tokens, strict=False):  # a kept page may be shorter
+                if mine != theirs:
+                    break
+                agree += 1
+            if best is None or agree > best.num_tokens:
+                best = TailHit(page, agree)
+        return best
+
+    def record_lookup(self, queried_tokens: int, hit_tokens: int, copied_tokens: int = 0) -> None:
         self.stats.queried_tokens += queried_tokens
         self.stats.hit_tokens += hit_tokens
+        self.stats.copied_tokens += copied_tokens
 
     def register_full_pages(
         self,
@@ -169,6 +273,8 @@ class BlockManager:
             if key not in self._page_of_key and self._key_of_page[page] is None:
                 self._page_of_key[key] = page
                 self._key_of_page[page] = key
+                parent = page_keys[-2] if i else None
+                self._remember_tokens(page, _CachedTokens(parent, salt, tuple(token_ids[i * size : (i + 1) * size])))
 
     def check_consistency(self, tables: Sequence[Sequence[int]]) -> None:
         """Assert that refcounts equal the references in `tables` (every live block table) and
@@ -182,6 +288,9 @@ class BlockManager:
         assert not referenced & (free | evictable)
         assert len(referenced) + len(free) + len(evictable) == self.num_pages
         for page in evictable:
-            assert self._key_of_page[page] is not None
+            assert self._tokens_of_page[page] is not None
         for key, page in self._page_of_key.items():
             assert self._key_of_page[page] == key
+            assert self._tokens_of_page[page] is not None
+        indexed = {page for pages in self._pages_after.values() for page in pages}
+        assert indexed == {p for p in range(self.num_pages) if self._tokens_of_page[p] is not None}

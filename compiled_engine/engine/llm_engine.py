@@ -205,7 +205,7 @@ class LLMEngine:
                     request = self._requests.get(item.seq.request_id)
                     for seq in request.seqs if request is not None else [item.seq]:
                         if not seq.is_finished:
-                            self.scheduler.finish(seq, FinishReason.ABORT)
+                            self.scheduler.finish(seq, FinishReason.ABORT, pages_written=False)
                     if request is not None:
                         request.changed = True
                 raise
@@ -218,7 +218,7 @@ class LLMEngine:
         with nvtx_range("draft"):
             draft_probs = self.drafter.fill(scheduled, self.scheduler.running)
         batch = [(item.seq, item.num_tokens) for item in out.scheduled]
-        logits = self.runner.run(batch, self.adapters.slots_for(scheduled))
+        logits = self.runner.run(batch, self.adapters.slots_for(scheduled), out.page_copies)
         first_rows, row = {}, 0  # each sequence's first row to sample: it has 1 + drafts
         for seq, num_new in batch:
             count = logit_count(seq, num_new)  # its logits rows

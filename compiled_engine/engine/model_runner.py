@@ -24,6 +24,7 @@ from compiled_engine.attention.backend import AttentionBackend, AttentionShape
 from compiled_engine.attention.metadata import AttentionMetadata
 from compiled_engine.attention.op import attention_forward
 from compiled_engine.attention.selector import get_backend
+from compiled_engine.cache.block_manager import PageCopy
 from compiled_engine.cache.kv_cache import KVCacheSpec
 from compiled_engine.cache_paths import compiled_dir, inductor_dir
 from compiled_engine.config import EngineConfig
@@ -303,13 +304,15 @@ class ModelRunner:
         return self._hidden(input_ids, positions, self.kv_cache, metadata, inputs.lora_slots)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, lora_slots: list[int] | None = None) -> torch.Tensor:
+    def run(
+        self, batch: ScheduledBatch, lora_slots: list[int] | None = None, page_copies: list[PageCopy] | None = None
+    ) -> torch.Tensor:
         """Run the new tokens of every sequence in `batch` (pages must already be allocated) and
         return the logits after each sequence's last new token, fp32 [num_seqs, vocab]; a
         sequence with draft tokens gets rows for its last 1 + drafts tokens instead. The one way
         to run a scheduled batch; tensor-parallel ranks receive the same step (`execute`)."""
         with nvtx_range("prepare inputs"):
-            inputs = StepInputs.from_batch(batch, lora_slots)
+            inputs = StepInputs.from_batch(batch, lora_slots, page_copies)
             if self.shard.size > 1:
                 broadcast_step(inputs)
         logits = self.execute(inputs)
@@ -321,6 +324,8 @@ class ModelRunner:
         """Every rank runs each step here, the same way: a decode batch that fits a captured
         size replays its CUDA graph (so tensor-parallel ranks issue the same all-reduces), any
         other batch runs the model. Only rank 0 asks for the logits of eager steps."""
+        if inputs.page_copies:
+            self.copy_pages(inputs.page_copies)
         with nvtx_range("forward"):
             if self.graphs is not None and inputs.decode_only:
                 # The graphs read each row's adapter slot from the slots' buffer.
@@ -341,6 +346,12 @@ class ModelRunner:
             elif not metadata.decode_only:  # each sequence's last new token
                 hidden = hidden[metadata.query_start_loc[1:].long() - 1]
             return self.forward.logits(hidden).float()
+
+    def copy_pages(self, copies: list[PageCopy]) -> None:
+        """Copy each `PageCopy`'s leading tokens' K/V (every layer, K and V) into its page, in
+        order: a page may be read by one copy and written by a later one."""
+        for copy in copies:
+            self.kv_cache[:, copy.dst, :, : copy.num_tokens] = self.kv_cache[:, copy.src, :, : copy.num_tokens]
 
     def stop_workers(self) -> None:
         if self.shard.size > 1 and self.shard.rank == 0:

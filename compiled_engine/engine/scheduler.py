@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from compiled_engine.cache.block_manager import BlockManager
+from compiled_engine.cache.block_manager import BlockManager, PageCopy
 from compiled_engine.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -33,6 +33,8 @@ class ScheduledSequence:
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # K/V to copy before the forward: admitted prompts continuing a cached page's first tokens
+    page_copies: list[PageCopy] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -100,7 +102,7 @@ class Scheduler:
                 # not for free pages: the queue behind it goes on, and it keeps its place.
                 position += 1
                 continue
-            num_new = self._admit(seq, budget)
+            num_new = self._admit(seq, budget, out)
             if num_new == 0:
                 break  # first come, first served: nobody overtakes a sequence short of pages
             del self.waiting[position]
@@ -129,10 +131,13 @@ class Scheduler:
         parent = seq.fork_of
         return parent is not None and parent.status is SequenceStatus.RUNNING and parent.is_prefilling
 
-    def _admit(self, seq: Sequence, budget: int) -> int:
-        """Give a waiting sequence its pages (prefix-cache hits first); the tokens it computes
-        this step, or 0 when it cannot start now."""
+    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+        """Give a waiting sequence its pages (prefix-cache hits first, then the K/V of a cached
+        page that continues them, copied); the tokens it computes this step, or 0 when it
+        cannot start now."""
+        manager = self.block_manager
         parent = seq.fork_of
+        tail = None
         full_prompt_pages = (len(seq.prompt_token_ids) - 1) // self.block_manager.page_size
         if parent is not None and parent.status is SequenceStatus.RUNNING and seq.num_computed_tokens == 0:
             hits = parent.block_table[:full_prompt_pages]
@@ -140,27 +145,32 @@ class Scheduler:
         elif seq.wants_prompt_logprobs:  # every prompt token's logits are needed: nothing cached
             hits, keys = [], []
         else:
-            hits, keys = self.block_manager.match_prefix(seq.token_ids, seq.prefix_salt)
-        cached = len(hits) * self.block_manager.page_size
+            hits, keys = manager.match_prefix(seq.token_ids, seq.prefix_salt)
+            tail = manager.match_tail(seq.token_ids, keys, seq.prefix_salt)
+        cached = len(hits) * manager.page_size + (tail.num_tokens if tail is not None else 0)
         num_new = min(seq.num_tokens - cached, budget)
-        needed = self.block_manager.pages_for_tokens(cached + num_new) - len(hits)
-        available = self.block_manager.num_free_pages - self.block_manager.num_evictable_among(hits)
+        needed = manager.pages_for_tokens(cached + num_new) - len(hits)
+        available = manager.num_free_pages - manager.num_evictable_among(hits)
         if needed > available:
             return 0
-        self.block_manager.record_lookup(seq.num_tokens, cached)
-        seq.block_table = self.block_manager.share(hits)
+        manager.record_lookup(seq.num_tokens, cached, tail.num_tokens if tail is not None else 0)
+        seq.block_table = manager.share(hits)
         seq.page_keys = list(keys)
         seq.num_computed_tokens = cached
         if seq.first_scheduled_time is None:
             seq.num_cached_tokens = cached
             seq.first_scheduled_time = time.perf_counter()
-        self.block_manager.grow(seq.block_table, cached + num_new)
+        # The copy's source may be taken by this very growth (it is evictable): the copies run
+        # before the forward writes any page, in the order they were made, so it is read first.
+        manager.grow(seq.block_table, cached + num_new)
+        if tail is not None:
+            out.page_copies.append(PageCopy(tail.page, seq.block_table[len(hits)], tail.num_tokens))
         seq.status = SequenceStatus.RUNNING
         return num_new
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.block_manager.free(seq.block_table)
+        self._free_pages(seq)
         seq.page_keys = []
         seq.draft_token_ids = []
         seq.num_computed_tokens = 0
@@ -168,6 +178,12 @@ class Scheduler:
         self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+
+    def _free_pages(self, seq: Sequence) -> None:
+        """Return a sequence's pages, its partly filled last page kept cached for a later prompt."""
+        self.block_manager.free_keeping_last_page(
+            seq.block_table, seq.page_keys, seq.token_ids, seq.num_computed_tokens, seq.prefix_salt
+        )
 
     def advance(self, out: SchedulerOutput) -> list[Sequence]:
         """Record that the scheduled tokens were computed; the sequences now due a new token.
@@ -195,13 +211,17 @@ class Scheduler:
         )
         self.block_manager.truncate(seq.block_table, seq.num_tokens)
 
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """End a sequence in any state and return its pages."""
+    def finish(self, seq: Sequence, reason: FinishReason, pages_written: bool = True) -> None:
+        """End a sequence in any state and return its pages. `pages_written=False`: its step
+        failed, so its last page may lack K/V it counts as computed, and is not kept."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        self.block_manager.free(seq.block_table)
+        if pages_written:
+            self._free_pages(seq)
+        else:
+            self.block_manager.free(seq.block_table)
         seq.draft_token_ids = []
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

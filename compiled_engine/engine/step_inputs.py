@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from compiled_engine.cache.block_manager import PageCopy
 from compiled_engine.engine.sequence import Sequence
 
 ScheduledBatch = list[tuple[Sequence, int]]  # each sequence with how many new tokens it runs
@@ -23,14 +24,19 @@ class StepInputs:
     # How many of each sequence's last tokens need logits (`logit_count`): 1 + its draft tokens
     # (speculative decoding verifies each), or all of them (prompt logprobs); None: one each.
     logit_counts: list[int] | None = None
+    # K/V copied between pages before the forward (prefix-cache hits inside a page)
+    page_copies: list[PageCopy] | None = None
 
     @property
     def decode_only(self) -> bool:
         return len(self.token_ids) == len(self.query_lens)
 
     @classmethod
-    def from_batch(cls, batch: ScheduledBatch, lora_slots: list[int] | None = None) -> StepInputs:
-        """`lora_slots`: each sequence's adapter slot (engine/adapters.py; None: no adapters)."""
+    def from_batch(
+        cls, batch: ScheduledBatch, lora_slots: list[int] | None = None, page_copies: list[PageCopy] | None = None
+    ) -> StepInputs:
+        """`lora_slots`: each sequence's adapter slot (engine/adapters.py; None: no adapters);
+        `page_copies`: the scheduler's, run before the forward."""
         token_ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens = [], []
@@ -50,7 +56,7 @@ class StepInputs:
         every = [logit_count(seq, num_new) for seq, num_new in batch]
         counts = None if all(count == 1 for count in every) else every
         tables = [list(seq.block_table) for seq, _ in batch]
-        return cls(token_ids, positions, query_lens, seq_lens, tables, lora_slots, counts)
+        return cls(token_ids, positions, query_lens, seq_lens, tables, lora_slots, counts, page_copies or None)
 
 
 def logit_count(seq: Sequence, num_new: int) -> int:
