@@ -2,21 +2,30 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+import torch
 
 from compiled_engine.bench import __main__ as bench
 from compiled_engine.bench.hf_baseline import BaselineUnavailable, load_hf
+from compiled_engine.bench.llama_server_baseline import find_llama_server
 from compiled_engine.bench.plots import PlotUnavailable
 from compiled_engine.bench.runs import run_hf_as_server, weight_bytes
 from compiled_engine.bench.serving import RequestRecord, percentiles, summarize
 from compiled_engine.bench.workload import Workload
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine.llm_engine import LLMEngine
+from compiled_engine.model.gguf import gguf_file
 from tests.server_process import free_port, running_server
 
 ENV_KEYS = {
@@ -212,7 +221,10 @@ def test_serve_concurrency_sweep_with_hf_baseline_json_and_plot(tmp_path: Path) 
     assert workload["sweep"] == "concurrency" and workload["loads"] == [1, 2]
     assert workload["server"] == "ours, in-process on loopback"
     assert [p["load"] for p in report["results"]] == [1, 2]
-    for point in report["results"]:
+    assert [p["prompts"] for p in report["results"]] == ["fresh", "fresh"]
+    # each load point has prompts of its own
+    assert workload["prompt_tokens"][0] != workload["prompt_tokens"][1]
+    for i, point in enumerate(report["results"]):
         ours, hf = point["ours"], point["hf"]
         assert set(ours) == SERVE_FIGURES and set(hf) == SERVE_FIGURES
         assert ours["completed"] == 4 and ours["errors"] == 0 and hf["completed"] == 4
@@ -221,8 +233,8 @@ def test_serve_concurrency_sweep_with_hf_baseline_json_and_plot(tmp_path: Path) 
             assert 0 < side["ttft_s"]["p50"] <= side["ttft_s"]["p99"] <= side["e2e_s"]["p99"]
             assert len(side["samples"]["e2e_s"]) == 4
         # ignore_eos: every request produced exactly the tokens it asked for, on both sides
-        assert ours["output_tokens_per_s"] * ours["seconds"] == pytest.approx(workload["output_tokens"])
-        assert hf["output_tokens_per_s"] * hf["seconds"] == pytest.approx(workload["output_tokens"])
+        assert ours["output_tokens_per_s"] * ours["seconds"] == pytest.approx(workload["output_tokens"][i])
+        assert hf["output_tokens_per_s"] * hf["seconds"] == pytest.approx(workload["output_tokens"][i])
         assert point["ratio_vs_hf"]["output_tokens_per_s"] == pytest.approx(
             ours["output_tokens_per_s"] / hf["output_tokens_per_s"]
         )
@@ -491,3 +503,111 @@ def test_the_llama_cpp_baseline_runs_on_the_default_gguf(tmp_path: Path) -> None
     assert ratios["decode_tokens_per_s"] == pytest.approx(
         results["ours"]["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]
     )
+
+
+# -- bench serve --baseline llama-server: llama.cpp's server is not built in CI, so a stand-in
+# binary (tests/fake_llama_server.py) plays it, and another instance plays the server we drive.
+
+FAKE_LLAMA_SERVER = Path(__file__).with_name("fake_llama_server.py")
+
+
+def _fake_binary(tmp_path: Path) -> Path:
+    binary = tmp_path / "llama-server"
+    binary.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE_LLAMA_SERVER}" "$@"\n')
+    binary.chmod(0o755)
+    return binary
+
+
+@contextlib.contextmanager
+def _fake_server(tmp_path: Path, log: Path) -> Iterator[str]:
+    port = free_port()
+    command = [sys.executable, str(FAKE_LLAMA_SERVER), "--model", "m", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--threads", "1", "--threads-batch", "1", "--parallel", "4", "--ctx-size", "64"]
+    process = subprocess.Popen(command, env={**os.environ, "FAKE_LLAMA_SERVER_LOG": str(log)})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(200):
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            time.sleep(0.05)
+        yield url
+    finally:
+        process.terminate()
+        process.wait()
+
+
+def _logged(log: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+SERVE_ARGV = ["serve", "--num-prompts", "3", "--input-len", "5", "9", "--output-len", "2", "4"]
+
+
+def test_serve_beside_llama_server_with_fresh_and_repeated_prompts(
+    tmp_path: Path, default_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ours_log, theirs_log, out = tmp_path / "ours.jsonl", tmp_path / "theirs.jsonl", tmp_path / "serve.json"
+    monkeypatch.setenv("FAKE_LLAMA_SERVER_LOG", str(theirs_log))
+    with _fake_server(tmp_path, ours_log) as url:
+        argv = [*SERVE_ARGV, "--base-url", url, "--concurrency", "1", "2", "--repeated-prompts"]
+        argv += ["--baseline", "llama-server", "--llama-server", str(_fake_binary(tmp_path)), "--json", str(out)]
+        assert bench.main(argv) == 0
+    report = _strict_load(out)
+    points = report["results"]
+    assert [(p["load"], p["prompts"]) for p in points] == [(1, "fresh"), (1, "repeated"), (2, "fresh"), (2, "repeated")]
+    for point in points:
+        for side in ("ours", "llama_server"):
+            assert point[side]["completed"] == 3 and point[side]["errors"] == 0
+        assert point["ratio_vs_llama_server"]["output_tokens_per_s"] == pytest.approx(
+            point["ours"]["output_tokens_per_s"] / point["llama_server"]["output_tokens_per_s"]
+        )
+    # llama-server ran on the default model's own GGUF, with our threads and a slot per request in
+    # flight, each slot holding the longest prompt and output; it is gone once the bench returns.
+    started, *requests = _logged(theirs_log)
+    flags = dict(zip(started["argv"][::2], started["argv"][1::2], strict=True))
+    assert Path(flags["--model"]) == gguf_file(default_model_dir)
+    assert flags["--threads"] == flags["--threads-batch"] == str(torch.get_num_threads())
+    assert flags["--parallel"] == "2" and flags["--ctx-size"] == str(2 * (9 + 4 + 16))
+    with pytest.raises(ProcessLookupError):
+        os.kill(started["pid"], 0)
+    # Both servers got the same requests: a warm-up, then each point's; a repeated point re-sends
+    # the prompts of the fresh one before it, and every load has prompts of its own.
+    ours = [entry["request"] for entry in _logged(ours_log) if "request" in entry]
+    assert sorted(map(json.dumps, ours)) == sorted(json.dumps(r["request"]) for r in requests)
+    prompts = [sorted(tuple(r["prompt"]) for r in ours[1 + 3 * i : 4 + 3 * i]) for i in range(4)]
+    assert prompts[0] == prompts[1] and prompts[2] == prompts[3] and prompts[0] != prompts[2]
+    assert all(r["ignore_eos"] and r["temperature"] == 0 for r in ours)
+
+
+def test_a_llama_server_that_cannot_start_is_reported_and_ours_still_stands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("FAKE_LLAMA_SERVER_LOG", str(tmp_path / "theirs.jsonl"))
+    out = tmp_path / "serve.json"
+    with _fake_server(tmp_path, tmp_path / "ours.jsonl") as url:
+        monkeypatch.setenv("FAKE_LLAMA_SERVER_FAIL", "error: failed to load model 'x.gguf'")  # the baseline only
+        monkeypatch.setenv("LLAMA_SERVER", str(_fake_binary(tmp_path)))  # found through the environment
+        argv = [*SERVE_ARGV, "--base-url", url, "--concurrency", "2", "--baseline", "llama-server"]
+        assert bench.main([*argv, "--json", str(out)]) == 0
+    point = _strict_load(out)["results"][0]
+    assert point["ours"]["completed"] == 3
+    error = point["llama_server"]["error"]
+    assert "exited with status 1" in error and "failed to load model 'x.gguf'" in error
+    assert "ratio_vs_llama_server" not in point
+    assert "baseline llama-server did not run" in capsys.readouterr().out
+
+
+def test_a_missing_llama_server_binary_says_how_to_get_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LLAMA_SERVER", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(BaselineUnavailable, match=r"perf/build_llama_server\.sh"):
+        find_llama_server(None)
+    not_executable = tmp_path / "llama-server"
+    not_executable.write_text("")
+    with pytest.raises(BaselineUnavailable, match="not an executable file"):
+        find_llama_server(str(not_executable))
+    monkeypatch.setenv("LLAMA_SERVER", str(tmp_path / "absent"))
+    with pytest.raises(BaselineUnavailable, match="absent is not an executable file"):
+        find_llama_server(None)
+    assert find_llama_server(str(_fake_binary(tmp_path))) == tmp_path / "llama-server"

@@ -4,6 +4,7 @@ python -m compiled_engine.bench latency --prompt-len 512 --output-len 128 --base
 python -m compiled_engine.bench offline --num-seqs 32 --input-len 100 1024 --output-len 100 1024 --baseline hf
 python -m compiled_engine.bench serve --concurrency 1 4 16 --baseline hf --plot serve.png
 python -m compiled_engine.bench serve --base-url http://127.0.0.1:8000 --request-rate 2 8 inf
+python -m compiled_engine.bench serve --concurrency 1 16 --repeated-prompts --baseline llama-server
 python -m compiled_engine.bench perplexity --formats none,int8,int4,gguf --window 1024 --stride 512
 """
 
@@ -17,6 +18,7 @@ import statistics
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,7 @@ from compiled_engine.bench.llama_cpp_baseline import (
     llama_cpp_prefill_seconds,
     load_llama_cpp,
 )
+from compiled_engine.bench.llama_server_baseline import find_llama_server, llama_server
 from compiled_engine.bench.lora import bench_lora_runs
 from compiled_engine.bench.perplexity import add_perplexity_command, bench_perplexity
 from compiled_engine.bench.plots import PlotUnavailable, check_plotting, write_plot
@@ -64,12 +67,13 @@ def _parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name)
         # latency turns prefix caching off itself; --seed is the workload's (below)
         add_engine_options(sub, exclude={"seed", "enable_prefix_caching"} if name == "latency" else {"seed"})
+        extra = {"latency": ["llama-cpp"], "serve": ["llama-server"]}.get(name, [])
         sub.add_argument(
             "--baseline",
-            choices=["none", "hf", "llama-cpp"] if name == "latency" else ["none", "hf"],
+            choices=["none", "hf", *extra],
             default="none",
-            help="the same workload in the same run through transformers (hf) or, for latency, "
-            "llama.cpp on the same GGUF (llama-cpp)",
+            help="the same workload in the same run through transformers (hf); for latency, "
+            "llama.cpp on the same GGUF (llama-cpp); for serve, llama.cpp's server on it (llama-server)",
         )
         sub.add_argument("--seed", type=int, default=0, help="seed of the random workload")
         sub.add_argument("--json", type=Path, default=None, help="write every figure and the environment here")
@@ -112,6 +116,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-concurrency", type=int, default=None, help="with --request-rate: cap on requests in flight"
+    )
+    serve.add_argument(
+        "--repeated-prompts",
+        action="store_true",
+        help="after each load point's fresh prompts, send the same prompts again (a warm prompt cache)",
+    )
+    serve.add_argument(
+        "--llama-server",
+        default=None,
+        metavar="PATH",
+        help="the llama-server binary for --baseline llama-server (default: $LLAMA_SERVER, then the PATH's)",
     )
     add_perplexity_command(commands)
     lora = commands.add_parser("lora", help="adapters beside the base model, in the same run")
@@ -400,12 +415,13 @@ def bench_offline(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     }
 
 
-def _serve_row(table: Table, load: str, side: str, r: dict[str, Any]) -> None:
+def _serve_row(table: Table, load: str, prompts: str, side: str, r: dict[str, Any]) -> None:
     def ms(figures: dict[str, float], key: str) -> str:
         return f"{figures[key] * 1000:.0f}" if key in figures else "-"
 
     table.add_row(
         load,
+        prompts,
         side,
         f"{r['completed']}/{r['completed'] + r['errors']}",
         f"{r['request_throughput']:.2f}",
@@ -419,14 +435,77 @@ def _serve_row(table: Table, load: str, side: str, r: dict[str, Any]) -> None:
     )
 
 
+@dataclass(frozen=True)
+class ServePoint:
+    """One point of the serving sweep: a load, and whether its prompts are new to the server or
+    the ones it was just sent (each load gets its own prompts)."""
+
+    load: float
+    prompts: str  # "fresh" or "repeated"
+    workload: Workload
+
+
+def _serve_points(args: argparse.Namespace, vocab: int, loads: list[float]) -> list[ServePoint]:
+    points = []
+    for i, load in enumerate(loads):
+        seed = args.seed + 1000 * i
+        workload = random_workload(vocab, args.num_prompts, tuple(args.input_len), tuple(args.output_len), seed)
+        points.append(ServePoint(load, "fresh", workload))
+        if args.repeated_prompts:
+            points.append(ServePoint(load, "repeated", workload))
+    return points
+
+
+def _drive(
+    base_url: str, points: list[ServePoint], args: argparse.Namespace, console: Console, side: str, vocab: int
+) -> list[dict[str, Any]]:
+    """Every point's load against one server, in order, after a short warm-up request."""
+    sweep = "request_rate" if args.request_rate is not None else "concurrency"
+    warm = random_workload(vocab, 1, (8, 8), (2, 2), args.seed + 1)
+    asyncio.run(run_load(base_url, warm, concurrency=1, api_key=args.api_key))
+    figures = []
+    for point in points:
+        concurrency = int(point.load) if sweep == "concurrency" else args.max_concurrency
+        rate = point.load if sweep == "request_rate" else None
+        label = f"{side}, {sweep} {point.load:g}, {point.prompts} prompts"
+        with _progress(console, label, len(point.workload.prompts)) as advance:
+            records, seconds = asyncio.run(
+                run_load(
+                    base_url,
+                    point.workload,
+                    concurrency=concurrency,
+                    request_rate=rate,
+                    seed=args.seed,
+                    api_key=args.api_key,
+                    on_done=lambda _: advance(1),
+                )
+            )
+        figures.append(summarize(records, seconds))
+    return figures
+
+
+def _llama_server_figures(
+    args: argparse.Namespace, model_dir: Path, points: list[ServePoint], console: Console, vocab: int
+) -> list[dict[str, Any]] | str:
+    """llama-server's figures for every point on the model's GGUF, or why it could not run."""
+    try:
+        binary = find_llama_server(args.llama_server)
+        parallel = max(int(p.load) if args.request_rate is None else (args.max_concurrency or 64) for p in points)
+        context = args.input_len[1] + args.output_len[1] + 16
+        with llama_server(binary, gguf_file(model_dir), torch.get_num_threads(), parallel, context) as url:
+            return _drive(url, points, args, console, "llama-server", vocab)
+    except BaselineUnavailable as exc:
+        return str(exc)
+
+
 def bench_serve(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     model_dir = resolve_model_dir(args.model)
     vocab = ModelConfig.from_model_dir(model_dir).vocab_size
-    workload = random_workload(vocab, args.num_prompts, tuple(args.input_len), tuple(args.output_len), args.seed)
     sweep_name = "request_rate" if args.request_rate is not None else "concurrency"
     loads: list[float] = (
         list(args.request_rate) if args.request_rate is not None else list(args.concurrency or [1, 4, 16, 64])
     )
+    plan = _serve_points(args, vocab, loads)
     async_engine = None
     if not args.base_url:  # built on its loop thread, which runs all its steps (see AsyncEngine)
         async_engine = AsyncEngine(lambda: _engine(args), max_waiting_requests=4096)
@@ -435,28 +514,14 @@ def bench_serve(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     from compiled_engine.server.launch import serve_in_background  # the server stack only where it serves
 
     server = serve_in_background(async_engine) if async_engine is not None else nullcontext(args.base_url.rstrip("/"))
-    points: list[dict[str, Any]] = []
-    with server as base_url:
-        warm = random_workload(vocab, 1, (8, 8), (2, 2), args.seed + 1)
-        asyncio.run(run_load(base_url, warm, concurrency=1, api_key=args.api_key))
-        for load in loads:
-            concurrency = int(load) if sweep_name == "concurrency" else args.max_concurrency
-            rate = load if sweep_name == "request_rate" else None
-            with _progress(console, f"ours, {sweep_name} {load:g}", len(workload.prompts)) as advance:
-                records, seconds = asyncio.run(
-                    run_load(
-                        base_url,
-                        workload,
-                        concurrency=concurrency,
-                        request_rate=rate,
-                        seed=args.seed,
-                        api_key=args.api_key,
-                        on_done=lambda _: advance(1),
-                    )
-                )
-            points.append({"load": load, "ours": summarize(records, seconds)})
+    with server as base_url:  # ours stops here, before any baseline takes the cores
+        ours = _drive(base_url, plan, args, console, "ours" if args.base_url is None else "server", vocab)
+    points: list[dict[str, Any]] = [
+        {"load": p.load, "prompts": p.prompts, "ours": figures} for p, figures in zip(plan, ours, strict=True)
+    ]
     device = engine.runner.device if engine is not None else torch.device("cpu")
     dtype = engine.runner.dtype if engine is not None else DTYPES[args.dtype or "float32"]
+    baseline = args.baseline.replace("-", "_")
     if args.baseline == "hf":
         model: Any = None
         if sweep_name != "concurrency":
@@ -466,21 +531,30 @@ def bench_serve(args: argparse.Namespace, console: Console) -> dict[str, Any]:
                 model, why = load_hf(model_dir, dtype, device), None
             except BaselineUnavailable as exc:
                 why = str(exc)
-        for point in points:
+        for step, point in zip(plan, points, strict=True):
             if why is None:
-                records, seconds = run_hf_as_server(model, workload, int(point["load"]), device)
+                records, seconds = run_hf_as_server(model, step.workload, int(point["load"]), device)
                 point["hf"] = summarize(records, seconds)
-                point["ratio_vs_hf"] = {
-                    k: point["ours"][k] / point["hf"][k] for k in ("output_tokens_per_s", "request_throughput")
-                }
             else:
                 point["hf"] = {"error": why}
+    elif args.baseline == "llama-server":
+        theirs = _llama_server_figures(args, model_dir, plan, console, vocab)
+        for i, point in enumerate(points):
+            point["llama_server"] = {"error": theirs} if isinstance(theirs, str) else theirs[i]
+    for point in points:
+        other = point.get(baseline, {})
+        if "output_tokens_per_s" in other:
+            point[f"ratio_vs_{baseline}"] = {
+                k: point["ours"][k] / other[k] if other[k] else float("inf")
+                for k in ("output_tokens_per_s", "request_throughput")
+            }
     table = Table(
         title=f"serve: {args.num_prompts} requests per point, input {args.input_len}, output {args.output_len}"
         + (f" ({args.base_url})" if args.base_url else "")
     )
     for column in (
         sweep_name,
+        "prompts",
         "",
         "ok",
         "req/s",
@@ -494,23 +568,27 @@ def bench_serve(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     ):
         table.add_column(column)
     for point in points:
-        _serve_row(table, f"{point['load']:g}", "ours" if args.base_url is None else "server", point["ours"])
-        if "output_tokens_per_s" in point.get("hf", {}):
-            _serve_row(table, "", "hf", point["hf"])
+        load = f"{point['load']:g}"
+        _serve_row(table, load, point["prompts"], "ours" if args.base_url is None else "server", point["ours"])
+        if "output_tokens_per_s" in point.get(baseline, {}):
+            _serve_row(table, "", "", args.baseline, point[baseline])
     console.print(table)
     for point in points:
-        if point["ours"]["errors"]:
-            console.print(
-                f"[red]{point['ours']['errors']} requests failed at {sweep_name} {point['load']:g}: {point['ours']['error_examples']}[/red]"
-            )
-    if points and "error" in points[0].get("hf", {}):
-        console.print(f"[yellow]baseline hf did not run: {escape(points[0]['hf']['error'])}[/yellow]")
+        for side in ("ours", baseline):
+            if point.get(side, {}).get("errors"):
+                console.print(
+                    f"[red]{side}: {point[side]['errors']} requests failed at {sweep_name} {point['load']:g}: "
+                    f"{escape(str(point[side]['error_examples']))}[/red]"
+                )
+    if points and "error" in points[0].get(baseline, {}):
+        console.print(f"[yellow]baseline {args.baseline} did not run: {escape(points[0][baseline]['error'])}[/yellow]")
     workload_info = {
         "num_prompts": args.num_prompts,
         "input_len": args.input_len,
         "output_len": args.output_len,
-        "prompt_tokens": workload.prompt_tokens,
-        "output_tokens": workload.output_tokens,
+        "prompt_tokens": [p.workload.prompt_tokens for p in plan],
+        "output_tokens": [p.workload.output_tokens for p in plan],
+        "repeated_prompts": args.repeated_prompts,
         "sweep": sweep_name,
         "loads": loads,
         "max_concurrency": args.max_concurrency,

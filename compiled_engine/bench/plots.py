@@ -79,18 +79,22 @@ def _offline_figure(plt: Any, report: dict[str, Any]) -> Any:
 
 
 def _serve_figure(plt: Any, report: dict[str, Any]) -> Any:
-    points = report["results"]
+    points = [p for p in report["results"] if p.get("prompts", "fresh") == "fresh"]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for side, color in (("ours", OURS_COLOR), ("hf", BASELINE_COLOR)):
+    for side, color in (("ours", OURS_COLOR), ("hf", BASELINE_COLOR), ("llama_server", BASELINE_COLOR)):
         runs = [(p["load"], p[side]) for p in points if "output_tokens_per_s" in p.get(side, {})]
         if not runs:
             continue
         axes[0].plot(
-            [load for load, _ in runs], [r["output_tokens_per_s"] for _, r in runs], "o-", label=side, color=color
+            [load for load, _ in runs],
+            [r["output_tokens_per_s"] for _, r in runs],
+            "o-",
+            label=side.replace("_", "-"),
+            color=color,
         )
         heaviest = runs[-1][1]["samples"]
-        _cdf(axes[1], heaviest["ttft_s"], side, color)
-        _cdf(axes[2], heaviest["e2e_s"], side, color)
+        _cdf(axes[1], heaviest["ttft_s"], side.replace("_", "-"), color)
+        _cdf(axes[2], heaviest["e2e_s"], side.replace("_", "-"), color)
     axes[0].set_xlabel(report["workload"]["sweep"])
     axes[0].set_ylabel("output tokens/s")
     axes[0].set_title("throughput")

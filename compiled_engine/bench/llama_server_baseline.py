@@ -1,0 +1,126 @@
+"""llama.cpp's own server as a same-run serving baseline (`bench serve --baseline llama-server`):
+`llama-server` on the very GGUF file the engine serves, with the same thread count, one slot per
+request in flight, driven by the same load as ours once ours has stopped.
+
+The binary is `--llama-server PATH`, else `$LLAMA_SERVER`, else `llama-server` on the PATH;
+`perf/build_llama_server.sh` builds it from the llama-cpp-python source distribution (the
+llama.cpp it vendors), about seven minutes on two cores.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from compiled_engine.bench.hf_baseline import BaselineUnavailable
+
+BUILD_HINT = "build it with perf/build_llama_server.sh, or name it with --llama-server PATH or $LLAMA_SERVER"
+
+
+def find_llama_server(explicit: str | None = None) -> Path:
+    """The llama-server binary to run: the one named, else $LLAMA_SERVER, else the PATH's."""
+    named = explicit or os.environ.get("LLAMA_SERVER")
+    if named:
+        path = Path(named).expanduser()
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise BaselineUnavailable(f"llama-server {path} is not an executable file")
+        return path
+    found = shutil.which("llama-server")
+    if found is None:
+        raise BaselineUnavailable(f"no llama-server binary was found: {BUILD_HINT}")
+    return Path(found)
+
+
+def llama_server_command(
+    binary: Path, gguf: Path, port: int, threads: int, parallel: int, context_per_slot: int
+) -> list[str]:
+    """The command line: `parallel` slots of `context_per_slot` tokens each (llama-server splits
+    `-c` evenly among its slots), continuous batching and its prompt cache on (its defaults)."""
+    return [
+        str(binary),
+        "--model",
+        str(gguf),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--threads",
+        str(threads),
+        "--threads-batch",
+        str(threads),
+        "--parallel",
+        str(parallel),
+        "--ctx-size",
+        str(parallel * context_per_slot),
+    ]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _log_tail(log: Path, limit: int = 1500) -> str:
+    text = log.read_text(errors="replace").strip()
+    return text[-limit:] if text else "(no output)"
+
+
+@contextmanager
+def llama_server(
+    binary: Path,
+    gguf: Path | None,
+    threads: int,
+    parallel: int,
+    context_per_slot: int,
+    start_timeout_s: float = 300.0,
+) -> Iterator[str]:
+    """llama-server running on `gguf`; yields its base URL once `/health` answers 200, and stops
+    it on exit. A server that exits or never gets healthy raises BaselineUnavailable with the end
+    of its log."""
+    if gguf is None:
+        raise BaselineUnavailable(
+            "the llama-server baseline needs a GGUF model (the default model, or --model file.gguf)"
+        )
+    port = _free_port()
+    command = llama_server_command(binary, gguf, port, threads, parallel, context_per_slot)
+    with tempfile.TemporaryDirectory(prefix="llama-server-") as folder:
+        log = Path(folder) / "server.log"
+        with log.open("wb") as sink:
+            process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            base_url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + start_timeout_s
+            while True:
+                if process.poll() is not None:
+                    raise BaselineUnavailable(
+                        f"llama-server exited with status {process.returncode} before it served: {_log_tail(log)}"
+                    )
+                try:
+                    if httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass  # not listening yet, or still loading the model
+                if time.monotonic() > deadline:
+                    raise BaselineUnavailable(
+                        f"llama-server was not healthy after {start_timeout_s:.0f} s: {_log_tail(log)}"
+                    )
+                time.sleep(0.2)
+            yield base_url
+        finally:
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
