@@ -18,7 +18,7 @@ import torch
 
 from compiled_engine.bench import __main__ as bench
 from compiled_engine.bench.hf_baseline import BaselineUnavailable, load_hf
-from compiled_engine.bench.llama_server_baseline import find_llama_server
+from compiled_engine.bench.llama_server_baseline import find_llama_server, llama_server
 from compiled_engine.bench.plots import PlotUnavailable
 from compiled_engine.bench.runs import run_hf_as_server, weight_bytes
 from compiled_engine.bench.serving import RequestRecord, percentiles, summarize
@@ -611,3 +611,12 @@ def test_a_missing_llama_server_binary_says_how_to_get_one(tmp_path: Path, monke
     with pytest.raises(BaselineUnavailable, match="absent is not an executable file"):
         find_llama_server(None)
     assert find_llama_server(str(_fake_binary(tmp_path))) == tmp_path / "llama-server"
+
+
+def test_a_llama_server_binary_that_cannot_be_executed_is_a_clear_error(tmp_path: Path) -> None:
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/no/such/interpreter\n")
+    binary.chmod(0o755)
+    starting = llama_server(binary, tmp_path / "model.gguf", threads=1, parallel=1, context_per_slot=16)
+    with pytest.raises(BaselineUnavailable, match="could not be started"), starting:
+        pass

@@ -349,3 +349,18 @@ def test_no_last_page_is_kept_when_it_is_full_shared_or_the_cache_is_off() -> No
     manager.free(other)
     assert manager.num_free_pages == 4
     manager.check_consistency([])
+
+
+def test_the_same_last_page_twice_is_kept_once() -> None:
+    manager = BlockManager(num_pages=2, page_size=4)
+    pages = []
+    for _ in range(2):  # a repeated prompt's two runs
+        table, keys = _computed(manager, [1, 2, 3], salt=None)
+        pages.append(table[0])
+        manager.free_keeping_last_page(table, keys, [1, 2, 3], 3, None)
+    assert manager.match_tail([1, 2, 3, 4], [], None) == TailHit(pages[0], 3)
+    taken: list[int] = []
+    manager.grow(taken, 4)  # the page not kept comes first, with no eviction
+    assert taken == [pages[1]] and manager.stats.evictions == 0
+    manager.free(taken)
+    manager.check_consistency([])

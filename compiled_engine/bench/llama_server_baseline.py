@@ -96,7 +96,10 @@ def llama_server(
     with tempfile.TemporaryDirectory(prefix="llama-server-") as folder:
         log = Path(folder) / "server.log"
         with log.open("wb") as sink:
-            process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            try:
+                process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            except OSError as exc:
+                raise BaselineUnavailable(f"llama-server {binary} could not be started: {exc}") from exc
         try:
             base_url = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + start_timeout_s

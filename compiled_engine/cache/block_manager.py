@@ -178,9 +178,22 @@ class BlockManager:
             and self._refcount[block_table[full]] == 1
             and self._tokens_of_page[block_table[full]] is None
         ):
-            tokens = tuple(token_ids[full * self.page_size : num_computed])
-            self._remember_tokens(block_table[full], _CachedTokens(page_keys[-1] if full else None, salt, tokens))
+            cached = _CachedTokens(
+                page_keys[-1] if full else None, salt, tuple(token_ids[full * self.page_size : num_computed])
+            )
+            if not self._holds_already(cached):  # the same tokens twice (a repeated prompt) keep one copy
+                self._remember_tokens(block_table[full], cached)
         self.free(block_table)
+
+    def _holds_already(self, cached: _CachedTokens) -> bool:
+        """Whether a cached page after the same parent starts with all of `cached`'s tokens."""
+        count = len(cached.tokens)
+        for page in self._pages_after.get(cached.index_key, ()):
+            held = self._tokens_of_page[page]
+            assert held is not None
+            if held.tokens[:count] == cached.tokens:
+                return True
+        return False
 
     def truncate(self, block_table: list[int], num_tokens: int) -> None:
         """Drop the pages of `block_table` past the first `num_tokens` tokens (rejected draft
@@ -245,6 +258,8 @@ class BlockManager:
                 agree += 1
             if best is None or agree > best.num_tokens:
                 best = TailHit(page, agree)
+                if agree == len(wanted):
+                    break
         return best
 
     def record_lookup(self, queried_tokens: int, hit_tokens: int, copied_tokens: int = 0) -> None:
