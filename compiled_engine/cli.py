@@ -90,7 +90,7 @@ def _build_native_kernels() -> None:
     that cannot be built says why, and the engine runs its fallback)."""
     import time
 
-    from compiled_engine.attention.native_decode import load_native_decode
+    from compiled_engine.attention.native_decode import load_native_decode, load_native_operator
     from compiled_engine.lora.layers import native_lora_kernel
     from compiled_engine.model.packed_linear import blocked_gemv_operator
     from compiled_engine.native_build import KernelBuildError
@@ -101,6 +101,7 @@ def _build_native_kernels() -> None:
         load_native_decode()
     except KernelBuildError as error:
         print(f"the CPU attention kernel cannot be built here: {error}", file=sys.stderr)
+    load_native_operator()  # warns itself when it cannot be built
     cpu_kernels()  # warns itself when it cannot be built
     native_operator()
     native_lora_kernel()

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
+from compiled_engine.attention import op as attention_op
 from compiled_engine.attention.metadata import AttentionMetadata
 from compiled_engine.cache_paths import CACHE_ENV, INDUCTOR_CACHE_ENV
 from compiled_engine.config import ENFORCE_EAGER_ENV, EngineConfig
@@ -252,7 +253,8 @@ def test_a_compiled_decode_step_is_one_compiled_entry_and_one_attention_plan(
 ) -> None:
     """The lean step: one Dynamo entry for the whole forward (the head's one-row product runs the
     native kernel over its packed copy, outside any graph), not one per layer; the backend
-    prepares one plan per forward and every layer attends by that same plan."""
+    prepares one plan per forward and every layer attends by that same plan (on the CPU, installed
+    once in the native operator, which the layers then call without Python)."""
     model_dir = tiny_model_factory("llama", max_position_embeddings=64, num_hidden_layers=3)
     runner = _runner(model_dir, compiled=True)
     head_once = isinstance(runner.forward, CompiledForward) and runner.forward.one_row_head is None
@@ -278,8 +280,16 @@ def test_a_compiled_decode_step_is_one_compiled_entry_and_one_attention_plan(
         attended.append(plan)
         return forward(q, k, v, kv_cache, plan, scale, window, soft_cap)
 
+    installed: list[object] = []
+    install = attention_op.install_plan
+
+    def recording_install(plan: object) -> None:
+        installed.append(plan)
+        install(plan)  # type: ignore[arg-type]
+
     monkeypatch.setattr(backend, "prepare", recording_prepare)
     monkeypatch.setattr(backend, "forward", recording_forward)
+    monkeypatch.setattr(attention_op, "install_plan", recording_install)
     runner.execute(StepInputs(list(range(3, 8)), list(range(5)), [5], [5], [[0]]))  # the prompt
     with torch.profiler.profile() as prof:
         logits = runner.execute(StepInputs([9], [5], [1], [6], [[0]]))
@@ -287,7 +297,14 @@ def test_a_compiled_decode_step_is_one_compiled_entry_and_one_attention_plan(
     entries = [e for e in prof.events() if e.name.startswith("Torch-Compiled Region")]
     # the forward, and the head's one-row graph where this machine keeps its weight in two copies
     assert len(entries) == (1 if head_once else 2), [e.name for e in entries]
-    assert len(prepared) == 2 and attended == [prepared[0]] * 3 + [prepared[1]] * 3
+    assert len(prepared) == 2
+    if getattr(backend, "native_operator", False):
+        # The CPU backend's native operator: each forward installs its plan once, and no layer
+        # call comes back to Python.
+        natives = [plan.native for plan in prepared]  # type: ignore[attr-defined]
+        assert attended == [] and installed == [natives[0], None, natives[1], None]
+    else:
+        assert attended == [prepared[0]] * 3 + [prepared[1]] * 3
 
 
 # -- saved traces (engine/precompiled.py) ---------------------------------------------------------

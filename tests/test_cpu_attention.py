@@ -16,7 +16,13 @@ from compiled_engine.attention import native_decode
 from compiled_engine.attention.backend import AttentionShape
 from compiled_engine.attention.cpu_backend import CpuAttentionBackend
 from compiled_engine.attention.metadata import AttentionMetadata
-from compiled_engine.attention.native_decode import KernelBuildError, chunk_size, load_native_decode
+from compiled_engine.attention.native_decode import (
+    KernelBuildError,
+    chunk_size,
+    load_native_decode,
+    load_native_operator,
+)
+from compiled_engine.attention.op import attention_forward, paged_attention
 from compiled_engine.attention.selector import get_backend
 from compiled_engine.attention.torch_backend import TorchAttentionBackend
 from compiled_engine.native_build import NativeLibrary
@@ -67,6 +73,16 @@ def _compare(
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
     assert torch.equal(native_cache, reference_cache)  # the same K/V stored in the same slots
     assert backend.prepare(md_native, native_cache).native is not None  # the kernel ran the decodes
+    # The model's operator, as a compiled graph calls it: the native C++ kernel where the plan is
+    # all short sequences, the backend (through paged_attention_planned) otherwise; the same
+    # kernel either way, so the same bits.
+    operator_cache = cache.clone()
+    operator_backend = CpuAttentionBackend(load_native_decode(), heads, native_operator=load_native_operator())
+    plan = operator_backend.prepare(md_native, operator_cache)
+    with attention_forward(operator_backend, plan):
+        through_operator = paged_attention(q, k, v, operator_cache, scale, window, soft_cap)
+    assert torch.equal(through_operator, got)
+    assert torch.equal(operator_cache, native_cache)
 
 
 @pytest.mark.parametrize(
@@ -267,6 +283,72 @@ def test_run_refuses_a_mismatched_call_and_leaves_the_cache() -> None:
     assert out.shape == q.shape and torch.isfinite(out).all()
 
 
+def _operator_backend(heads: int) -> CpuAttentionBackend:
+    assert load_native_operator()  # this machine has a C++ compiler: the operator must build
+    return CpuAttentionBackend(load_native_decode(), heads, native_operator=True)
+
+
+def test_the_native_operator_runs_decodes_without_python_and_hands_on_the_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With a plan of decodes installed, no layer call reaches the backend's Python forward; a
+    plan with a prompt in it goes to the backend for every call."""
+    backend = _operator_backend(4)
+    calls = []
+    python_forward = CpuAttentionBackend.forward
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return python_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(CpuAttentionBackend, "forward", counted)
+    q, k, v, cache, (decodes, _) = _batch([1, 1], [20, 40], 16, 4, 2, 64)
+    with attention_forward(backend, backend.prepare(decodes, cache)):
+        for _ in range(3):
+            paged_attention(q, k, v, cache, 0.125)
+    assert calls == []
+    q, k, v, cache, (mixed, _) = _batch([12, 1], [12, 40], 16, 4, 2, 64)
+    with attention_forward(backend, backend.prepare(mixed, cache)):
+        paged_attention(q, k, v, cache, 0.125)
+    assert calls == [1]
+
+
+def test_nested_forwards_restore_the_installed_plan() -> None:
+    """An inner forward (another batch, or another backend) installs its own plan, and the outer
+    one's comes back when it ends; outside every forward the operator refuses to run."""
+    backend = _operator_backend(4)
+    q, k, v, cache, (outer, _) = _batch([1, 1], [20, 40], 16, 4, 2, 64, seed=1)
+    q1, k1, v1, cache1, (inner, _) = _batch([1], [70], 16, 4, 2, 64, seed=2)
+    want = backend.attend(q, k, v, cache.clone(), outer, 0.125)
+    want_inner = TorchAttentionBackend().attend(q1, k1, v1, cache1.clone(), inner, 0.125)
+    with attention_forward(backend, backend.prepare(outer, cache)):
+        with attention_forward(TorchAttentionBackend(), TorchAttentionBackend().prepare(inner, cache1)):
+            torch.testing.assert_close(paged_attention(q1, k1, v1, cache1, 0.125), want_inner)
+        assert torch.equal(paged_attention(q, k, v, cache, 0.125), want)
+    with pytest.raises(RuntimeError, match="outside attention_forward"):
+        paged_attention(q, k, v, cache, 0.125)
+
+
+def test_the_native_operator_refuses_a_mismatched_call_and_leaves_the_cache() -> None:
+    backend = _operator_backend(4)
+    q, k, v, cache, md = _plan_inputs()
+    before = cache.clone()
+    with attention_forward(backend, backend.prepare(md, cache)):
+        for args, message in [
+            ((q, k, v, cache[:4]), "installed plan is for layer caches of shape"),
+            ((q[:1], k[:1], v[:1], cache), "q must be float32"),
+            ((q, v[:, :1], v, cache), "k and v must be float32"),
+            ((q.double(), k.double(), v.double(), cache.double()), "contiguous float32"),
+        ]:
+            with pytest.raises(RuntimeError, match=message):
+                paged_attention(*args, 0.125)
+        with pytest.raises(RuntimeError, match="must not be negative"):
+            paged_attention(q, k, v, cache, 0.125, -1)
+        assert torch.equal(cache, before)
+        out = paged_attention(q, k, v, cache, 0.125)  # and the right call still works
+    assert torch.equal(out, CpuAttentionBackend(load_native_decode(), 4).attend(q, k, v, before, md, 0.125))
+
+
 # ---------------------------------------------------------------------------------------------
 # build, cache and backend choice
 
@@ -330,6 +412,26 @@ def test_an_unwritable_cache_falls_back_to_torch(
         assert "attention backend: torch, because building or loading" in caplog.text
     finally:
         load_native_decode.cache_clear()
+
+
+def test_a_failing_operator_build_keeps_the_python_call(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without a working C++ compiler the backend still runs the kernel, called from Python."""
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    native_decode.load_native_operator.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            backend = get_backend("cpu", AttentionShape(4, 2, 64, 16, torch.float32, CPU))
+        assert "decode attention calls its kernel from Python" in caplog.text and "no-such-compiler" in caplog.text
+        assert isinstance(backend, CpuAttentionBackend) and not backend.native_operator
+        q, k, v, cache, md = _plan_inputs()
+        assert backend.native_plan(backend.prepare(md, cache)) is None
+        with attention_forward(backend, backend.prepare(md, cache.clone())):
+            got = paged_attention(q, k, v, cache.clone(), 0.125)
+        assert torch.equal(got, backend.attend(q, k, v, cache.clone(), md, 0.125))
+    finally:
+        native_decode.load_native_operator.cache_clear()
 
 
 def test_get_backend_on_the_cpu(caplog: pytest.LogCaptureFixture) -> None:

@@ -5,11 +5,14 @@ Which backend runs is chosen in `attention/selector.py`; this module knows no im
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Generic, Self, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Generic, Self, TypeVar
 
 import torch
 
 from compiled_engine.attention.metadata import AttentionMetadata, GraphMetadata
+
+if TYPE_CHECKING:
+    from compiled_engine.attention.native_decode import DecodePlan
 
 Plan = TypeVar("Plan")
 # What one layer's attention asks for: (window, soft_cap). window 0 attends to every earlier
@@ -126,6 +129,11 @@ class AttentionBackend(Generic[Plan]):
     ) -> torch.Tensor:
         """`prepare` then `forward`, for one layer's call on its own (tests, kernel benchmarks)."""
         return self.forward(q, k, v, kv_cache, self.prepare(metadata, kv_cache), scale, window, soft_cap)
+
+    def native_plan(self, plan: Plan) -> DecodePlan | None:
+        """The plan as the CPU's native `paged_attention` kernel runs it, when every call of this
+        forward can run there (attention/op.py installs it); None: every call asks `forward`."""
+        return None
 
     def plan_graph(
         self, size: int, metadata: GraphMetadata, seq_lens: list[int], block_tables: list[list[int]]

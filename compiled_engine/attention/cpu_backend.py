@@ -25,6 +25,7 @@ from compiled_engine.attention.native_decode import (
     KernelBuildError,
     NativeDecode,
     load_native_decode,
+    load_native_operator,
 )
 from compiled_engine.attention.native_decode import (
     unsupported_reason as kernel_unsupported_reason,
@@ -52,9 +53,12 @@ class CpuAttentionBackend(AttentionBackend[CpuPlan]):
     supports_sliding_window = True  # the kernel starts each row at its window; prompts mask it
     supports_soft_cap = True
 
-    def __init__(self, kernel: NativeDecode, num_heads: int) -> None:
+    def __init__(self, kernel: NativeDecode, num_heads: int, native_operator: bool = False) -> None:
         self.kernel = kernel
         self.num_heads = num_heads  # this rank's query heads
+        # Whether the model's operator has its native CPU kernel (op.py): then a plan of short
+        # sequences only runs every layer there, without Python.
+        self.native_operator = native_operator
 
     @classmethod
     def unsupported_reason(cls, shape: AttentionShape) -> str | None:
@@ -67,7 +71,7 @@ class CpuAttentionBackend(AttentionBackend[CpuPlan]):
     @classmethod
     def create(cls, shape: AttentionShape) -> Self:
         try:
-            return cls(load_native_decode(), shape.num_heads)
+            return cls(load_native_decode(), shape.num_heads, load_native_operator())
         except KernelBuildError as error:
             raise BackendUnavailableError(str(error)) from error
 
@@ -111,6 +115,9 @@ class CpuAttentionBackend(AttentionBackend[CpuPlan]):
             max(lens), self.num_heads, layer_shape,
         )  # fmt: skip
         return CpuPlan(native, tokens, frozenset(short), prompts)
+
+    def native_plan(self, plan: CpuPlan) -> DecodePlan | None:
+        return plan.native if self.native_operator and plan.prompts is None else None
 
     def forward(
         self,

@@ -1,5 +1,7 @@
 """The CPU backend's native decode-attention kernel: `kernels/paged_decode.c`, built, cached and
-loaded by compiled_engine/native_build.py and called through ctypes."""
+loaded by compiled_engine/native_build.py and called through ctypes; and the same kernel as native
+torch operators (`kernels/paged_decode_op.cpp`), which let a compiled graph run every layer's
+decode attention without Python once the forward's plan is installed (`install_plan`)."""
 
 from __future__ import annotations
 
@@ -12,13 +14,24 @@ from pathlib import Path
 
 import torch
 
-from compiled_engine.native_build import KernelBuildError, NativeLibrary
+from compiled_engine.native_build import KernelBuildError, NativeLibrary, TorchOperatorLibrary
 
-__all__ = ["LIBRARY", "DecodePlan", "KernelBuildError", "NativeDecode", "load_native_decode"]
+__all__ = [
+    "LIBRARY",
+    "DecodePlan",
+    "KernelBuildError",
+    "NativeDecode",
+    "install_plan",
+    "load_native_decode",
+    "load_native_operator",
+]
 
 logger = logging.getLogger(__name__)
 
 LIBRARY = NativeLibrary(Path(__file__).with_name("kernels") / "paged_decode.c", "CPU attention kernel")
+NATIVE_OPERATOR = TorchOperatorLibrary(
+    Path(__file__).with_name("kernels") / "paged_decode_op.cpp", LIBRARY.source, "native decode-attention operator"
+)
 # Limits compiled into the kernel; shapes outside them take the torch backend's decode path.
 MAX_CHUNK = 512
 MAX_HEADS = 128
@@ -220,3 +233,54 @@ def load_native_decode() -> NativeDecode:
     ]
     function.restype = ctypes.c_int
     return NativeDecode(function)
+
+
+_operator_loaded = False
+
+
+@cache
+def load_native_operator() -> bool:
+    """Build (once per machine) and register the native operators: `paged_decode_f32`, and the
+    CPU kernel of the model's `paged_attention` (attention/op.py), which runs the installed plan
+    natively and hands every other call to the planning backend. False, with one warning, when
+    they cannot be built: the model's operator then calls the backend from Python, as before."""
+    global _operator_loaded
+    import compiled_engine.attention.op  # noqa: F401  (the operator schemas the library implements)
+
+    try:
+        NATIVE_OPERATOR.load()
+    except KernelBuildError as error:
+        logger.warning("decode attention calls its kernel from Python (slower per layer), because %s", error)
+        return False
+    torch.library.register_fake("compiled_engine::paged_decode_f32")(_paged_decode_fake)
+    _operator_loaded = True
+    return True
+
+
+def _paged_decode_fake(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+    window: int = 0,
+    soft_cap: float = 0.0,
+) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+def install_plan(plan: DecodePlan | None) -> None:
+    """Make `plan` the one the native `paged_attention` kernel runs every call by, or (None) hand
+    every call to the planning backend. Nothing to do when the operators were never loaded."""
+    if not _operator_loaded:
+        return
+    if plan is None:
+        torch.ops.compiled_engine.set_native_decode_plan(None, None, None, 0, [])
+    else:
+        torch.ops.compiled_engine.set_native_decode_plan(
+            plan.slots, plan.block_tables, plan.seq_lens, plan.max_seq_len, list(plan.cache_shape)
+        )

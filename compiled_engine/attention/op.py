@@ -8,6 +8,12 @@ prepared for this batch) is set once per forward by the runner with
 `attention_forward(backend, plan)`, outside any compiled region. Neither Dynamo nor the model
 ever sees the plan: batch composition changes neither the traced graph nor its guards, and the
 token count is the only shape that varies.
+
+On the CPU the operator can have a native kernel (attention/kernels/paged_decode_op.cpp, loaded
+by the cpu backend): when the backend's plan is one that kernel runs (`native_plan`: every
+sequence decoding or verifying a few tokens), `attention_forward` installs it there and every
+layer's call stays in C++; any other call goes on to `paged_attention_planned`, the Python
+implementation below, which asks the backend.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Any
 import torch
 
 from compiled_engine.attention.backend import AttentionBackend
+from compiled_engine.attention.native_decode import install_plan
 
 
 @dataclass(frozen=True)
@@ -37,10 +44,12 @@ def attention_forward(backend: AttentionBackend[Any], plan: Any) -> Iterator[Non
     (`backend.prepare(...)` or, inside a CUDA-graph capture, `backend.prepare_graph(...)`)."""
     global _current
     previous, _current = _current, _Forward(backend, plan)
+    install_plan(backend.native_plan(plan))
     try:
         yield
     finally:
         _current = previous
+        install_plan(None if previous is None else previous.backend.native_plan(previous.plan))
 
 
 # The operator is declared with a schema and a plain kernel (torch.library.define / impl) rather
@@ -50,13 +59,11 @@ def attention_forward(backend: AttentionBackend[Any], plan: Any) -> Iterator[Non
 # nested compile region, functionalization refuses a custom operator that mutates its input. It
 # is safe because nothing else in the graph reads or writes the pages: each layer's operator is
 # the only user of its layer's slice, and data dependencies keep the layers in order.
-torch.library.define(
-    "compiled_engine::paged_attention",
-    "(Tensor q, Tensor k, Tensor v, Tensor kv_cache, float scale, int window=0, float soft_cap=0.0) -> Tensor",
-)
+_SCHEMA = "(Tensor q, Tensor k, Tensor v, Tensor kv_cache, float scale, int window=0, float soft_cap=0.0) -> Tensor"
+torch.library.define("compiled_engine::paged_attention", _SCHEMA)
+torch.library.define("compiled_engine::paged_attention_planned", _SCHEMA)
 
 
-@torch.library.impl("compiled_engine::paged_attention", "CompositeExplicitAutograd")
 def _paged_attention_kernel(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -71,7 +78,10 @@ def _paged_attention_kernel(
     return _current.backend.forward(q, k, v, kv_cache, _current.plan, scale, window, soft_cap)
 
 
-@torch.library.register_fake("compiled_engine::paged_attention")
+for _name in ("compiled_engine::paged_attention", "compiled_engine::paged_attention_planned"):
+    torch.library.impl(_name, "CompositeExplicitAutograd")(_paged_attention_kernel)
+
+
 def _paged_attention_fake(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -82,6 +92,10 @@ def _paged_attention_fake(
     soft_cap: float = 0.0,
 ) -> torch.Tensor:
     return torch.empty_like(q)
+
+
+for _name in ("compiled_engine::paged_attention", "compiled_engine::paged_attention_planned"):
+    torch.library.register_fake(_name)(_paged_attention_fake)
 
 
 def paged_attention(
