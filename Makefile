@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 PORT ?= 8000
 PY := $(VENV)/bin/python
 
-.PHONY: serve test install model lint
+.PHONY: serve test test-full install model lint
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,9 +29,15 @@ serve: $(VENV)/.installed-convert
 	$(PY) -m compiled_engine prepare
 	$(PY) -m compiled_engine serve --port $(PORT)
 
+# The quick tier (under 10 minutes on two cores); `make test-full` runs the wider matrices it
+# leaves out (tests marked `full`). CI runs both.
 test: $(VENV)/.installed-dev
 	$(PY) -m compiled_engine prepare
 	$(PY) -m pytest -q
+
+test-full: $(VENV)/.installed-dev
+	$(PY) -m compiled_engine prepare
+	COMPILED_ENGINE_TEST_TIER=full $(PY) -m pytest -q
 
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check compiled_engine reference_oracle tests perf

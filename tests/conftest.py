@@ -16,6 +16,7 @@ import torch
 from compiled_engine.cache_paths import CACHE_ENV, MODELS_ENV
 from compiled_engine.config import ENFORCE_EAGER_ENV
 from compiled_engine.model.default_model import load_default_model_dir
+from reference_oracle import ReferenceOracle
 from tests.cache_isolation import Snapshot, isolate
 
 # Compile artefacts (saved traces, Inductor's caches, native kernels not yet built) go to a
@@ -77,6 +78,13 @@ def default_model_dir() -> Path:
     return load_default_model_dir()
 
 
+@pytest.fixture(scope="session")
+def default_oracle(default_model_dir: Path) -> ReferenceOracle:
+    """transformers on the default model's GGUF (dequantized through gguf-py), loaded once a
+    session for every module that checks the engine against it."""
+    return ReferenceOracle(default_model_dir)
+
+
 TINY_LLAMA: dict[str, Any] = dict(
     vocab_size=320,
     hidden_size=64,
@@ -122,7 +130,21 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
     return make
 
 
+# Which tests run: "quick" (`make test`, the default) leaves out those marked `full`, the wider
+# matrices of paths the quick tier already covers; "full" (`make test-full`) runs only those;
+# "all" runs everything. CI runs both tiers.
+TEST_TIER_ENV = "COMPILED_ENGINE_TEST_TIER"
+TEST_TIERS = ("quick", "full", "all")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tier = os.environ.get(TEST_TIER_ENV, "quick")
+    if tier not in TEST_TIERS:
+        raise pytest.UsageError(f"{TEST_TIER_ENV}={tier!r}: choose one of {', '.join(TEST_TIERS)}")
+    if tier != "all":
+        wanted = {id(item) for item in items if ("full" in item.keywords) == (tier == "full")}
+        config.hook.pytest_deselected(items=[item for item in items if id(item) not in wanted])
+        items[:] = [item for item in items if id(item) in wanted]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -88,7 +88,7 @@ def _run_steps(runner: ModelRunner, tokens: dict[int, list[int]]) -> list[torch.
     return outs
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+@pytest.mark.parametrize("model_type", ["llama", pytest.param("qwen3", marks=pytest.mark.full)])
 def test_compiled_logits_match_eager_on_mixed_batches_without_recompiling(
     model_type: str, tiny_model_factory: Callable[..., Path]
 ) -> None:
@@ -225,7 +225,7 @@ def test_compiled_one_token_product_equals_f_linear(bias: bool) -> None:
             torch.testing.assert_close(compiled(x), F.linear(x, linear.weight, linear.bias), atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("one_copy", [True, False])
+@pytest.mark.parametrize("one_copy", [pytest.param(True, marks=pytest.mark.full), False])
 def test_the_head_of_one_row_equals_eager(
     tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, one_copy: bool
 ) -> None:
@@ -350,6 +350,7 @@ def test_a_saved_trace_loads_at_the_next_start_without_tracing_and_matches_eager
         assert torch.equal(b.argmax(-1), e.argmax(-1))
 
 
+@pytest.mark.full
 def test_a_gguf_of_mixed_types_saves_one_trace_per_kind_of_layer_and_loads_them_all(private_cache: Path) -> None:
     """llama.cpp's Q4_K_M of a small model: layer 0's down_proj is Q4_K (int4), layer 1's Q6_K
     (int8, groups of 16), so the layers are two kinds with a compiled entry and a saved trace

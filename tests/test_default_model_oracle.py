@@ -1,7 +1,7 @@
 """The default model on CPU against the transformers reference (fp32, on the GGUF's weights
 dequantized): identical greedy ids, close logits, batching that changes nothing, and every page
-back in the pool. Twice: with the GGUF's own 4-bit weights (the default) and with the dense fp32
-conversion (`quantization="none"`)."""
+back in the pool. Twice: with the GGUF's own 4-bit weights (the default), and, in the full tier
+(`make test-full`), with the dense fp32 conversion (`quantization="none"`)."""
 
 from __future__ import annotations
 
@@ -44,15 +44,15 @@ class Reference:
 
 
 @pytest.fixture(scope="module")
-def reference(default_model_dir: Path) -> Reference:
+def reference(default_model_dir: Path, default_oracle: ReferenceOracle) -> Reference:
     tokenizer = Tokenizer(default_model_dir)
-    oracle = ReferenceOracle(default_model_dir)
+    oracle = default_oracle
     prompt_ids = [tokenizer.encode_prompt(p.text, p.chat) for p in DEFAULT_PROMPTS]
     golden = [oracle.greedy(ids, MAX_TOKENS, tokenizer.eos_token_ids) for ids in prompt_ids]
     return Reference(tokenizer, oracle, prompt_ids, golden)
 
 
-@pytest.fixture(scope="module", params=["gguf-q4_1", "dense-fp32"])
+@pytest.fixture(scope="module", params=["gguf-q4_1", pytest.param("dense-fp32", marks=pytest.mark.full)])
 def run(request: pytest.FixtureRequest, default_model_dir: Path, reference: Reference) -> Run:
     quantization = None if request.param == "gguf-q4_1" else "none"
     runner = ModelRunner(default_model_dir, EngineConfig(kv_cache_memory_gib=0.25, quantization=quantization))

@@ -29,9 +29,9 @@ def _prompts(tokenizer: Tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def golden(default_model_dir: Path) -> dict[str, Any]:
+def golden(default_model_dir: Path, default_oracle: ReferenceOracle) -> dict[str, Any]:
     tokenizer = Tokenizer(default_model_dir)
-    oracle = ReferenceOracle(default_model_dir)
+    oracle = default_oracle
     prompts = _prompts(tokenizer)
     tokens = [oracle.greedy(p, MAX_TOKENS, tokenizer.eos_token_ids).token_ids for p in prompts]
     return {"prompts": prompts, "tokens": tokens}
@@ -50,7 +50,16 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+# The quick tier runs a prefix-caching config and a preempting one; the full tier the other two.
+FULL_TIER_CONFIGS = {"chunk7-page4-no-prefix-torch", "chunk64-page4-preempt-no-prefix"}
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(name, marks=pytest.mark.full) if name in FULL_TIER_CONFIGS else name for name in sorted(CONFIGS)
+    ],
+)
 def llm(request: pytest.FixtureRequest, default_model_dir: Path) -> Iterator[tuple[str, LLM]]:
     yield request.param, LLM(**CONFIGS[request.param])
 

@@ -37,6 +37,7 @@ from compiled_engine.model.source import resolve_model_dir
 from compiled_engine.quantization.gguf import load_gguf_model
 from compiled_engine.quantization.modules import QuantizedEmbedding, QuantizedLinear
 from compiled_engine.tokenizer import Tokenizer
+from reference_oracle import ReferenceOracle
 
 CPU = torch.device("cpu")
 DEFAULT_DIR = default_model_dir()
@@ -96,16 +97,12 @@ def default_config() -> ModelConfig:
 
 
 @pytest.fixture(scope="module")
-def transformers_weights(default_config: ModelConfig) -> dict[str, torch.Tensor]:
-    """transformers' dequantization of the default GGUF, in our names. Its config is passed in
-    (the fp32 conversion's config.json) so the file's metadata is not parsed a second time."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    hf_config = AutoConfig.from_pretrained(DEFAULT_DIR)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(DEFAULT_DIR), gguf_file=GGUF_NAME, config=hf_config, dtype=torch.float32
-    )
-    return fused(model.state_dict(), default_config)
+def transformers_weights(default_config: ModelConfig, default_oracle: ReferenceOracle) -> dict[str, torch.Tensor]:
+    """transformers' dequantization of the default GGUF, in our names: the session's oracle,
+    which loads the file under the fp32 conversion's config.json, so that the file's metadata is
+    not parsed a second time."""
+    assert default_oracle.model_dir == DEFAULT_DIR
+    return fused(default_oracle.model.state_dict(), default_config)
 
 
 @pytest.fixture(scope="module")

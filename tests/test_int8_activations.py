@@ -77,7 +77,11 @@ def test_every_product_with_whole_blocks_takes_int8_activations(int8_llm: LLM) -
 
 
 def test_int8_activations_match_their_twin_and_stay_close_to_the_exact_model(
-    int8_llm: LLM, prompts: list[list[int]], default_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    int8_llm: LLM,
+    prompts: list[list[int]],
+    default_model_dir: Path,
+    default_oracle: ReferenceOracle,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     ids = Tokenizer(default_model_dir).encode(TEXT_PATH.read_text(encoding="utf-8"))[:TEXT_TOKENS]
     seen: list[tuple[Int8ActivationsLinear, torch.Tensor, torch.Tensor]] = []
@@ -105,7 +109,7 @@ def test_int8_activations_match_their_twin_and_stay_close_to_the_exact_model(
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6 * float(expected.abs().max()) + 1e-5)
     assert math.isfinite(lossy) and lossy != exact  # lossy: not the exact products
     assert abs(lossy / exact - 1) < 0.03, (lossy, exact)
-    oracle = ReferenceOracle(default_model_dir)
+    oracle = default_oracle
     eos = Tokenizer(default_model_dir).eos_token_ids
     expected = [oracle.greedy(p, 1, eos).token_ids[:1] for p in prompts]
     first = _greedy(int8_llm, prompts, max_tokens=1)

@@ -267,7 +267,7 @@ def test_packing_refuses_what_onednn_does_not_run_here() -> None:
         pack(torch.randn(4, 4, dtype=torch.bfloat16))
 
 
-@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("tied", [False, pytest.param(True, marks=pytest.mark.full)])
 def test_the_compiled_model_holds_each_weight_once_packed_and_the_eager_one_dense(
     tiny_model_factory: Callable[..., Path], tied: bool, gemv: object
 ) -> None:

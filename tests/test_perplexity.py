@@ -90,7 +90,10 @@ def _hf_perplexity(model: torch.nn.Module, ids: list[int], window: int, stride: 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("window", "stride"), [(128, 64), (100, 100), (256, 50)])
+@pytest.mark.parametrize(
+    ("window", "stride"),
+    [(128, 64), pytest.param(100, 100, marks=pytest.mark.full), pytest.param(256, 50, marks=pytest.mark.full)],
+)
 def test_matches_transformers_on_the_same_windows(
     engine: LLMEngine, hf_model: torch.nn.Module, token_ids: list[int], window: int, stride: int
 ) -> None:

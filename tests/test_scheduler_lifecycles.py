@@ -19,7 +19,8 @@ catches a livelock) and checks that every page is free with refcount zero.
 
 Pools are small (8..40 pages of 1..8 tokens, 1..64 tokens a step, 1..8 sequences) and prompts come
 from a vocabulary of 8 ids with shared prefixes, so preemption, prefix-cache hits and evictions
-happen all the time. At least 10,200 request lifecycles in all (600 examples of 17..30 requests).
+happen all the time. At least 10,200 request lifecycles in all (600 examples of 17..30 requests)
+in the full tier (`make test-full`), 2,040 (120 examples) in the quick one.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -46,8 +48,10 @@ _BASE_RNG = random.Random(20240601)
 BASE_PROMPTS = [[_BASE_RNG.randrange(VOCAB) for _ in range(MAX_PROMPT)] for _ in range(3)]
 
 REQUESTS_PER_EXAMPLE = (17, 30)  # min, max requests in one example
-MAX_EXAMPLES = 600  # so at least 17 * 600 = 10,200 request lifecycles
-MIN_LIFECYCLES = 10_000
+# The full tier runs at least 17 * 600 = 10,200 request lifecycles; the quick one (`make test`)
+# the same property over at least 17 * 120 = 2,040.
+FULL_EXAMPLES, FULL_LIFECYCLES = 600, 10_000
+QUICK_EXAMPLES, QUICK_LIFECYCLES = 120, 2_000
 
 # Filled while the property runs; checked by `test_random_lifecycles` afterwards.
 COUNTERS: Counter[str] = Counter()
@@ -360,11 +364,6 @@ rounds = st.lists(
 )
 
 
-@settings(
-    max_examples=MAX_EXAMPLES,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
 @given(config=configs, rounds=rounds, drain_seed=st.integers(0, 2**32 - 1))
 def run_lifecycles(config: Config, rounds: list[tuple[Request, list[Action]]], drain_seed: int) -> None:
     harness = Harness(config)
@@ -381,12 +380,14 @@ def run_lifecycles(config: Config, rounds: list[tuple[Request, list[Action]]], d
     harness.check_end()
 
 
-def test_random_lifecycles() -> None:
+def _random_lifecycles(examples: int, lifecycles: int) -> None:
     COUNTERS.clear()
-    run_lifecycles()
+    settings(
+        max_examples=examples, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+    )(run_lifecycles)()
     print(dict(COUNTERS))
-    assert COUNTERS["examples"] >= MAX_EXAMPLES
-    assert COUNTERS["requests"] >= MIN_LIFECYCLES
+    assert COUNTERS["examples"] >= examples
+    assert COUNTERS["requests"] >= lifecycles
     # The interesting paths were taken, not just the easy ones.
     assert COUNTERS["preemptions"] > 0
     assert COUNTERS["examples_with_hits"] > 0 and COUNTERS["prefix_hits"] > 0 and COUNTERS["page_copies"] > 0
@@ -394,6 +395,15 @@ def test_random_lifecycles() -> None:
     assert COUNTERS["fork_shares"] > 0 and COUNTERS["forks_overtaken"] > 0
     for state in ("waiting", "prefilling", "decoding"):
         assert COUNTERS[f"aborts_{state}"] > 0, f"no sequence was aborted while {state}"
+
+
+def test_random_lifecycles() -> None:
+    _random_lifecycles(QUICK_EXAMPLES, QUICK_LIFECYCLES)
+
+
+@pytest.mark.full
+def test_random_lifecycles_at_scale() -> None:
+    _random_lifecycles(FULL_EXAMPLES, FULL_LIFECYCLES)
 
 
 # -- deterministic cases ------------------------------------------------------------------------

@@ -234,6 +234,7 @@ def test_logprobs_and_min_tokens_apply_at_every_verified_position(smol_plain: LL
         assert mine.logprob == pytest.approx(theirs.logprob, abs=1e-4)
 
 
+@pytest.mark.full  # the quick tier checks the rejection sampler's distribution on its own (above)
 def test_the_sampled_distribution_is_the_target_distribution(smol_plain: LLM, smol_spec: LLM) -> None:
     """Two samples of 200 requests each, with different seeds: the tokens at output position 4
     (drawn in verification, the drafts before it accepted or not) follow one distribution.
@@ -354,7 +355,7 @@ def test_speculation_switches_off_above_the_batch_size_and_when_rejected(model_d
     assert 4 <= out.metrics.num_draft_tokens < 8  # it stopped after the first rejections
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", pytest.param("draft_model", marks=pytest.mark.full)])
 def test_the_server_speculates_with_the_same_output_and_reports_it(
     method: str, smol_plain: LLM, default_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -269,7 +269,7 @@ PEOPLE = _closed(
 )
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", pytest.param("draft_model", marks=pytest.mark.full)])
 def test_constrained_requests_speculate_with_masked_drafts_and_keep_their_output(
     llm: LLM, default_model_dir: Path, method: str
 ) -> None:

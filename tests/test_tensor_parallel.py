@@ -106,16 +106,18 @@ def _assert_same(tp: list[tuple[list[int], list[float]]], single: list[tuple[lis
 @pytest.mark.parametrize(
     ("model_type", "size", "overrides"),
     [
-        ("qwen3", 2, {}),  # 4 query heads, 2 KV heads: one KV head per rank
+        # The quick tier runs one; the full tier the others.
+        pytest.param("qwen3", 2, {}, marks=pytest.mark.full),  # 4 query heads, 2 KV heads: one KV head per rank
         ("llama", 4, {}),  # 4 query heads, 2 KV heads on 4 ranks: each KV head on two ranks
-        ("llama", 2, {"attention_bias": True}),  # sharded biases, replicated o_proj bias
-        ("qwen2", 2, {}),  # sharded q/k/v biases, no o_proj bias
+        pytest.param("llama", 2, {"attention_bias": True}, marks=pytest.mark.full),  # sharded biases, replicated o bias
+        pytest.param("qwen2", 2, {}, marks=pytest.mark.full),  # sharded q/k/v biases, no o_proj bias
         # Gemma 2: four norms, GeGLU, windows of 4 on alternate layers, soft-capped logits.
-        (
+        pytest.param(
             "gemma2",
             2,
             {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 4}
             | {"attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0},
+            marks=pytest.mark.full,
         ),
     ],
 )
@@ -129,6 +131,7 @@ def test_tp_matches_single_process_on_tiny_models(
     _assert_same(parallel, single)
 
 
+@pytest.mark.full
 def test_compiled_tp_matches_eager_single_process(tiny_model_factory: Callable[..., Path]) -> None:
     """The DTensor layers compile with fullgraph=True (the all-reduces are traced as functional
     collectives; a graph break would raise) and agree with plain eager on one process."""
@@ -140,7 +143,7 @@ def test_compiled_tp_matches_eager_single_process(tiny_model_factory: Callable[.
     _assert_same(compiled, _generate(base, PROMPTS, 6))
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", pytest.param("draft_model", marks=pytest.mark.full)])
 def test_speculative_decoding_under_tp_keeps_the_single_process_greedy_ids(
     method: str, tiny_model_factory: Callable[..., Path]
 ) -> None:
@@ -165,6 +168,7 @@ def test_speculative_decoding_under_tp_keeps_the_single_process_greedy_ids(
         assert accepted > 0.9 * drafted > 0, (drafted, accepted)  # whole runs accepted
 
 
+@pytest.mark.full
 def test_default_model_tp3_matches_tp1(default_model_dir: Path) -> None:
     """The default model has 9 query and 3 KV heads, so it splits 3 ways (not 2). Each rank keeps
     its slices of the GGUF's quantized tensors (Q4_1 rows and whole groups of columns, Q8_0)."""
@@ -208,7 +212,9 @@ def _with_attention_biases(source: Path, target: Path) -> Path:
     return target
 
 
-@pytest.mark.parametrize("biases", [False, True], ids=["plain", "attention-biases"])
+@pytest.mark.parametrize(
+    "biases", [False, pytest.param(True, marks=pytest.mark.full)], ids=["plain", "attention-biases"]
+)
 def test_a_k_quant_gguf_shards_its_quantized_products(biases: bool, private_models: Path, tmp_path: Path) -> None:
     """A llama.cpp Q4_K_M file (Q5_0, Q8_0, Q4_K and Q6_K products) at TP = 2: every rank runs its
     slices kept quantized (the row-parallel ones summed by a functional all-reduce, the o bias
@@ -323,7 +329,7 @@ def _dead_worker_child(queue: Any, model_dir: str, how: str) -> None:
             os.kill(worker.pid, signal.SIGKILL)
 
 
-@pytest.mark.parametrize("how", ["killed", "hung"])
+@pytest.mark.parametrize("how", ["killed", pytest.param("hung", marks=pytest.mark.full)])
 def test_a_dead_or_hung_worker_fails_the_engine_instead_of_hanging(
     how: str, tiny_model_factory: Callable[..., Path]
 ) -> None:
