@@ -39,7 +39,7 @@ MAX_HEAD_DIM = 256
 LANES = 8
 # Each sequence's keys are split into chunks so that there are at least this many work items
 # per thread (one sequence alone must still use every core).
-ITEMS_PER_THREAD = 4
+ITEMS_PER_THREAD = 4  # paged_decode.c's paged_decode_chunk_keys applies the same rule (the operator path)
 
 
 def unsupported_reason(

@@ -156,6 +156,17 @@ static inline __attribute__((always_inline)) void attend_chunk(
     }
 }
 
+/* Keys per work item: whole pages, at most MAX_CHUNK, and few enough that `work` sequences times
+ * their chunks give each of `threads` threads four items where the span allows (the rule of
+ * attention/native_decode.py's chunk_size, for callers that split the work here). */
+int64_t paged_decode_chunk_keys(int64_t work, int64_t span, int64_t page_size, int64_t threads) {
+    const int64_t sequences = work > 1 ? work : 1, wanted = (4 * threads + sequences - 1) / sequences;
+    const int64_t keys = (span + wanted - 1) / wanted;
+    const int64_t pages = (keys + page_size - 1) / page_size;
+    const int64_t whole_pages = (pages > 1 ? pages : 1) * page_size, most = MAX_CHUNK / page_size * page_size;
+    return whole_pages < most ? whole_pages : most;
+}
+
 /* Returns 0; 1 when the shapes are outside what this kernel handles (nothing is written), 2 when
  * it could not allocate its score buffers (the cache holds the new K/V, the output is unset). */
 int paged_decode_attention_f32(const float *q, const float *k, const float *v, const int64_t *slots,

@@ -25,21 +25,10 @@ int paged_decode_attention_f32(const float *q, const float *k, const float *v, c
                                int64_t heads, int64_t kv_heads, int64_t dim, int64_t page_size, int64_t chunk,
                                int64_t chunks, float scale, int64_t window, float soft_cap, float *scratch,
                                float *out, int threads);
+int64_t paged_decode_chunk_keys(int64_t work, int64_t span, int64_t page_size, int64_t threads);
 }
 
 namespace {
-
-constexpr int64_t kMaxChunk = 512;     // paged_decode.c's MAX_CHUNK
-constexpr int64_t kItemsPerThread = 4;  // as attention/native_decode.py's ITEMS_PER_THREAD
-
-// Keys per work item: whole pages, at most kMaxChunk, and few enough that the sequences times
-// their chunks give every thread kItemsPerThread items where the span allows (native_decode.chunk_size).
-int64_t chunk_size(int64_t work, int64_t span, int64_t page_size, int64_t threads) {
-    const int64_t wanted = (kItemsPerThread * threads + std::max<int64_t>(work, 1) - 1) / std::max<int64_t>(work, 1);
-    const int64_t keys = (span + wanted - 1) / wanted;
-    const int64_t whole_pages = std::max<int64_t>(1, (keys + page_size - 1) / page_size) * page_size;
-    return std::min(whole_pages, kMaxChunk / page_size * page_size);
-}
 
 at::Tensor paged_decode_f32(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &kv_cache,
                             const at::Tensor &slots, const at::Tensor &block_tables, const at::Tensor &seq_lens,
@@ -66,7 +55,7 @@ at::Tensor paged_decode_f32(const at::Tensor &q, const at::Tensor &k, const at::
     const int threads = at::get_num_threads();
     // A windowed layer splits its window's span rather than the longest context.
     const int64_t span = window > 0 && window < max_seq_len ? window : max_seq_len;
-    const int64_t chunk = chunk_size(seqs, span, page_size, threads);
+    const int64_t chunk = paged_decode_chunk_keys(seqs, span, page_size, threads);
     const int64_t chunks = (span + chunk - 1) / chunk;
     const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
     at::Tensor out = at::empty_like(qc);
