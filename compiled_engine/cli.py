@@ -91,6 +91,7 @@ def _build_native_kernels() -> None:
     import time
 
     from compiled_engine.attention.native_decode import load_native_decode, load_native_operator
+    from compiled_engine.engine.frame_arena import install_frame_arena
     from compiled_engine.lora.layers import native_lora_kernel
     from compiled_engine.model.packed_linear import blocked_gemv_operator
     from compiled_engine.native_build import KernelBuildError
@@ -106,6 +107,7 @@ def _build_native_kernels() -> None:
     native_operator()
     native_lora_kernel()
     blocked_gemv_operator()
+    install_frame_arena()
     print(f"native kernels ready ({time.perf_counter() - started:.1f} s)", file=sys.stderr)
 
 

@@ -60,11 +60,12 @@ class NativeLibrary:
 
     source: Path
     what: str
+    include_dirs: tuple[str, ...] = ()  # beyond the compiler's own (for example Python's headers)
 
     def path(self) -> Path:
         """Where the library for this source, compiler and CPU lives (built there if missing)."""
         cc = compiler()
-        flags = " ".join(FLAGS + OPENMP + LIBS)
+        flags = " ".join(FLAGS + OPENMP + LIBS + tuple(f"-I{d}" for d in self.include_dirs))
         path = _cached_path(self.source.stem, [self.source.read_text(), cc, _version(cc), flags])
         if not path.exists():
             self.build(cc, path)
@@ -77,7 +78,8 @@ class NativeLibrary:
         for extra in (OPENMP, ()):  # without OpenMP (for example Apple clang) the kernel runs on one thread
             with tempfile.NamedTemporaryFile(dir=output.parent, suffix=".so", delete=False) as tmp:
                 partial = Path(tmp.name)
-            command = [cc, *FLAGS, *extra, "-o", str(partial), str(self.source), *LIBS]
+            includes = [f"-I{d}" for d in self.include_dirs]
+            command = [cc, *FLAGS, *extra, *includes, "-o", str(partial), str(self.source), *LIBS]
             done = subprocess.run(command, capture_output=True, text=True, check=False)
             if done.returncode == 0:
                 partial.replace(output)

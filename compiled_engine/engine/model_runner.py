@@ -31,6 +31,7 @@ from compiled_engine.config import EngineConfig
 from compiled_engine.engine.adapters import AdapterInstall, install_no_adapters
 from compiled_engine.engine.compilation import CompiledForward, ModelForward, model_forward, use_compile_cache
 from compiled_engine.engine.cuda_graphs import MAX_CAPTURE_SIZE, CudaGraphRunner, DecodeBuffers, capture_sizes
+from compiled_engine.engine.frame_arena import install_frame_arena
 from compiled_engine.engine.memory_budget import kv_budget_bytes
 from compiled_engine.engine.precompiled import artifact_dir, model_signature
 from compiled_engine.engine.step_inputs import ScheduledBatch, StepInputs
@@ -72,6 +73,7 @@ class ModelRunner:
         `shared_pool`: what a second model under the same page ids adds (a draft model).
         `install_adapters`: puts the adapter products into the model before it is compiled
         (engine/adapters.py)."""
+        install_frame_arena()  # a step's Python calls stay off mmap at any stack depth
         self.shard = shard
         self.shared_pool = shared_pool or SharedPool()
         self.device = config.resolved_device()
