@@ -20,6 +20,7 @@ from compiled_engine.server.routes.chat import ChatController
 from compiled_engine.server.routes.chat_page import ChatPageController
 from compiled_engine.server.routes.completions import CompletionsController
 from compiled_engine.server.routes.health import HealthController, MetricsController
+from compiled_engine.server.routes.messages import MessagesController
 from compiled_engine.server.routes.models import AdaptersController, ModelsController
 from compiled_engine.server.routes.tokenize import DetokenizeController, TokenizeController
 from compiled_engine.server.serving import Serving
@@ -48,6 +49,7 @@ def controllers(settings: ServerSettings) -> list[type[Controller]]:
         ModelsController,
         CompletionsController,
         ChatController,
+        MessagesController,
         TokenizeController,
         DetokenizeController,
     ]

@@ -18,6 +18,15 @@ from compiled_engine.server.replies.deltas import StepDeltas, choice_deltas
 T = TypeVar("T")
 
 
+class EventStream(Stream):
+    """A Stream of server-sent events. Litestar lets the route's media type (JSON, for these
+    routes) override a Stream's own, so the SSE type is forced here."""
+
+    def to_asgi_response(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["media_type"] = "text/event-stream"
+        return super().to_asgi_response(*args, **kwargs)
+
+
 async def event_stream(
     outputs: AsyncIterator[RequestOutput], events: Callable[[AsyncIterator[StepDeltas]], AsyncIterator[bytes]]
 ) -> Stream:
@@ -28,7 +37,7 @@ async def event_stream(
         first: RequestOutput | None = await outputs.__anext__()
     except StopAsyncIteration:
         first = None
-    return Stream(events(choice_deltas(first, outputs)), media_type="text/event-stream")
+    return EventStream(events(choice_deltas(first, outputs)), media_type="text/event-stream")
 
 
 async def unless_disconnected(request: Request[Any, Any, Any], work: Coroutine[Any, Any, T]) -> T:

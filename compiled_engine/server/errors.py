@@ -18,6 +18,7 @@ from compiled_engine.errors import (
     RequestError,
     TokenizerError,
 )
+from compiled_engine.server.messages_protocol import MessagesError, MessagesErrorBody
 from compiled_engine.server.protocol import ErrorBody, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -101,3 +102,26 @@ def request_error_handler(field_names: dict[str, str] | None = None) -> RequestE
         return error_response(400, str(exc), "invalid_request_error", param, code)
 
     return handle_request_error
+
+
+# Anthropic's error types by status (its 529 "overloaded" is our 503 and 429).
+_MESSAGES_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def messages_error_handler(request: Request[Any, Any, Any], exc: Exception) -> Response[MessagesError]:
+    """The Messages routes' errors: the same statuses and messages as every other route, in
+    Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`."""
+    openai_shaped = request_error_handler()(request, exc)
+    status = openai_shaped.status_code or 500
+    assert isinstance(openai_shaped.content, ErrorResponse)
+    kind = _MESSAGES_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    body = MessagesError(MessagesErrorBody(kind, openai_shaped.content.error.message))
+    return Response(body, status_code=status, headers=openai_shaped.headers)

@@ -46,13 +46,14 @@ class Serving:
         if not self.settings.api_keys:
             return None
         header = request.headers.get("authorization", "")
-        given = (header[7:] if header.lower().startswith("bearer ") else "").encode()
+        # Anthropic's clients send the key as x-api-key.
+        given = (header[7:] if header.lower().startswith("bearer ") else request.headers.get("x-api-key", "")).encode()
         # Compare with every key, each in constant time, so timing tells nothing about which matched.
         matches = [hmac.compare_digest(given, key.encode()) for key in self.settings.api_keys]
         if not any(matches):
             raise ApiError(
                 401,
-                "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                "missing or invalid API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
                 "authentication_error",
                 code="invalid_api_key",
             )

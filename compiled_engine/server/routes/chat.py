@@ -48,7 +48,7 @@ class ChatController(Controller):
                 code="unsupported_parameter",
             )
         plan = tool_plan(data.tools, data.tool_choice)
-        prompt = chat_prompt(serving, data, plan)
+        prompt = chat_prompt(serving, chat_turns(data.messages), plan)
         limit = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
         max_tokens = serving.default_max_tokens(prompt, limit)
         top = data.top_logprobs or 0
@@ -64,10 +64,10 @@ class ChatController(Controller):
         return chat_reply(frame, final, serving.tokenizer, plan)
 
 
-def chat_prompt(serving: Serving, data: ChatCompletionRequest, plan: ToolPlan | None) -> list[int]:
-    """The messages (and tools) rendered by the chat template, as token ids."""
+def chat_prompt(serving: Serving, turns: list[dict[str, Any]], plan: ToolPlan | None) -> list[int]:
+    """The turns (chat_messages.chat_turns) and tools rendered by the chat template, as token ids."""
     takes_tools = serving.tokenizer.template_takes_tools
-    turns = render_turns(chat_turns(data.messages), plan, takes_tools)
+    turns = render_turns(turns, plan, takes_tools)
     template_tools = [{"type": "function", "function": t} for t in plan.tools] if plan and takes_tools else None
     return serving.tokenizer.encode_chat(turns, tools=template_tools)
 

@@ -1,0 +1,113 @@
+"""Anthropic Messages replies from the choice deltas: one `Message`, or the stream of events
+(`message_start`, `ping`, each content block's start, deltas and stop, `message_delta` with the
+stop reason and the output tokens, `message_stop`). With tools, the text goes through the
+tool-call mapper (tools.ToolCallStream) first, and calls become `tool_use` blocks."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import msgspec
+
+from compiled_engine.engine.outputs import RequestOutput
+from compiled_engine.server.messages_protocol import (
+    Content,
+    ContentBlockDeltaEvent,
+    ContentBlockStartEvent,
+    ContentBlockStopEvent,
+    InputJsonDelta,
+    Message,
+    MessageDeltaEvent,
+    MessageStartEvent,
+    MessageStopEvent,
+    MessagesUsage,
+    OutputUsage,
+    PingEvent,
+    StopDetails,
+    StreamEvent,
+    TextContent,
+    TextDelta,
+    ToolUseContent,
+)
+from compiled_engine.server.protocol import Usage
+from compiled_engine.server.replies.deltas import StepDeltas, whole_choices
+from compiled_engine.server.tools import ToolCall, ToolCallStream, ToolPlan
+
+
+def messages_usage(usage: Usage) -> MessagesUsage:
+    cached = usage.prompt_tokens_details.cached_tokens
+    return MessagesUsage(usage.prompt_tokens - cached, usage.completion_tokens, cache_read_input_tokens=cached)
+
+
+def stop_details(
+    finish_reason: str | None, stop_reason: str | int | None, stop_sequences: list[str], calls: bool
+) -> StopDetails:
+    """Anthropic's stop reason: `tool_use`, `max_tokens`, `stop_sequence` (naming it) or `end_turn`."""
+    if calls:
+        return StopDetails("tool_use", None)
+    if finish_reason == "length":
+        return StopDetails("max_tokens", None)
+    if isinstance(stop_reason, str) and stop_reason in stop_sequences:
+        return StopDetails("stop_sequence", stop_reason)
+    return StopDetails("end_turn", None)
+
+
+def _tool_use(call: ToolCall) -> ToolUseContent:
+    return ToolUseContent(f"toolu_{call.id.removeprefix('call_')}", call.name, json.loads(call.arguments))
+
+
+def message_reply(
+    message_id: str, model: str, final: RequestOutput, plan: ToolPlan | None, stop_sequences: list[str]
+) -> Message:
+    whole = whole_choices(final)
+    choice = whole.choices[0]
+    text, calls = plan.calls(choice.text) if plan is not None else (choice.text, [])
+    content: list[Content] = [TextContent(text)] if text else []
+    content += [_tool_use(call) for call in calls]
+    stop = stop_details(choice.finish_reason, choice.stop_reason, stop_sequences, bool(calls))
+    return Message(message_id, model, content, stop.stop_reason, stop.stop_sequence, messages_usage(whole.usage))
+
+
+def _event(event: StreamEvent) -> bytes:
+    name = type(event).__struct_config__.tag
+    return b"event: " + str(name).encode() + b"\ndata: " + msgspec.json.encode(event) + b"\n\n"
+
+
+async def message_events(
+    message_id: str, model: str, steps: AsyncIterator[StepDeltas], plan: ToolPlan | None, stop_sequences: list[str]
+) -> AsyncIterator[bytes]:
+    tool_calls = ToolCallStream(plan) if plan is not None else None
+    started, text_open, index = False, False, 0
+    async for step in steps:
+        if not started:
+            usage = messages_usage(step.usage)
+            usage.output_tokens = 0
+            yield _event(MessageStartEvent(Message(message_id, model, [], None, None, usage)))
+            yield _event(PingEvent())
+            started = True
+        choice = step.choices[0]
+        if tool_calls is not None:
+            shown = tool_calls.step(choice)
+            text, calls = (shown.text, shown.calls) if shown is not None else (None, [])
+        else:
+            text, calls = choice.text, []
+        if text:
+            if not text_open:
+                yield _event(ContentBlockStartEvent(index, TextContent("")))
+                text_open = True
+            yield _event(ContentBlockDeltaEvent(index, TextDelta(text)))
+        if choice.finish_reason is None:
+            continue
+        if text_open:
+            yield _event(ContentBlockStopEvent(index))
+            index += 1
+        for call in calls:
+            block = _tool_use(call)
+            yield _event(ContentBlockStartEvent(index, ToolUseContent(block.id, block.name, {})))
+            yield _event(ContentBlockDeltaEvent(index, InputJsonDelta(call.arguments)))
+            yield _event(ContentBlockStopEvent(index))
+            index += 1
+        stop = stop_details(choice.finish_reason, choice.stop_reason, stop_sequences, bool(calls))
+        yield _event(MessageDeltaEvent(stop, OutputUsage(step.usage.completion_tokens)))
+        yield _event(MessageStopEvent())
