@@ -18,6 +18,7 @@ from compiled_engine.config import ENFORCE_EAGER_ENV
 from compiled_engine.model.default_model import load_default_model_dir
 from reference_oracle import ReferenceOracle
 from tests.cache_isolation import Snapshot, isolate
+from tests.server_process import ServerProcess, running_server
 
 # Compile artefacts (saved traces, Inductor's caches, native kernels not yet built) go to a
 # temporary cache of this session's own, set here, before any test module is imported, and inherited by the servers
@@ -99,6 +100,28 @@ TINY_LLAMA: dict[str, Any] = dict(
     eos_token_id=2,
 )
 TINY_QWEN3: dict[str, Any] = dict(TINY_LLAMA, head_dim=32, num_key_value_heads=2)
+
+
+# The server the API-shape tests share (tests/test_messages_api.py, tests/test_responses_api.py):
+# the default model, two API keys, eager.
+API_KEY, OTHER_API_KEY = "api-key", "other-api-key"
+API_MODEL = "smol"
+
+
+@pytest.fixture(scope="session")
+def api_server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Iterator[ServerProcess]:
+    with running_server(
+        tmp_path_factory.mktemp("api-server"),
+        "--api-key",
+        API_KEY,
+        "--api-key",
+        OTHER_API_KEY,
+        "--served-model-name",
+        API_MODEL,
+        "--kv-cache-memory-gib",
+        "0.05",
+    ) as process:
+        yield process
 
 
 def write_tiny_model(path: Path, model_type: str, seed: int = 0, **overrides: Any) -> Path:

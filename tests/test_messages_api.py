@@ -4,8 +4,6 @@ by the official `anthropic` client, and by raw HTTP for the event stream and the
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -13,10 +11,10 @@ import httpx
 import openai
 import pytest
 
-from tests.server_process import ServerProcess, running_server
+from tests.conftest import API_KEY as KEY
+from tests.conftest import API_MODEL as MODEL
+from tests.server_process import ServerProcess
 
-KEY = "messages-key"
-MODEL = "smol"
 SYSTEM = "You are a helpful assistant. Answer in one short sentence."
 QUESTION = "What is the capital of France?"
 GREEDY = {"temperature": 0}  # the anthropic client (2.x) sends sampling fields through extra_body only
@@ -28,17 +26,8 @@ WEATHER = {
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Iterator[ServerProcess]:
-    with running_server(
-        tmp_path_factory.mktemp("messages"),
-        "--api-key",
-        KEY,
-        "--served-model-name",
-        MODEL,
-        "--kv-cache-memory-gib",
-        "0.05",
-    ) as process:
-        yield process
+def server(api_server: ServerProcess) -> ServerProcess:
+    return api_server
 
 
 @pytest.fixture(scope="module")

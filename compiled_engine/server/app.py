@@ -22,6 +22,7 @@ from compiled_engine.server.routes.completions import CompletionsController
 from compiled_engine.server.routes.health import HealthController, MetricsController
 from compiled_engine.server.routes.messages import MessagesController
 from compiled_engine.server.routes.models import AdaptersController, ModelsController
+from compiled_engine.server.routes.responses import ResponsesController
 from compiled_engine.server.routes.tokenize import DetokenizeController, TokenizeController
 from compiled_engine.server.serving import Serving
 from compiled_engine.server.settings import DEFAULT_MAX_BODY_BYTES, ServerSettings
@@ -50,6 +51,7 @@ def controllers(settings: ServerSettings) -> list[type[Controller]]:
         CompletionsController,
         ChatController,
         MessagesController,
+        ResponsesController,
         TokenizeController,
         DetokenizeController,
     ]

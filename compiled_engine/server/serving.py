@@ -21,6 +21,7 @@ from compiled_engine.server.errors import ApiError
 from compiled_engine.server.metrics import ServerMetrics
 from compiled_engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from compiled_engine.server.request_log import RequestLog
+from compiled_engine.server.responses_store import ResponseStore
 from compiled_engine.server.settings import ServerSettings
 from compiled_engine.server.structured import structured_outputs_of
 from compiled_engine.tokenizer import Tokenizer
@@ -38,6 +39,7 @@ class Serving:
         self.created = int(time.time())
         self.metrics = ServerMetrics(engine, settings.served_model_name)
         self.request_log = RequestLog(settings.request_log, settings.log_prompts, tokenizer.decode)
+        self.responses = ResponseStore(settings.responses_store_size, settings.responses_max_age_s)
 
     # -- request checks -------------------------------------------------------------------------
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from compiled_engine.server.responses_store import DEFAULT_MAX_AGE_S, DEFAULT_MAX_RESPONSES
+
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 
 
@@ -20,3 +22,6 @@ class ServerSettings:
     chat_page: bool = True  # serve the chat page at / (`serve --no-chat-page` turns it off)
     request_log: bool = True  # a log line per finished request (`--disable-log-requests`)
     log_prompts: bool = False  # the request log includes prompts (`--log-prompts`)
+    # Stored responses (/v1/responses with store: true) kept for previous_response_id and GET.
+    responses_store_size: int = DEFAULT_MAX_RESPONSES
+    responses_max_age_s: float = DEFAULT_MAX_AGE_S

@@ -10,6 +10,7 @@ from typing import Annotated, Any
 from litestar import Controller, Request, post
 from litestar.di import NamedDependency
 from litestar.params import Body
+from litestar.types import ExceptionHandler
 
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.errors import RequestError
@@ -21,9 +22,11 @@ from compiled_engine.server.replies.messages import message_events, message_repl
 from compiled_engine.server.routes.chat import chat_prompt
 from compiled_engine.server.serving import Serving
 
-
 # RequestError too: the app's own handler for it would otherwise win as the more specific class.
-MESSAGES_ERRORS = {Exception: messages_error_handler, RequestError: messages_error_handler}
+MESSAGES_ERRORS: dict[int | type[Exception], ExceptionHandler] = {
+    Exception: messages_error_handler,
+    RequestError: messages_error_handler,
+}
 
 
 class MessagesController(Controller):

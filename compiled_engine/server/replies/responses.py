@@ -1,0 +1,175 @@
+"""OpenAI Responses replies from the choice deltas: the `response` object, or its stream of
+events (`response.created`, `response.in_progress`, each output item's `added`, its content
+part and text deltas or its call's arguments, each `done`, then `response.completed` or
+`response.incomplete`), every event numbered by `sequence_number`. With tools, the text goes
+through the tool-call mapper (tools.ToolCallStream) first, and calls become `function_call`
+items."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from compiled_engine.engine.outputs import RequestOutput
+from compiled_engine.server.protocol import Usage
+from compiled_engine.server.replies.deltas import StepDeltas, whole_choices
+from compiled_engine.server.responses_protocol import (
+    ArgumentsDeltaEvent,
+    ArgumentsDoneEvent,
+    ContentPartEvent,
+    FunctionCallItem,
+    IncompleteDetails,
+    InputTokensDetails,
+    OutputItem,
+    OutputItemEvent,
+    OutputMessage,
+    OutputText,
+    OutputTokensDetails,
+    ResponseEvent,
+    ResponseObject,
+    ResponseUsage,
+    TextDeltaEvent,
+    TextDoneEvent,
+)
+from compiled_engine.server.tools import ToolCall, ToolCallStream, ToolPlan
+
+
+@dataclass(frozen=True)
+class ResponseFrame:
+    """What the response object repeats of its request, set before it runs."""
+
+    id: str
+    model: str
+    request: dict[str, Any]  # the echoed fields: instructions, max_output_tokens, temperature, ...
+    created_at: int = field(default_factory=lambda: int(time.time()))
+
+    def response(
+        self, status: str, output: list[OutputItem], usage: Usage | None, finish_reason: str | None = None
+    ) -> ResponseObject:
+        incomplete = IncompleteDetails("max_output_tokens") if finish_reason == "length" else None
+        return ResponseObject(
+            id=self.id,
+            created_at=self.created_at,
+            model=self.model,
+            status="incomplete" if incomplete is not None else status,
+            output=output,
+            usage=_usage(usage) if usage is not None else None,
+            incomplete_details=incomplete,
+            **self.request,
+        )
+
+
+def _usage(usage: Usage) -> ResponseUsage:
+    return ResponseUsage(
+        usage.prompt_tokens,
+        InputTokensDetails(usage.prompt_tokens_details.cached_tokens),
+        usage.completion_tokens,
+        OutputTokensDetails(),
+        usage.total_tokens,
+    )
+
+
+def _call_item(call: ToolCall, status: str = "completed") -> FunctionCallItem:
+    return FunctionCallItem(f"fc_{uuid.uuid4().hex}", call.id, call.name, call.arguments, status)
+
+
+def _message_item(text: str, status: str = "completed") -> OutputMessage:
+    return OutputMessage(f"msg_{uuid.uuid4().hex}", status, [OutputText(text)])
+
+
+def response_reply(frame: ResponseFrame, final: RequestOutput, plan: ToolPlan | None) -> ResponseObject:
+    whole = whole_choices(final)
+    choice = whole.choices[0]
+    text, calls = plan.calls(choice.text) if plan is not None else (choice.text, [])
+    output: list[OutputItem] = [_message_item(text)] if text else []
+    output += [_call_item(call) for call in calls]
+    return frame.response("completed", output, whole.usage, choice.finish_reason)
+
+
+Event = (
+    ResponseEvent
+    | OutputItemEvent
+    | ContentPartEvent
+    | TextDeltaEvent
+    | TextDoneEvent
+    | ArgumentsDeltaEvent
+    | ArgumentsDoneEvent
+)
+
+
+@dataclass
+class _Numbered:
+    """Events as SSE, their `sequence_number` set in the order they are sent."""
+
+    sent: int = 0
+
+    def __call__(self, event: Event) -> bytes:
+        event.sequence_number = self.sent
+        self.sent += 1
+        return b"event: " + event.type.encode() + b"\ndata: " + msgspec.json.encode(event) + b"\n\n"
+
+
+async def response_events(
+    frame: ResponseFrame,
+    steps: AsyncIterator[StepDeltas],
+    plan: ToolPlan | None,
+    finished: Callable[[ResponseObject], None],
+) -> AsyncIterator[bytes]:
+    """The stream; `finished` gets the final response object (to store it) before the last event."""
+    event = _Numbered()
+    tool_calls = ToolCallStream(plan) if plan is not None else None
+    message: OutputMessage | None = None
+    output: list[OutputItem] = []
+    started = False
+    async for step in steps:
+        if not started:
+            pending = frame.response("in_progress", [], None)
+            yield event(ResponseEvent("response.created", 0, pending))
+            yield event(ResponseEvent("response.in_progress", 0, pending))
+            started = True
+        choice = step.choices[0]
+        if tool_calls is not None:
+            shown = tool_calls.step(choice)
+            text, calls = (shown.text, shown.calls) if shown is not None else (None, [])
+        else:
+            text, calls = choice.text, []
+        if text:
+            if message is None:
+                message = _message_item("", "in_progress")
+                yield event(OutputItemEvent("response.output_item.added", 0, len(output), _message_item_like(message)))
+                yield event(
+                    ContentPartEvent("response.content_part.added", 0, message.id, len(output), 0, OutputText(""))
+                )
+            message.content[0].text += text
+            yield event(TextDeltaEvent(0, message.id, len(output), 0, text))
+        if choice.finish_reason is None:
+            continue
+        if message is not None:
+            done = OutputMessage(message.id, "completed", [OutputText(message.content[0].text)])
+            yield event(TextDoneEvent(0, done.id, len(output), 0, done.content[0].text))
+            yield event(ContentPartEvent("response.content_part.done", 0, done.id, len(output), 0, done.content[0]))
+            yield event(OutputItemEvent("response.output_item.done", 0, len(output), done))
+            output.append(done)
+        for call in calls:
+            item = _call_item(call)
+            index = len(output)
+            added = FunctionCallItem(item.id, item.call_id, item.name, "", "in_progress")
+            yield event(OutputItemEvent("response.output_item.added", 0, index, added))
+            yield event(ArgumentsDeltaEvent(0, item.id, index, item.arguments))
+            yield event(ArgumentsDoneEvent(0, item.id, index, item.name, item.arguments))
+            yield event(OutputItemEvent("response.output_item.done", 0, index, item))
+            output.append(item)
+        final = frame.response("completed", output, step.usage, choice.finish_reason)
+        finished(final)
+        kind = "response.incomplete" if final.status == "incomplete" else "response.completed"
+        yield event(ResponseEvent(kind, 0, final))
+
+
+def _message_item_like(message: OutputMessage) -> OutputMessage:
+    """A copy as the message is when added: in progress, no content yet."""
+    return OutputMessage(message.id, "in_progress", [])
