@@ -13,6 +13,7 @@ from pathlib import Path
 from compiled_engine.engine_options import add_engine_options, engine_config_from_args
 from compiled_engine.errors import CompiledEngineError, ModelSourceError
 from compiled_engine.logs import LOG_FORMATS, configure_logging
+from compiled_engine.server.reasoning import REASONING_PARSERS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-prompts", action="store_true", help="the request log includes each prompt")
     serve.add_argument(
         "--log-format", choices=LOG_FORMATS, default="text", help="json: one JSON object a log line, for collectors"
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="split the thinking (<think>...</think>) from the answer: reasoning_content in chat, "
+        "reasoning items in Responses, thinking blocks in Messages",
     )
     serve.add_argument(
         "--enable-runtime-lora-updates",
@@ -186,6 +194,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         not args.disable_log_requests,
         args.log_prompts,
         args.log_format,
+        args.reasoning_parser,
     )
 
 

@@ -162,8 +162,18 @@ class Tokenizer:
         return self.chat_template_source is not None and "tools" in self.chat_template_source
 
     def apply_chat_template(
-        self, messages: list[Message], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
+        """`template_kwargs`: extra variables of the template (such as `enable_thinking`); they
+        cannot replace the messages, the tools or the special tokens."""
+        extra = dict(template_kwargs or {})
+        taken = set(extra) & {"messages", "add_generation_prompt", "tools", "documents", *self.special_tokens}
+        if taken:
+            raise TokenizerError(f"chat_template_kwargs cannot set {', '.join(sorted(taken))}")
         if self.chat_template_source is None:
             raise TokenizerError("this model has no chat template (tokenizer_config.json or chat_template.jinja)")
         if self._chat_template is None:
@@ -175,6 +185,7 @@ class Tokenizer:
                 tools=tools,
                 documents=None,
                 **self.special_tokens,
+                **extra,
             )
         except Exception as exc:  # the template's own code can raise anything (TypeError, ...)
             raise TokenizerError(f"chat template failed to render: {exc}") from exc
@@ -184,10 +195,14 @@ class Tokenizer:
         return self.encode_chat([{"role": "user", "content": text}]) if chat else self.encode(text)
 
     def encode_chat(
-        self, messages: list[Message], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         # The rendered template already holds every special token it wants.
-        text = self.apply_chat_template(messages, add_generation_prompt, tools)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs)
         return self.encode(text, add_special_tokens=False)
 
 

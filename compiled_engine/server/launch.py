@@ -41,6 +41,7 @@ def run_server(
     request_log: bool = True,
     log_prompts: bool = False,
     log_format: str = "text",
+    reasoning_parser: str | None = None,
 ) -> int:
     started = time.perf_counter()
     lora_modules = dict(lora_modules or {})
@@ -53,7 +54,15 @@ def run_server(
     if name in lora_modules:
         raise ValueError(f"the adapter name {name!r} is the served model's name")
     settings = ServerSettings(
-        name, api_keys, max_body_bytes, lora_modules, runtime_lora_updates, chat_page, request_log, log_prompts
+        name,
+        api_keys,
+        max_body_bytes,
+        lora_modules,
+        runtime_lora_updates,
+        chat_page,
+        request_log,
+        log_prompts,
+        reasoning_parser=reasoning_parser,
     )
     app = create_app(async_engine, settings)
     app.on_shutdown.append(lambda: async_engine.shutdown(grace_s=shutdown_grace_s))

@@ -114,7 +114,14 @@ class ToolUseContent(msgspec.Struct, tag="tool_use", tag_field="type"):
     input: dict[str, Any]
 
 
-Content = TextContent | ToolUseContent
+class ThinkingContent(msgspec.Struct, tag="thinking", tag_field="type"):
+    """With `serve --reasoning-parser`: the reply's thinking (no signature: it is not Anthropic's)."""
+
+    thinking: str
+    signature: str = ""
+
+
+Content = ThinkingContent | TextContent | ToolUseContent
 
 
 class MessagesUsage(msgspec.Struct):
@@ -171,9 +178,13 @@ class InputJsonDelta(msgspec.Struct, tag="input_json_delta", tag_field="type"):
     partial_json: str
 
 
+class ThinkingDelta(msgspec.Struct, tag="thinking_delta", tag_field="type"):
+    thinking: str
+
+
 class ContentBlockDeltaEvent(msgspec.Struct, tag="content_block_delta", tag_field="type"):
     index: int
-    delta: TextDelta | InputJsonDelta
+    delta: TextDelta | InputJsonDelta | ThinkingDelta
 
 
 class ContentBlockStopEvent(msgspec.Struct, tag="content_block_stop", tag_field="type"):

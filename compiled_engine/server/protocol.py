@@ -79,6 +79,7 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     functions: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
 
 
 # -- responses ---------------------------------------------------------------------------------
@@ -160,6 +161,7 @@ class AssistantMessage(msgspec.Struct):
     content: str | None
     role: Literal["assistant"] = "assistant"
     tool_calls: list[ToolCall] | UnsetType = UNSET
+    reasoning_content: str | UnsetType | None = UNSET  # with `serve --reasoning-parser`: the thinking
 
 
 class ChatChoice(msgspec.Struct):
@@ -189,6 +191,7 @@ class DeltaToolCall(msgspec.Struct):
 class Delta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

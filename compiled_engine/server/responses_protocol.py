@@ -57,7 +57,20 @@ class FunctionCallItem(msgspec.Struct, tag="function_call", tag_field="type"):
     status: str = "completed"
 
 
-OutputItem = OutputMessage | FunctionCallItem
+class ReasoningText(msgspec.Struct, tag="reasoning_text", tag_field="type"):
+    text: str
+
+
+class ReasoningItem(msgspec.Struct, tag="reasoning", tag_field="type"):
+    """With `serve --reasoning-parser`: the reply's thinking."""
+
+    id: str
+    content: list[ReasoningText]
+    summary: list[Any] = msgspec.field(default_factory=list)
+    status: str = "completed"
+
+
+OutputItem = ReasoningItem | OutputMessage | FunctionCallItem
 
 
 class InputTokensDetails(msgspec.Struct):
@@ -178,3 +191,21 @@ class ArgumentsDoneEvent(msgspec.Struct):
     name: str
     arguments: str
     type: str = "response.function_call_arguments.done"
+
+
+class ReasoningDeltaEvent(msgspec.Struct):
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+    type: str = "response.reasoning_text.delta"
+
+
+class ReasoningDoneEvent(msgspec.Struct):
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+    type: str = "response.reasoning_text.done"

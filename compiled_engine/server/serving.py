@@ -20,6 +20,7 @@ from compiled_engine.lora.manager import LoRARequest
 from compiled_engine.server.errors import ApiError
 from compiled_engine.server.metrics import ServerMetrics
 from compiled_engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from compiled_engine.server.reasoning import ReasoningParser
 from compiled_engine.server.request_log import RequestLog
 from compiled_engine.server.responses_store import ResponseStore
 from compiled_engine.server.settings import ServerSettings
@@ -40,6 +41,7 @@ class Serving:
         self.metrics = ServerMetrics(engine, settings.served_model_name)
         self.request_log = RequestLog(settings.request_log, settings.log_prompts, tokenizer.decode)
         self.responses = ResponseStore(settings.responses_store_size, settings.responses_max_age_s)
+        self.reasoning = ReasoningParser(settings.reasoning_parser) if settings.reasoning_parser else None
 
     # -- request checks -------------------------------------------------------------------------
 

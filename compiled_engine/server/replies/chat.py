@@ -18,6 +18,7 @@ from compiled_engine.server.protocol import (
     ToolCallFunction,
     Usage,
 )
+from compiled_engine.server.reasoning import ReasoningParser, ReasoningStream, whole_split
 from compiled_engine.server.replies.deltas import ChoiceDelta, StepDeltas, whole_choices
 from compiled_engine.server.replies.frame import ReplyFrame
 from compiled_engine.server.replies.logprobs import chat_logprobs, prompt_logprobs
@@ -27,18 +28,30 @@ from compiled_engine.tokenizer import Tokenizer
 
 
 async def chat_events(
-    frame: ReplyFrame, steps: AsyncIterator[StepDeltas], n: int, tokenizer: Tokenizer, plan: ToolPlan | None
+    frame: ReplyFrame,
+    steps: AsyncIterator[StepDeltas],
+    n: int,
+    tokenizer: Tokenizer,
+    plan: ToolPlan | None,
+    reasoning: ReasoningParser | None = None,
 ) -> AsyncIterator[bytes]:
     """Each choice's first chunk names the role; then a chunk per step and choice that adds
-    something."""
+    something: its thinking (`reasoning_content`, with a reasoning parser), then its answer."""
     for index in range(n):
         yield _chunk(frame, ChatChunkChoice(index, Delta(role="assistant", content=""), None, None))
     tool_calls = ToolCallStream(plan) if plan is not None else None
+    thinking = ReasoningStream(reasoning) if reasoning is not None else None
     last: StepDeltas | None = None
     async for step in steps:
         last = step
         usage = frame.running_usage(step)
         for choice in step.choices:
+            if thinking is not None:
+                thought, choice = thinking.step(choice)
+                if thought:
+                    yield _chunk(
+                        frame, ChatChunkChoice(choice.index, Delta(reasoning_content=thought), None, None), usage
+                    )
             if tool_calls is not None:
                 chunk = _tool_chunk_choice(choice.index, tool_calls.step(choice))
             else:
@@ -73,10 +86,14 @@ def _tool_chunk_choice(index: int, step: ToolStep | None) -> ChatChunkChoice | N
 
 
 def chat_reply(
-    frame: ReplyFrame, final: RequestOutput, tokenizer: Tokenizer, plan: ToolPlan | None
+    frame: ReplyFrame,
+    final: RequestOutput,
+    tokenizer: Tokenizer,
+    plan: ToolPlan | None,
+    reasoning: ReasoningParser | None = None,
 ) -> ChatCompletionResponse:
     whole = whole_choices(final)
-    choices = [_whole_choice(choice, tokenizer, plan) for choice in whole.choices]
+    choices = [_whole_choice(choice, tokenizer, plan, reasoning) for choice in whole.choices]
     return ChatCompletionResponse(
         frame.id,
         frame.created,
@@ -87,9 +104,15 @@ def chat_reply(
     )
 
 
-def _whole_choice(choice: ChoiceDelta, tokenizer: Tokenizer, plan: ToolPlan | None) -> ChatChoice:
+def _whole_choice(
+    choice: ChoiceDelta, tokenizer: Tokenizer, plan: ToolPlan | None, reasoning: ReasoningParser | None
+) -> ChatChoice:
+    thought, choice = whole_split(reasoning, choice)
     content, calls = plan.calls(choice.text) if plan is not None else (choice.text, [])
     message = AssistantMessage(content)
+    if reasoning is not None:
+        message.reasoning_content = thought or None
+        message.content = message.content or None  # a reply that only thought has no answer
     reason = choice.finish_reason
     if calls:
         message.tool_calls = [ToolCall(call.id, ToolCallFunction(call.name, call.arguments)) for call in calls]

@@ -28,9 +28,12 @@ from compiled_engine.server.messages_protocol import (
     StreamEvent,
     TextContent,
     TextDelta,
+    ThinkingContent,
+    ThinkingDelta,
     ToolUseContent,
 )
 from compiled_engine.server.protocol import Usage
+from compiled_engine.server.reasoning import ReasoningParser, ReasoningStream, whole_split
 from compiled_engine.server.replies.deltas import StepDeltas, whole_choices
 from compiled_engine.server.tools import ToolCall, ToolCallStream, ToolPlan
 
@@ -58,12 +61,18 @@ def _tool_use(call: ToolCall) -> ToolUseContent:
 
 
 def message_reply(
-    message_id: str, model: str, final: RequestOutput, plan: ToolPlan | None, stop_sequences: list[str]
+    message_id: str,
+    model: str,
+    final: RequestOutput,
+    plan: ToolPlan | None,
+    stop_sequences: list[str],
+    reasoning: ReasoningParser | None = None,
 ) -> Message:
     whole = whole_choices(final)
-    choice = whole.choices[0]
+    thought, choice = whole_split(reasoning, whole.choices[0])
     text, calls = plan.calls(choice.text) if plan is not None else (choice.text, [])
-    content: list[Content] = [TextContent(text)] if text else []
+    content: list[Content] = [ThinkingContent(thought)] if thought else []
+    content += [TextContent(text)] if text else []
     content += [_tool_use(call) for call in calls]
     stop = stop_details(choice.finish_reason, choice.stop_reason, stop_sequences, bool(calls))
     return Message(message_id, model, content, stop.stop_reason, stop.stop_sequence, messages_usage(whole.usage))
@@ -75,10 +84,17 @@ def _event(event: StreamEvent) -> bytes:
 
 
 async def message_events(
-    message_id: str, model: str, steps: AsyncIterator[StepDeltas], plan: ToolPlan | None, stop_sequences: list[str]
+    message_id: str,
+    model: str,
+    steps: AsyncIterator[StepDeltas],
+    plan: ToolPlan | None,
+    stop_sequences: list[str],
+    reasoning: ReasoningParser | None = None,
 ) -> AsyncIterator[bytes]:
+    """The blocks in order: thinking (with a reasoning parser), text, tool calls."""
     tool_calls = ToolCallStream(plan) if plan is not None else None
-    started, text_open, index = False, False, 0
+    thinking = ReasoningStream(reasoning) if reasoning is not None else None
+    started, thinking_open, text_open, index = False, False, False, 0
     async for step in steps:
         if not started:
             usage = messages_usage(step.usage)
@@ -87,11 +103,21 @@ async def message_events(
             yield _event(PingEvent())
             started = True
         choice = step.choices[0]
+        if thinking is not None:
+            thought, choice = thinking.step(choice)
+            if thought:
+                if not thinking_open:
+                    yield _event(ContentBlockStartEvent(index, ThinkingContent("")))
+                    thinking_open = True
+                yield _event(ContentBlockDeltaEvent(index, ThinkingDelta(thought)))
         if tool_calls is not None:
             shown = tool_calls.step(choice)
             text, calls = (shown.text, shown.calls) if shown is not None else (None, [])
         else:
             text, calls = choice.text, []
+        if thinking_open and (text or calls or choice.finish_reason is not None):
+            yield _event(ContentBlockStopEvent(index))  # the answer begins: the thinking is over
+            thinking_open, index = False, index + 1
         if text:
             if not text_open:
                 yield _event(ContentBlockStartEvent(index, TextContent("")))

@@ -17,6 +17,7 @@ import msgspec
 
 from compiled_engine.engine.outputs import RequestOutput
 from compiled_engine.server.protocol import Usage
+from compiled_engine.server.reasoning import ReasoningParser, ReasoningStream, whole_split
 from compiled_engine.server.replies.deltas import StepDeltas, whole_choices
 from compiled_engine.server.responses_protocol import (
     ArgumentsDeltaEvent,
@@ -30,6 +31,10 @@ from compiled_engine.server.responses_protocol import (
     OutputMessage,
     OutputText,
     OutputTokensDetails,
+    ReasoningDeltaEvent,
+    ReasoningDoneEvent,
+    ReasoningItem,
+    ReasoningText,
     ResponseEvent,
     ResponseObject,
     ResponseUsage,
@@ -82,11 +87,18 @@ def _message_item(text: str, status: str = "completed") -> OutputMessage:
     return OutputMessage(f"msg_{uuid.uuid4().hex}", status, [OutputText(text)])
 
 
-def response_reply(frame: ResponseFrame, final: RequestOutput, plan: ToolPlan | None) -> ResponseObject:
+def _reasoning_item(text: str, status: str = "completed") -> ReasoningItem:
+    return ReasoningItem(f"rs_{uuid.uuid4().hex}", [ReasoningText(text)], status=status)
+
+
+def response_reply(
+    frame: ResponseFrame, final: RequestOutput, plan: ToolPlan | None, reasoning: ReasoningParser | None = None
+) -> ResponseObject:
     whole = whole_choices(final)
-    choice = whole.choices[0]
+    thought, choice = whole_split(reasoning, whole.choices[0])
     text, calls = plan.calls(choice.text) if plan is not None else (choice.text, [])
-    output: list[OutputItem] = [_message_item(text)] if text else []
+    output: list[OutputItem] = [_reasoning_item(thought)] if thought else []
+    output += [_message_item(text)] if text else []
     output += [_call_item(call) for call in calls]
     return frame.response("completed", output, whole.usage, choice.finish_reason)
 
@@ -99,6 +111,8 @@ Event = (
     | TextDoneEvent
     | ArgumentsDeltaEvent
     | ArgumentsDoneEvent
+    | ReasoningDeltaEvent
+    | ReasoningDoneEvent
 )
 
 
@@ -119,10 +133,14 @@ async def response_events(
     steps: AsyncIterator[StepDeltas],
     plan: ToolPlan | None,
     finished: Callable[[ResponseObject], None],
+    reasoning: ReasoningParser | None = None,
 ) -> AsyncIterator[bytes]:
-    """The stream; `finished` gets the final response object (to store it) before the last event."""
+    """The stream; `finished` gets the final response object (to store it) before the last event.
+    Items in order: the thinking (with a reasoning parser), the message, the calls."""
     event = _Numbered()
     tool_calls = ToolCallStream(plan) if plan is not None else None
+    thinking = ReasoningStream(reasoning) if reasoning is not None else None
+    thought_item: ReasoningItem | None = None
     message: OutputMessage | None = None
     output: list[OutputItem] = []
     started = False
@@ -133,11 +151,28 @@ async def response_events(
             yield event(ResponseEvent("response.in_progress", 0, pending))
             started = True
         choice = step.choices[0]
+        if thinking is not None:
+            thought, choice = thinking.step(choice)
+            if thought:
+                if thought_item is None:
+                    thought_item = _reasoning_item("", "in_progress")
+                    opened = ReasoningItem(thought_item.id, [], status="in_progress")
+                    yield event(OutputItemEvent("response.output_item.added", 0, len(output), opened))
+                thought_item.content[0].text += thought
+                yield event(ReasoningDeltaEvent(0, thought_item.id, len(output), 0, thought))
         if tool_calls is not None:
             shown = tool_calls.step(choice)
             text, calls = (shown.text, shown.calls) if shown is not None else (None, [])
         else:
             text, calls = choice.text, []
+        answer_begins = bool(text or calls) or choice.finish_reason is not None
+        if thought_item is not None and thought_item.status == "in_progress" and answer_begins:
+            thought_item.status = "completed"  # the thinking is over
+            whole_thought = thought_item.content[0].text
+            yield event(ReasoningDoneEvent(0, thought_item.id, len(output), 0, whole_thought))
+            done_thought = ReasoningItem(thought_item.id, [ReasoningText(whole_thought)])
+            yield event(OutputItemEvent("response.output_item.done", 0, len(output), done_thought))
+            output.append(done_thought)
         if text:
             if message is None:
                 message = _message_item("", "in_progress")

@@ -48,7 +48,7 @@ class ChatController(Controller):
                 code="unsupported_parameter",
             )
         plan = tool_plan(data.tools, data.tool_choice)
-        prompt = chat_prompt(serving, chat_turns(data.messages), plan)
+        prompt = chat_prompt(serving, chat_turns(data.messages), plan, data.chat_template_kwargs)
         limit = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
         max_tokens = serving.default_max_tokens(prompt, limit)
         top = data.top_logprobs or 0
@@ -59,17 +59,26 @@ class ChatController(Controller):
         frame = ReplyFrame(f"chatcmpl-{uuid.uuid4().hex}", serving.model_name(data.model), data.stream_options)
         outputs = serving.generate(prompt, params, frame.id, salt, lora)
         if data.stream:
-            return await event_stream(outputs, lambda steps: chat_events(frame, steps, data.n, serving.tokenizer, plan))
+            return await event_stream(
+                outputs, lambda steps: chat_events(frame, steps, data.n, serving.tokenizer, plan, serving.reasoning)
+            )
         final = await unless_disconnected(request, final_output(outputs))
-        return chat_reply(frame, final, serving.tokenizer, plan)
+        return chat_reply(frame, final, serving.tokenizer, plan, serving.reasoning)
 
 
-def chat_prompt(serving: Serving, turns: list[dict[str, Any]], plan: ToolPlan | None) -> list[int]:
-    """The turns (chat_messages.chat_turns) and tools rendered by the chat template, as token ids."""
+def chat_prompt(
+    serving: Serving,
+    turns: list[dict[str, Any]],
+    plan: ToolPlan | None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """The turns (chat_messages.chat_turns) and tools rendered by the chat template, as token ids;
+    `template_kwargs` (`chat_template_kwargs`, e.g. `{"enable_thinking": false}`) are the
+    template's extra variables."""
     takes_tools = serving.tokenizer.template_takes_tools
     turns = render_turns(turns, plan, takes_tools)
     template_tools = [{"type": "function", "function": t} for t in plan.tools] if plan and takes_tools else None
-    return serving.tokenizer.encode_chat(turns, tools=template_tools)
+    return serving.tokenizer.encode_chat(turns, tools=template_tools, template_kwargs=template_kwargs)
 
 
 async def output_constraint(

@@ -61,10 +61,10 @@ class MessagesController(Controller):
         outputs = serving.generate(prompt, params, message_id, salt, lora)
         if data.stream:
             return await event_stream(
-                outputs, lambda steps: message_events(message_id, model, steps, plan, stop_sequences)
+                outputs, lambda steps: message_events(message_id, model, steps, plan, stop_sequences, serving.reasoning)
             )
         final = await unless_disconnected(request, final_output(outputs))
-        return message_reply(message_id, model, final, plan, stop_sequences)
+        return message_reply(message_id, model, final, plan, stop_sequences, serving.reasoning)
 
     @post("/v1/messages/count_tokens", status_code=200, exception_handlers=MESSAGES_ERRORS)
     async def count_tokens(

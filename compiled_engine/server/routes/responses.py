@@ -89,9 +89,11 @@ class ResponsesController(Controller):
 
         outputs = serving.generate(prompt, params, frame.id, salt, lora)
         if data.stream:
-            return await event_stream(outputs, lambda steps: response_events(frame, steps, plan, keep))
+            return await event_stream(
+                outputs, lambda steps: response_events(frame, steps, plan, keep, serving.reasoning)
+            )
         final = await unless_disconnected(request, final_output(outputs))
-        response = response_reply(frame, final, plan)
+        response = response_reply(frame, final, plan, serving.reasoning)
         keep(response)
         return response
 
