@@ -14,6 +14,7 @@ from compiled_engine.engine_options import add_engine_options, engine_config_fro
 from compiled_engine.errors import CompiledEngineError, ModelSourceError
 from compiled_engine.logs import LOG_FORMATS, configure_logging
 from compiled_engine.server.reasoning import REASONING_PARSERS
+from compiled_engine.server.tool_parsers import TOOL_CALL_PARSERS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-prompts", action="store_true", help="the request log includes each prompt")
     serve.add_argument(
         "--log-format", choices=LOG_FORMATS, default="text", help="json: one JSON object a log line, for collectors"
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help="how the model writes tool calls under tool_choice auto (default: the family's format when its "
+        "chat template renders tools, else hermes)",
     )
     serve.add_argument(
         "--reasoning-parser",
@@ -195,6 +203,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.log_prompts,
         args.log_format,
         args.reasoning_parser,
+        args.tool_call_parser,
     )
 
 

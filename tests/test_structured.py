@@ -515,7 +515,9 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 def test_tool_call_blocks_parse_and_stream_only_what_cannot_be_a_call() -> None:
-    from compiled_engine.server.tools import held_back, parse_tool_calls
+    from compiled_engine.server.tool_parsers import HermesParser
+
+    parse_tool_calls, held_back = HermesParser().parse, HermesParser().shown
 
     text = 'Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n<tool_call>{"name": "nope", "arguments": {}}</tool_call>'
     content, calls = parse_tool_calls(text, ["add", "get_weather"])

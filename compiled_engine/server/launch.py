@@ -42,6 +42,7 @@ def run_server(
     log_prompts: bool = False,
     log_format: str = "text",
     reasoning_parser: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> int:
     started = time.perf_counter()
     lora_modules = dict(lora_modules or {})
@@ -63,6 +64,7 @@ def run_server(
         request_log,
         log_prompts,
         reasoning_parser=reasoning_parser,
+        tool_call_parser=tool_call_parser,
     )
     app = create_app(async_engine, settings)
     app.on_shutdown.append(lambda: async_engine.shutdown(grace_s=shutdown_grace_s))

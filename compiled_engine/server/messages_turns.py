@@ -17,6 +17,7 @@ from compiled_engine.server.messages_protocol import (
     ToolResultBlock,
     ToolUseBlock,
 )
+from compiled_engine.server.tool_parsers import ToolCallParser
 from compiled_engine.server.tools import ToolPlan, tool_plan
 
 ROLES = ("user", "assistant")
@@ -83,7 +84,9 @@ def _refuse(i: int, j: int, block: Any, role: str) -> None:
     raise ApiError(400, f"messages.{i}.content.{j}: a {kind} is not allowed in a {role} message")
 
 
-def message_tool_plan(tools: list[dict[str, Any]] | None, tool_choice: dict[str, Any] | None) -> ToolPlan | None:
+def message_tool_plan(
+    tools: list[dict[str, Any]] | None, tool_choice: dict[str, Any] | None, parser: ToolCallParser
+) -> ToolPlan | None:
     """Anthropic's tools (`name`, `description`, `input_schema`) and tool_choice (`auto`, `any`,
     `tool` with a name, `none`) as chat completions' tool plan."""
     functions = None
@@ -103,7 +106,8 @@ def message_tool_plan(tools: list[dict[str, Any]] | None, tool_choice: dict[str,
             if "description" in tool:
                 function["description"] = tool["description"]
             functions.append({"type": "function", "function": function})
-    return tool_plan(functions, _openai_choice(tool_choice, functions is not None))
+    parallel = not (tool_choice or {}).get("disable_parallel_tool_use", False)
+    return tool_plan(functions, _openai_choice(tool_choice, functions is not None), parser, parallel)
 
 
 def _openai_choice(choice: dict[str, Any] | None, has_tools: bool) -> Any:

@@ -78,6 +78,7 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     # Accepted so that the error can name them; any value is refused as unsupported.
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool = True  # False: at most one call is returned
     functions: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
 

@@ -9,6 +9,7 @@ from typing import Any
 from compiled_engine.engine.structured_outputs import StructuredOutputs
 from compiled_engine.server.errors import ApiError
 from compiled_engine.server.responses_protocol import FunctionCallItem, OutputMessage, ResponseObject
+from compiled_engine.server.tool_parsers import ToolCallParser
 from compiled_engine.server.tools import ToolPlan, checked_tool_calls, tool_plan
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -92,7 +93,9 @@ def _function_call(i: int, item: dict[str, Any]) -> dict[str, Any]:
     return checked_tool_calls([sent], f"input[{i}]")[0]
 
 
-def responses_tool_plan(tools: list[dict[str, Any]] | None, tool_choice: Any) -> ToolPlan | None:
+def responses_tool_plan(
+    tools: list[dict[str, Any]] | None, tool_choice: Any, parser: ToolCallParser, parallel: bool = True
+) -> ToolPlan | None:
     """Responses' function tools (`{"type": "function", "name", "description", "parameters",
     "strict"}`) and tool_choice (`auto`, `none`, `required`, `{"type": "function", "name"}`) as
     chat completions' tool plan."""
@@ -116,7 +119,7 @@ def responses_tool_plan(tools: list[dict[str, Any]] | None, tool_choice: Any) ->
                 param="tool_choice",
             )
         tool_choice = {"type": "function", "function": {"name": tool_choice["name"]}}
-    return tool_plan(functions, tool_choice)
+    return tool_plan(functions, tool_choice, parser, parallel)
 
 
 def text_format(text: dict[str, Any] | None) -> StructuredOutputs | None:

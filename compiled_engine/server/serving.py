@@ -25,6 +25,7 @@ from compiled_engine.server.request_log import RequestLog
 from compiled_engine.server.responses_store import ResponseStore
 from compiled_engine.server.settings import ServerSettings
 from compiled_engine.server.structured import structured_outputs_of
+from compiled_engine.server.tool_parsers import tool_call_parser
 from compiled_engine.tokenizer import Tokenizer
 
 
@@ -42,6 +43,8 @@ class Serving:
         self.request_log = RequestLog(settings.request_log, settings.log_prompts, tokenizer.decode)
         self.responses = ResponseStore(settings.responses_store_size, settings.responses_max_age_s)
         self.reasoning = ReasoningParser(settings.reasoning_parser) if settings.reasoning_parser else None
+        family = engine.engine.runner.model_config.architecture
+        self.tool_parser = tool_call_parser(settings.tool_call_parser, family, tokenizer.template_takes_tools)
 
     # -- request checks -------------------------------------------------------------------------
 

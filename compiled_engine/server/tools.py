@@ -7,8 +7,8 @@ such templates use: the definitions inside `<tools>`, and each call written as
 `role: "tool"` turns are rendered the same way when the template does not know them.
 
 - `none`: the tools are left out and the reply is text;
-- `auto`: the model writes text or calls; `parse_tool_calls` turns the `<tool_call>` blocks of the
-  finished text into calls;
+- `auto`: the model writes text or calls; the server's tool-call parser (tool_parsers.py: hermes,
+  llama3_json, mistral, pythonic) turns the calls of the finished text into calls;
 - `required` or a named function: the output is constrained (structured/) to the JSON of one call,
   of any tool or of that one, so the arguments always parse and follow the parameters' schema.
 """
@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from compiled_engine.engine.structured_outputs import StructuredOutputs
 from compiled_engine.errors import RequestError
 from compiled_engine.server.replies.deltas import ChoiceDelta
+from compiled_engine.server.tool_parsers import PARSERS, ToolCall, ToolCallParser, call_of
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*(?:" + re.escape(CLOSE) + r"|$)", re.DOTALL)
+OPEN, CLOSE = "<tool_call>", "</tool_call>"  # the fallback prompt's (hermes) format
 FALLBACK_PROMPT = (
     "You can call functions to help with the user's request. The functions are described by "
     "these JSON schemas:\n<tools>\n{tools}\n</tools>\nTo call a function, reply with one block "
@@ -36,17 +35,12 @@ FALLBACK_PROMPT = (
 
 
 @dataclass(frozen=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-
-@dataclass(frozen=True)
 class ToolPlan:
     tools: list[dict[str, Any]]  # the functions' definitions: {"name", "description"?, "parameters"?}
     choice: str  # "auto", "required" or "named" ("none" makes no plan)
     name: str | None = None  # the named function
+    parser: ToolCallParser = PARSERS["hermes"]  # how the model writes calls under "auto"
+    parallel: bool = True  # False (parallel_tool_calls): at most the first call is kept
 
     @property
     def names(self) -> list[str]:
@@ -63,9 +57,11 @@ class ToolPlan:
     def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The reply's text before any call, and its calls (none: the whole text)."""
         if self.choice != "auto":
-            call = _call(text, self.names)
+            value = _decoded(text)
+            call = call_of(value, self.names)
             return (None, [call]) if call is not None else (text, [])
-        return parse_tool_calls(text, self.names)
+        content, calls = self.parser.parse(text, self.names)
+        return content, calls if self.parallel else calls[:1]
 
 
 def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:
@@ -78,39 +74,11 @@ def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _call(text: str, names: list[str]) -> ToolCall | None:
+def _decoded(text: str) -> Any:
     try:
-        value = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError:
         return None
-    if not isinstance(value, dict) or value.get("name") not in names:
-        return None
-    arguments = value.get("arguments", value.get("parameters", {}))
-    if not isinstance(arguments, dict):
-        return None
-    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", value["name"], json.dumps(arguments))
-
-
-def parse_tool_calls(text: str, names: list[str]) -> tuple[str | None, list[ToolCall]]:
-    """`auto`: the `<tool_call>` blocks of `text` that hold a call of a known function (JSON with
-    its name and arguments), and the text before the first block (None when empty). With no such
-    block, the whole text and no calls."""
-    calls = [call for block in BLOCK.findall(text) if (call := _call(block, names)) is not None]
-    if not calls:
-        return text, []
-    content = text[: text.index(OPEN)].strip()
-    return content or None, calls
-
-
-def held_back(text: str) -> int:
-    """How much of `text` to stream now under `auto`: everything before a `<tool_call>` tag, or
-    before an ending that could still become one."""
-    if OPEN in text:
-        return text.index(OPEN)
-    for size in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-size:]):
-            return len(text) - size
-    return len(text)
 
 
 def tool_finish_reason(reason: str | None) -> str | None:
@@ -139,7 +107,7 @@ class ToolCallStream:
     def step(self, choice: ChoiceDelta) -> ToolStep | None:
         text, shown = choice.text_so_far, self.shown.get(choice.index, 0)
         if choice.finish_reason is None:
-            end = held_back(text) if self.plan.choice == "auto" else 0
+            end = self.plan.parser.shown(text) if self.plan.choice == "auto" else 0
             if end <= shown:
                 return None
             self.shown[choice.index] = end
@@ -151,8 +119,14 @@ class ToolCallStream:
         return ToolStep(None, calls, tool_finish_reason(choice.finish_reason))
 
 
-def tool_plan(tools: list[dict[str, Any]] | None, tool_choice: Any) -> ToolPlan | None:
-    """The request's tools and choice, checked; None when no tool may be called."""
+def tool_plan(
+    tools: list[dict[str, Any]] | None,
+    tool_choice: Any,
+    parser: ToolCallParser = PARSERS["hermes"],
+    parallel: bool = True,
+) -> ToolPlan | None:
+    """The request's tools and choice, checked; None when no tool may be called. `parser`: the
+    server's (`--tool-call-parser`); `parallel`: the request's `parallel_tool_calls`."""
     if tool_choice is None:
         tool_choice = "auto" if tools else "none"
     if tools is None:
@@ -176,12 +150,12 @@ def tool_plan(tools: list[dict[str, Any]] | None, tool_choice: Any) -> ToolPlan 
     if tool_choice == "none":
         return None
     if tool_choice in ("auto", "required"):
-        return ToolPlan(functions, tool_choice)
+        return ToolPlan(functions, tool_choice, parser=parser, parallel=parallel)
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
         name = (tool_choice.get("function") or {}).get("name")
         if name not in [f["name"] for f in functions]:
             raise RequestError(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
-        return ToolPlan(functions, "named", name)
+        return ToolPlan(functions, "named", name, parser=parser, parallel=parallel)
     raise RequestError(
         f'tool_choice must be "none", "auto", "required" or {{"type": "function", "function": {{"name": ...}}}}, '
         f"got {_show(tool_choice)}",

@@ -47,7 +47,7 @@ class ChatController(Controller):
                 param="functions",
                 code="unsupported_parameter",
             )
-        plan = tool_plan(data.tools, data.tool_choice)
+        plan = tool_plan(data.tools, data.tool_choice, serving.tool_parser, data.parallel_tool_calls)
         prompt = chat_prompt(serving, chat_turns(data.messages), plan, data.chat_template_kwargs)
         limit = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
         max_tokens = serving.default_max_tokens(prompt, limit)

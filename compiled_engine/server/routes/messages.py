@@ -42,7 +42,7 @@ class MessagesController(Controller):
         lora = serving.check_model(data.model)
         if data.max_tokens < 1:
             raise ApiError(400, f"max_tokens: must be at least 1, got {data.max_tokens}", param="max_tokens")
-        plan = message_tool_plan(data.tools, data.tool_choice)
+        plan = message_tool_plan(data.tools, data.tool_choice, serving.tool_parser)
         prompt = chat_prompt(serving, message_turns(data.system, data.messages), plan)
         constraint = plan.constraint() if plan is not None else None
         if constraint is not None:
@@ -76,5 +76,5 @@ class MessagesController(Controller):
         """The prompt's tokens, as /v1/messages would render it (system, tools and messages)."""
         serving.check_auth(request)
         serving.check_model(data.model)
-        plan = message_tool_plan(data.tools, data.tool_choice)
+        plan = message_tool_plan(data.tools, data.tool_choice, serving.tool_parser)
         return CountTokensResponse(len(chat_prompt(serving, message_turns(data.system, data.messages), plan)))

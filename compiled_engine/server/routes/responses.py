@@ -34,7 +34,7 @@ class ResponsesController(Controller):
         salt = serving.check_auth(request)
         lora = serving.check_model(data.model)
         _refuse_unsupported(data)
-        plan = responses_tool_plan(data.tools, data.tool_choice)
+        plan = responses_tool_plan(data.tools, data.tool_choice, serving.tool_parser, data.parallel_tool_calls)
         history: list[dict[str, Any]] = []
         if data.previous_response_id is not None:
             stored = serving.responses.get(data.previous_response_id, salt)
