@@ -16,6 +16,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 QUANTIZATIONS = ("none", "int8", "int4")
 CPU_ACTIVATIONS = ("fp32", "int8")
+RUNNERS = ("generate", "pooling")  # vLLM's --runner: generate text, or pool hidden states (embeddings)
 SAMPLERS = ("torch", "flashinfer")
 DEFAULT_PAGE_SIZE = 16  # tokens per KV page
 
@@ -143,6 +144,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # JSON of vLLM's --speculative-config, e.g. '{"method": "ngram", "num_speculative_tokens": 4}',
     # and held parsed (`speculative`); None: off.
     speculative_config: SpeculativeConfig | str | dict[str, Any] | None = None
+    # "generate" (text) or "pooling" (one embedding a prompt, engine/pooling.py; /v1/embeddings).
+    runner: str = "generate"
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -153,6 +156,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
             raise ValueError(
                 f"cpu_activations must be one of {', '.join(CPU_ACTIVATIONS)}, got {self.cpu_activations!r}"
             )
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
         if self.sampler is not None and self.sampler not in SAMPLERS:
             raise ValueError(f"sampler must be {' or '.join(SAMPLERS)}, got {self.sampler!r}")
         # Parsed once, here: a bad one fails before any work.
@@ -171,6 +176,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
             raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"num_pages must be at least 1, got {self.num_pages}")
+        if self.runner == "pooling" and self.speculative is not None:
+            raise ValueError("speculative decoding generates text: it cannot run with runner pooling")
         if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory_gib must be positive, got {self.kv_cache_memory_gib}")
         if not 0 < self.gpu_memory_utilization <= 1:

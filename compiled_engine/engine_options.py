@@ -24,6 +24,7 @@ from compiled_engine.config import (
     DTYPES,
     ENFORCE_EAGER_ENV,
     QUANTIZATIONS,
+    RUNNERS,
     SAMPLERS,
     EngineConfig,
 )
@@ -172,6 +173,14 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
         "to int8 in blocks of 32 for integer dot products, as llama.cpp does: faster decode, lossy; "
         "weights in groups of 16 and prompts of more than 32 tokens stay exact)",
         CPU_ACTIVATIONS,
+    ),
+    EngineOption(
+        "runner",
+        "--runner",
+        "generate (text, the default) or pooling (an embedding a prompt, served at /v1/embeddings; "
+        "the pooling and normalization come from the model's sentence-transformers files, else the "
+        "last token's hidden state, normalized)",
+        RUNNERS,
     ),
 )
 

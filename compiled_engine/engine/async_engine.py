@@ -49,6 +49,7 @@ class _Add:
     params: SamplingParams
     cache_salt: str | None
     lora_request: AdapterRequest | None = None
+    pooling: bool = False  # a prompt to pool into an embedding (add_pooling_request)
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,22 @@ class AsyncEngine:
 
     # -- requests -------------------------------------------------------------------------------
 
+    async def encode(
+        self,
+        prompt: str | list[int],
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        lora_request: AdapterRequest | None = None,
+    ) -> RequestOutput:
+        """A prompt pooled into its embedding (an engine with runner pooling): the finished
+        output, whose `embedding` is set. Raises as `generate`."""
+        final = None
+        async for output in self.generate(prompt, SamplingParams(), request_id, cache_salt, lora_request, pooling=True):
+            final = output
+        if final is None or final.embedding is None:  # aborted: the server is stopping
+            raise EngineShuttingDownError("the request was aborted before its prompt was pooled")
+        return final
+
     async def generate(
         self,
         prompt: str | list[int],
@@ -208,9 +225,11 @@ class AsyncEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         lora_request: AdapterRequest | None = None,
+        pooling: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs as they come; the last one has `finished` set. Raises the
-        engine's RequestError for an invalid request, and the overload / dead / shutdown errors."""
+        engine's RequestError for an invalid request, and the overload / dead / shutdown errors.
+        `pooling`: the prompt is pooled instead (`encode`)."""
         if self.error is not None or not self._thread.is_alive():
             raise EngineDeadError(f"the engine loop is not running ({self.error!r})")
         if not self._accepting:
@@ -222,7 +241,7 @@ class AsyncEngine:
         with self._lock:
             self._streams[request_id] = (asyncio.get_running_loop(), stream)
             self._pending_adds += 1
-        self._inbox.put(_Add(request_id, prompt, params, cache_salt, lora_request))
+        self._inbox.put(_Add(request_id, prompt, params, cache_salt, lora_request, pooling))
         self._wake.set()
         finished = False
         try:
@@ -332,9 +351,14 @@ class AsyncEngine:
             if not listening:
                 continue  # the caller left before the loop saw the request
             try:
-                self.engine.add_request(
-                    command.prompt, command.params, command.request_id, command.cache_salt, command.lora_request
-                )
+                if command.pooling:
+                    self.engine.add_pooling_request(
+                        command.prompt, command.request_id, command.cache_salt, command.lora_request
+                    )
+                else:
+                    self.engine.add_request(
+                        command.prompt, command.params, command.request_id, command.cache_salt, command.lora_request
+                    )
             except Exception as exc:  # invalid request: hand the error to its caller
                 self._deliver(command.request_id, exc)
 

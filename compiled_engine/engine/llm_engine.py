@@ -24,6 +24,7 @@ from compiled_engine.engine.memory_budget import return_freed_heap
 from compiled_engine.engine.model_runner import ModelRunner, SharedPool
 from compiled_engine.engine.output_text import SequenceText
 from compiled_engine.engine.outputs import RequestMetrics, RequestOutput
+from compiled_engine.engine.pooling import PoolingState, pooling_config
 from compiled_engine.engine.request_state import RequestState
 from compiled_engine.engine.request_validation import check_request, prompt_token_ids
 from compiled_engine.engine.sampler import TokenLogprobs, make_sampler
@@ -75,6 +76,7 @@ class LLMEngine:
         self._pending_aborts: set[str] = set()
         self.num_aborted_requests = 0  # requests `abort_request` ended before they finished
         self._seq_ids = itertools.count()
+        self.pooling = pooling_config(self.model_dir) if config.runner == "pooling" else None
 
     def _start_runner(self, shared_pool: SharedPool | None, install_adapters: AdapterInstall) -> ModelRunner:
         """This process's model runner; with tensor parallelism, the other ranks' processes first."""
@@ -120,6 +122,8 @@ class LLMEngine:
         """Queue a request and return its id. An invalid one raises a RequestError (a PromptError
         for the prompt checks of request_validation, a LoRAError for its adapter) and leaves
         nothing queued. With `lora_request` it runs with that adapter, loaded now if new."""
+        if self.pooling is not None:
+            raise RequestError("this engine pools (runner pooling): it makes embeddings, not text")
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._requests:
@@ -162,6 +166,49 @@ class LLMEngine:
         )
         for seq in seqs:
             self.scheduler.add(seq)
+        return request_id
+
+    def add_pooling_request(
+        self,
+        prompt: str | list[int],
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        lora_request: AdapterRequest | None = None,
+    ) -> str:
+        """Queue a prompt to pool into one embedding (an engine with runner pooling); its last
+        output carries `embedding`. The prompt checks are add_request's."""
+        if self.pooling is None:
+            raise RequestError("this engine generates text (runner generate): it makes no embeddings")
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        prompt_ids = prompt_token_ids(prompt, self.tokenizer, str(self.model_dir))
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        vocab_size, has_tokenizer = self.runner.model_config.vocab_size, self.tokenizer is not None
+        check_request(prompt_ids, params, vocab_size, self.runner.max_model_len, has_tokenizer)
+        adapter = self.adapters.admit(lora_request)
+        now = time.perf_counter()
+        seq = Sequence(
+            next(self._seq_ids),
+            list(prompt_ids),
+            params,
+            request_id=request_id,
+            cache_salt=cache_salt,
+            adapter=adapter,
+            arrival_time=now,
+            pooling=PoolingState(self.pooling),
+        )
+        self._requests[request_id] = RequestState(
+            request_id,
+            prompt if isinstance(prompt, str) else None,
+            prompt_ids,
+            [seq],
+            [SequenceText(self.tokenizer, prompt_ids, params)],
+            None,
+            RequestMetrics(arrival_time=now),
+            adapter,
+        )
+        self.scheduler.add(seq)
         return request_id
 
     def abort_request(self, request_id: str) -> None:
@@ -214,6 +261,9 @@ class LLMEngine:
 
     def _run_scheduled(self, out: SchedulerOutput) -> None:
         """Draft, run the forward, sample and verify the scheduled sequences of one step."""
+        if self.pooling is not None:
+            self._pool_scheduled(out)
+            return
         scheduled = [item.seq for item in out.scheduled]
         with nvtx_range("draft"):
             draft_probs = self.drafter.fill(scheduled, self.scheduler.running)
@@ -238,6 +288,27 @@ class LLMEngine:
                 self.drafter.record(seq, proposed, accepted)
                 if not seq.is_finished:
                     self.scheduler.accept_draft(seq, accepted)
+
+    def _pool_scheduled(self, out: SchedulerOutput) -> None:
+        """Run the scheduled prompt chunks, pool their hidden states, and finish each sequence
+        whose prompt is all in with its embedding."""
+        batch = [(item.seq, item.num_tokens) for item in out.scheduled]
+        hidden = self.runner.run(
+            batch, self.adapters.slots_for([seq for seq, _ in batch]), out.page_copies, hidden=True
+        )
+        row = 0
+        for seq, num_new in batch:
+            assert seq.pooling is not None
+            seq.pooling.add(hidden[row : row + num_new], seq.num_computed_tokens)
+            row += num_new
+        now = time.perf_counter()
+        for seq in self.scheduler.advance(out):
+            assert seq.pooling is not None
+            request = self._requests[seq.request_id]
+            request.embedding = seq.pooling.result()
+            request.changed = True
+            seq.first_token_time = now
+            self.scheduler.finish(seq, FinishReason.STOP)
 
     def _apply_aborts(self) -> None:
         for request_id in self._pending_aborts:

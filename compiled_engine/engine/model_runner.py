@@ -307,29 +307,34 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(
-        self, batch: ScheduledBatch, lora_slots: list[int] | None = None, page_copies: list[PageCopy] | None = None
+        self,
+        batch: ScheduledBatch,
+        lora_slots: list[int] | None = None,
+        page_copies: list[PageCopy] | None = None,
+        hidden: bool = False,
     ) -> torch.Tensor:
         """Run the new tokens of every sequence in `batch` (pages must already be allocated) and
         return the logits after each sequence's last new token, fp32 [num_seqs, vocab]; a
-        sequence with draft tokens gets rows for its last 1 + drafts tokens instead. The one way
-        to run a scheduled batch; tensor-parallel ranks receive the same step (`execute`)."""
+        sequence with draft tokens gets rows for its last 1 + drafts tokens instead. `hidden`
+        (pooling): every new token's final hidden state instead, fp32 [num_tokens, hidden]. The
+        one way to run a scheduled batch; tensor-parallel ranks receive the same step (`execute`)."""
         with nvtx_range("prepare inputs"):
             inputs = StepInputs.from_batch(batch, lora_slots, page_copies)
             if self.shard.size > 1:
                 broadcast_step(inputs)
-        logits = self.execute(inputs)
-        assert logits is not None
-        return logits
+        out = self.execute(inputs, hidden_states=hidden)
+        assert out is not None
+        return out
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs, logits: bool = True) -> torch.Tensor | None:
+    def execute(self, inputs: StepInputs, logits: bool = True, hidden_states: bool = False) -> torch.Tensor | None:
         """Every rank runs each step here, the same way: a decode batch that fits a captured
         size replays its CUDA graph (so tensor-parallel ranks issue the same all-reduces), any
         other batch runs the model. Only rank 0 asks for the logits of eager steps."""
         if inputs.page_copies:
             self.copy_pages(inputs.page_copies)
         with nvtx_range("forward"):
-            if self.graphs is not None and inputs.decode_only:
+            if self.graphs is not None and inputs.decode_only and not hidden_states:
                 # The graphs read each row's adapter slot from the slots' buffer.
                 self.adapter_slots.set_tokens(inputs.query_lens, inputs.lora_slots, self.graphs.buffers.max_size)
                 replayed = self.graphs.replay(inputs.token_ids, inputs.positions, inputs.block_tables)
@@ -339,6 +344,8 @@ class ModelRunner:
             hidden = self._hidden(input_ids, positions, self.kv_cache, metadata, inputs.lora_slots)
             if not logits:
                 return None
+            if hidden_states:
+                return hidden.float()
             if inputs.logit_counts is not None:  # each sequence's last tokens (drafts verified)
                 ends = metadata.query_start_loc_cpu[1:]
                 rows = [

@@ -77,6 +77,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first.
     prompt_logprobs: list[PromptTokenLogprobs | None] | None = None
+    embedding: list[float] | None = None  # a pooling request's (--runner pooling), once finished
 
     # Convenience for n == 1, the common case.
     @property

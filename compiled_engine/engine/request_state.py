@@ -26,6 +26,7 @@ class RequestState:
     adapter: AdapterKey | None = None
     changed: bool = field(default=False)
     prompt_logprobs: list[PromptTokenLogprobs | None] | None = None  # with SamplingParams.prompt_logprobs
+    embedding: list[float] | None = None  # a pooling request's, once its prompt has run
 
     @property
     def finished(self) -> bool:
@@ -74,6 +75,7 @@ class RequestState:
             num_cached_tokens=self.seqs[0].num_cached_tokens,
             metrics=self._update_metrics(),
             prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+            embedding=self.embedding,
         )
 
     def _update_metrics(self) -> RequestMetrics:

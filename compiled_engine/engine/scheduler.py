@@ -142,7 +142,8 @@ class Scheduler:
         if parent is not None and parent.status is SequenceStatus.RUNNING and seq.num_computed_tokens == 0:
             hits = parent.block_table[:full_prompt_pages]
             keys = parent.page_keys[: len(hits)]
-        elif seq.wants_prompt_logprobs:  # every prompt token's logits are needed: nothing cached
+        elif seq.wants_prompt_logprobs or (seq.pooling is not None and seq.pooling.config.needs_every_token):
+            # every prompt token's logits (or hidden state, to pool) are needed: nothing cached
             hits, keys = [], []
         else:
             hits, keys = manager.match_prefix(seq.token_ids, seq.prefix_salt)

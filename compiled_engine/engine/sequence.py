@@ -12,6 +12,7 @@ from compiled_engine.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from compiled_engine.engine.adapters import AdapterKey
     from compiled_engine.engine.grammars import GrammarState
+    from compiled_engine.engine.pooling import PoolingState
 
 
 class FinishReason(enum.StrEnum):
@@ -58,6 +59,7 @@ class Sequence:
     speculating: bool = True
     draft_length: int | None = None  # its next draft's length, at most (None: the config's)
     grammar: GrammarState | None = None  # structured outputs: what it may emit next (engine/grammars.py)
+    pooling: PoolingState | None = None  # a pooling request (--runner pooling): its embedding so far
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     # Timestamps (time.perf_counter()) for the request metrics.

@@ -1,0 +1,104 @@
+"""Pooling a prompt's hidden states into one embedding (`--runner pooling`).
+
+How a model pools comes from its sentence-transformers files when it has them: `modules.json`
+names a Pooling module (its `config.json`: mean, CLS or last token) and, if the embeddings are
+normalized, a Normalize module. Without them: the last token's hidden state, normalized (vLLM's
+default for embedding models). The hidden states are the final norm's output, as transformers'
+`last_hidden_state`.
+
+A sequence's `PoolingState` takes its prompt's hidden states chunk by chunk as the scheduler
+runs them. Mean and CLS pooling need every prompt token's state, so such sequences take no
+prefix-cache hits (as prompt logprobs); last-token pooling does, since the last token is always
+computed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from compiled_engine.errors import ModelConfigError
+
+POOLING_MODES = ("mean", "cls", "last")
+_ST_MODES = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls", "pooling_mode_lasttoken": "last"}
+
+
+@dataclass(frozen=True)
+class PoolingConfig:
+    mode: str = "last"  # one of POOLING_MODES
+    normalize: bool = True
+
+    @property
+    def needs_every_token(self) -> bool:
+        return self.mode != "last"
+
+
+def pooling_config(model_dir: Path) -> PoolingConfig:
+    """The model's pooling from its sentence-transformers files, else last-token, normalized."""
+    modules_file = model_dir / "modules.json"
+    if not modules_file.is_file():
+        return PoolingConfig()
+    modules = _read(modules_file)
+    if not isinstance(modules, list):
+        raise ModelConfigError(f"{modules_file}: expected a list of modules")
+    kinds = {str(m.get("type", "")).rsplit(".", 1)[-1]: m for m in modules if isinstance(m, dict)}
+    normalize = "Normalize" in kinds
+    pooling = kinds.get("Pooling")
+    if pooling is None:
+        return PoolingConfig("last", normalize)
+    config_file = model_dir / str(pooling.get("path", "")) / "config.json"
+    settings = _read(config_file)
+    chosen = [mode for key, mode in _ST_MODES.items() if isinstance(settings, dict) and settings.get(key)]
+    others = [
+        key
+        for key, value in (settings or {}).items()
+        if key.startswith("pooling_mode_") and value and key not in _ST_MODES
+    ]
+    if len(chosen) != 1 or others:
+        raise ModelConfigError(
+            f"{config_file}: one of {', '.join(_ST_MODES)} must be true (and no other pooling mode), got {settings}"
+        )
+    return PoolingConfig(chosen[0], normalize)
+
+
+def _read(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ModelConfigError(f"cannot read {path}: {error}") from error
+
+
+@dataclass
+class PoolingState:
+    """One sequence's pooled hidden state so far."""
+
+    config: PoolingConfig
+    total: torch.Tensor | None = None  # mean: the sum so far; cls and last: the chosen row
+    count: int = 0
+
+    def add(self, rows: torch.Tensor, start: int) -> None:
+        """The hidden states of the prompt tokens at positions start, start + 1, ...; a chunk
+        that starts at 0 starts over (a preempted sequence recomputes its prompt)."""
+        rows = rows.float()
+        if start == 0:
+            self.total, self.count = None, 0
+        if self.config.mode == "mean":
+            chunk = rows.sum(dim=0)
+            self.total = chunk if self.total is None else self.total + chunk
+            self.count += rows.shape[0]
+        elif self.config.mode == "cls":
+            if start == 0:
+                self.total = rows[0].clone()
+        else:
+            self.total = rows[-1].clone()
+
+    def result(self) -> list[float]:
+        assert self.total is not None, "no hidden states were pooled"
+        pooled = self.total / self.count if self.config.mode == "mean" else self.total
+        if self.config.normalize:
+            pooled = torch.nn.functional.normalize(pooled, dim=-1)
+        return [float(value) for value in pooled.cpu().tolist()]
