@@ -4,12 +4,16 @@ batched, prefix-cached where the pooling allows), against transformers' hidden s
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
-from collections.abc import Callable
+import struct
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
+import openai
 import pytest
 import torch
 
@@ -18,6 +22,8 @@ from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.pooling import PoolingConfig, pooling_config
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.errors import ModelConfigError, RequestError
+from tests.conftest import API_KEY
+from tests.server_process import ServerProcess, running_server
 
 PROMPTS = [[5, 9, 17, 3, 22, 41, 7, 8, 12, 30, 2], [11, 4, 6], [9, 9, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
 
@@ -127,3 +133,92 @@ def test_broken_sentence_transformers_files_are_refused(tmp_path: Path) -> None:
     (tmp_path / "modules.json").write_text("{not json")
     with pytest.raises(ModelConfigError, match="cannot read"):
         pooling_config(tmp_path)
+
+
+# -- /v1/embeddings on a real server -----------------------------------------------------------
+
+KEY = "embeddings-key"
+TEXTS = ["The capital of France is Paris.", "Embeddings map text to vectors."]
+
+
+@pytest.fixture(scope="module")
+def pooling_server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Iterator[ServerProcess]:
+    with running_server(
+        tmp_path_factory.mktemp("pooling"), "--api-key", KEY, "--runner", "pooling", "--kv-cache-memory-gib", "0.05"
+    ) as process:
+        yield process
+
+
+def test_embeddings_are_the_last_tokens_normalized_hidden_states(
+    pooling_server: ServerProcess, default_oracle: Any
+) -> None:
+    client = openai.OpenAI(base_url=f"{pooling_server.url}/v1", api_key=KEY, max_retries=0)
+    reply = client.embeddings.create(model="SmolLM2-135M-Instruct", input=TEXTS)
+    assert [item.index for item in reply.data] == [0, 1] and reply.object == "list"
+    ids = [default_oracle.encode(text, chat=False) for text in TEXTS]
+    assert reply.usage.prompt_tokens == reply.usage.total_tokens == sum(len(i) for i in ids)
+    for item, prompt in zip(reply.data, ids, strict=True):
+        with torch.no_grad():
+            states = default_oracle.model.model(torch.tensor([prompt])).last_hidden_state[0]
+        expected = torch.nn.functional.normalize(states[-1], dim=-1)
+        torch.testing.assert_close(torch.tensor(item.embedding), expected, atol=2e-4, rtol=1e-3)
+    # Token ids give the same vectors; base64 is the same floats; dimensions keep the first
+    # values, renormalized.
+    as_ids = client.embeddings.create(model="SmolLM2-135M-Instruct", input=ids)
+    for by_ids, by_text in zip(as_ids.data, reply.data, strict=True):
+        assert by_ids.embedding == pytest.approx(by_text.embedding, abs=1e-6)
+    one = httpx.post(
+        f"{pooling_server.url}/v1/embeddings",
+        json={"input": ids[0], "encoding_format": "base64"},
+        headers={"Authorization": f"Bearer {KEY}"},
+    ).json()
+    raw = base64.b64decode(one["data"][0]["embedding"])
+    decoded = struct.unpack(f"<{len(raw) // 4}f", raw)
+    assert decoded == pytest.approx(reply.data[0].embedding, abs=1e-6)
+    short = client.embeddings.create(model="SmolLM2-135M-Instruct", input=TEXTS[0], dimensions=32).data[0].embedding
+    first = torch.tensor(reply.data[0].embedding[:32])
+    assert len(short) == 32 and short == pytest.approx((first / first.norm()).tolist(), abs=1e-5)
+
+
+GOOD = {"input": "hello"}
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"input": []}, "must not be empty"),
+        ({"input": ["a", 3]}, "a list of strings or of token-id lists"),
+        ({"input": [[1, 2], "x", [True]]}, "a list of strings or of token-id lists"),
+        ({"input": "hi", "dimensions": 0}, "dimensions must be in [1, 576]"),
+        ({"input": "hi", "dimensions": 10_000}, "dimensions must be in [1, 576]"),
+        ({"input": "hi", "encoding_format": "int8"}, "encoding_format"),
+        ({"input": "hi", "colour": "red"}, "unknown field"),
+        ({"input": [10**7]}, "vocab"),
+        ({"input": "hi", "model": "text-embedding-3-small"}, "does not exist"),
+    ],
+)
+def test_bad_embedding_requests_are_refused_and_the_server_keeps_serving(
+    pooling_server: ServerProcess, body: dict[str, Any], message: str
+) -> None:
+    headers = {"Authorization": f"Bearer {KEY}"}
+    response = httpx.post(f"{pooling_server.url}/v1/embeddings", json=body, headers=headers, timeout=60)
+    assert response.status_code in (400, 404), response.text
+    assert message in response.json()["error"]["message"]
+    assert httpx.post(f"{pooling_server.url}/v1/embeddings", json=GOOD, headers=headers, timeout=60).status_code == 200
+
+
+def test_generation_routes_refuse_on_a_pooling_server_and_embeddings_on_a_generating_one(
+    pooling_server: ServerProcess, api_server: ServerProcess
+) -> None:
+    headers = {"Authorization": f"Bearer {KEY}"}
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    refused = httpx.post(f"{pooling_server.url}/v1/chat/completions", json=chat, headers=headers, timeout=60)
+    assert refused.status_code == 400 and "serves /v1/embeddings" in refused.json()["error"]["message"]
+    messages = httpx.post(
+        f"{pooling_server.url}/v1/messages", json={**chat, "model": "SmolLM2-135M-Instruct"}, headers={"x-api-key": KEY}
+    )
+    assert messages.status_code == 400 and messages.json()["error"]["type"] == "invalid_request_error"
+    generating = httpx.post(
+        f"{api_server.url}/v1/embeddings", json={"input": "hi"}, headers={"Authorization": f"Bearer {API_KEY}"}
+    )
+    assert generating.status_code == 400 and "--runner pooling" in generating.json()["error"]["message"]

@@ -19,6 +19,7 @@ from compiled_engine.server.errors import handle_exception, request_error_handle
 from compiled_engine.server.routes.chat import ChatController
 from compiled_engine.server.routes.chat_page import ChatPageController
 from compiled_engine.server.routes.completions import CompletionsController
+from compiled_engine.server.routes.embeddings import EmbeddingsController
 from compiled_engine.server.routes.health import HealthController, MetricsController
 from compiled_engine.server.routes.messages import MessagesController
 from compiled_engine.server.routes.models import AdaptersController, ModelsController
@@ -52,6 +53,7 @@ def controllers(settings: ServerSettings) -> list[type[Controller]]:
         ChatController,
         MessagesController,
         ResponsesController,
+        EmbeddingsController,
         TokenizeController,
         DetokenizeController,
     ]

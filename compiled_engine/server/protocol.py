@@ -270,3 +270,29 @@ class ErrorBody(msgspec.Struct):
 
 class ErrorResponse(msgspec.Struct):
     error: ErrorBody
+
+
+class EmbeddingRequest(Request, kw_only=True):
+    model: str | None = None
+    input: str | list[Any]  # a string, token ids, or a list of strings or of token-id lists
+    encoding_format: str = "float"  # "float" or "base64" (little-endian float32)
+    dimensions: int | None = None  # keep the first N values (Matryoshka), renormalized
+    user: str | None = None
+
+
+class Embedding(msgspec.Struct):
+    index: int
+    embedding: list[float] | str
+    object: Literal["embedding"] = "embedding"
+
+
+class EmbeddingUsage(msgspec.Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(msgspec.Struct):
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+    object: Literal["list"] = "list"

@@ -43,6 +43,7 @@ class Serving:
         self.request_log = RequestLog(settings.request_log, settings.log_prompts, tokenizer.decode)
         self.responses = ResponseStore(settings.responses_store_size, settings.responses_max_age_s)
         self.reasoning = ReasoningParser(settings.reasoning_parser) if settings.reasoning_parser else None
+        self.pooling = engine.engine.pooling  # None: a generating server
         family = engine.engine.runner.model_config.architecture
         self.tool_parser = tool_call_parser(settings.tool_call_parser, family, tokenizer.template_takes_tools)
 
@@ -110,8 +111,26 @@ class Serving:
     def generate(
         self, prompt: list[int], params: SamplingParams, request_id: str, salt: str | None, lora: LoRARequest | None
     ) -> AsyncIterator[RequestOutput]:
+        if self.pooling is not None:
+            raise ApiError(
+                400,
+                "this server pools (--runner pooling): it serves /v1/embeddings, not text generation",
+                code="unsupported_runner",
+            )
         stream = self.engine.generate(prompt, params, request_id, salt, lora)
         return self._observed(stream, lora.name if lora else None, params.n)
+
+    async def encode(
+        self, prompt: list[int], request_id: str, salt: str | None, lora: LoRARequest | None
+    ) -> RequestOutput:
+        """A prompt pooled into its embedding, observed like a generation (--runner pooling)."""
+        stream = self.engine.generate(prompt, SamplingParams(), request_id, salt, lora, pooling=True)
+        final = None
+        async for output in self._observed(stream, lora.name if lora else None, 1):
+            final = output
+        if final is None or final.embedding is None:
+            raise ApiError(503, "the request was aborted before its prompt was pooled", "service_unavailable")
+        return final
 
     async def _observed(
         self, stream: AsyncIterator[RequestOutput], adapter: str | None, n: int
