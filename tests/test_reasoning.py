@@ -100,8 +100,9 @@ def test_an_unknown_parser_is_refused() -> None:
 
 KEY = "reasoning-key"
 QUESTION = [{"role": "user", "content": "What is two plus two?"}]
-# The model never writes </think> by itself: a regex makes this reply think, then answer.
-FORCED = r"[a-z]+( [a-z]+){2,5}\.</think>The answer is [0-9]\."
+# The model never writes </think> by itself: a grammar (which, unlike the other constraints,
+# covers the whole reply) makes this reply think, then answer.
+FORCED = r'start: /[a-z]+( [a-z]+){2,5}\./ "</think>The answer is " /[0-9]/ "."'
 
 
 @pytest.fixture(scope="module")
@@ -130,11 +131,11 @@ def _raw_text(server: ServerProcess, messages: list[dict[str, Any]], extra: dict
 
 
 def test_chat_gives_reasoning_content_whole_and_streamed(server: ServerProcess) -> None:
-    raw = _raw_text(server, QUESTION, {"structured_outputs": {"regex": FORCED}})
+    raw = _raw_text(server, QUESTION, {"structured_outputs": {"grammar": FORCED}})
     reasoning, content = raw.split("</think>", 1)
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
     common: Any = {"model": "SmolLM2-135M-Instruct", "messages": QUESTION, "max_tokens": 24, "temperature": 0}
-    forced = {"structured_outputs": {"regex": FORCED}}
+    forced = {"structured_outputs": {"grammar": FORCED}}
     whole = client.chat.completions.create(**common, extra_body=forced)
     message = whole.choices[0].message
     assert message.reasoning_content == reasoning and message.content == content  # type: ignore[attr-defined]
@@ -191,3 +192,61 @@ def test_chat_template_kwargs_reach_the_template(server: ServerProcess) -> None:
         headers=headers,
     )
     assert accepted.status_code == 200
+
+
+# -- output constraints hold after the thinking -------------------------------------------------
+
+PERSON = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def compiler(default_model_dir: Path) -> Any:
+    from compiled_engine.structured.grammar import GrammarCompiler
+
+    tokenizer = Tokenizer(default_model_dir)
+    return GrammarCompiler(default_model_dir / "tokenizer.json", 49152, tokenizer.eos_token_ids), tokenizer
+
+
+def _takes(compiler: Any, spec: Any, text: str) -> tuple[bool, Any]:
+    grammars, tokenizer = compiler
+    matcher = grammars.matcher(spec)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return all(matcher.advance(token) for token in ids), matcher
+
+
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+def test_a_constraint_leaves_the_thinking_free_and_holds_for_the_answer(compiler: Any, parser: str) -> None:
+    from compiled_engine.engine.structured_outputs import StructuredOutputs
+
+    spec = StructuredOutputs.of({"json": PERSON}, param="response_format")
+    thinking = StructuredOutputs(json=spec.json, thinking=parser)
+    opened = "<think>" if parser == "qwen3" else ""
+    ok, matcher = _takes(compiler, thinking, opened + 'Any words at all, even { or "a".</think>{"a": 12}')
+    assert ok and matcher.finished
+    assert not _takes(compiler, thinking, opened + "fine.</think>Hello")[0]  # the answer is JSON
+    assert not _takes(compiler, spec, "Any words")[0]  # without the parser, all of it is
+    ok, matcher = _takes(compiler, thinking, opened + "So")
+    assert int(matcher.allowed().sum()) > 40_000  # while it thinks, nearly any token
+    if parser == "qwen3":  # a reply that does not think is all answer
+        ok, matcher = _takes(compiler, thinking, '{"a": 3}')
+        assert ok and matcher.finished
+    for other, text in (
+        (StructuredOutputs(regex=r"a/b\/c", thinking=parser), "a/b/c"),
+        (StructuredOutputs(choice=("yes", "no"), thinking=parser), "no"),
+    ):
+        ok, matcher = _takes(compiler, other, opened + "hmm</think>" + text)
+        assert ok and matcher.finished
+
+
+def test_the_server_constrains_the_answer_not_the_thinking(server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+    reply = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=QUESTION,  # type: ignore[arg-type]
+        max_tokens=12,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": PERSON}},
+    )
+    # The model never closes its thinking by itself: all of it is free text, not forced JSON.
+    thought = reply.choices[0].message.reasoning_content  # type: ignore[attr-defined]
+    assert thought == _raw_text(server, QUESTION, {})[: len(thought)] and not thought.startswith("{")

@@ -25,6 +25,9 @@ class StructuredOutputs:
     # JSON without any whitespace at all; otherwise the separators are ", " and ": ", and no other
     # whitespace is allowed either (small models loop on free whitespace until max_tokens).
     disable_any_whitespace: bool = False
+    # With a reasoning parser (server/reasoning.py): its name; the reply may think freely until
+    # `</think>` and the constraint holds for the answer after it (a `grammar` covers it all).
+    thinking: str | None = None
     param: str = PARAM  # the request field it came from, for error messages
 
     def __post_init__(self) -> None:

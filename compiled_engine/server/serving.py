@@ -4,6 +4,7 @@ request passes, and running an engine request observed by the metrics and the re
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import hmac
 import time
@@ -97,6 +98,16 @@ class Serving:
 
     async def compile(self, spec: StructuredOutputs) -> None:
         await self.engine.engine.grammars.prepare(spec)
+
+    async def answer_constraint(self, spec: StructuredOutputs | None) -> StructuredOutputs | None:
+        """A reply's constraint, compiled: with a reasoning parser it holds after the thinking
+        (a `grammar` still covers the whole reply: it must describe the thinking itself)."""
+        if spec is None:
+            return None
+        if self.reasoning is not None and spec.grammar is None:
+            spec = dataclasses.replace(spec, thinking=self.reasoning.name)
+        await self.compile(spec)
+        return spec
 
     def default_max_tokens(self, prompt_ids: list[int], max_tokens: int | None) -> int:
         """`max_tokens` as given, or by default what the context leaves after the prompt. The

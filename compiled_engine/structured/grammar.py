@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -29,12 +30,23 @@ SPACED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator":
 COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
 
+# After a reasoning parser's thinking: `deepseek_r1` replies start inside it (a leading <think>
+# is allowed), `qwen3` replies think only when they start with <think>.
+THINKING_STARTS = {
+    "deepseek_r1": 'start: "<think>"? thinking answer',
+    "qwen3": 'start: "<think>" thinking answer | answer',
+}
+THINKING = "thinking[lazy]: /(?s:.*)<\\/think>/"
+
+
 def grammar_text(spec: StructuredOutputs) -> str:
     """llguidance's grammar for `spec` (not yet validated)."""
     from llguidance import LLMatcher
     from llguidance.gbnf_to_lark import any_to_lark
 
     options: Any = COMPACT if spec.disable_any_whitespace else SPACED
+    if spec.thinking is not None and spec.grammar is None:
+        return str(LLMatcher.grammar_from_lark(after_thinking(spec, options)))
     if spec.json is not None or spec.json_object:
         schema = spec.json if spec.json is not None else '{"type": "object"}'
         try:
@@ -51,6 +63,22 @@ def grammar_text(spec: StructuredOutputs) -> str:
     except Exception as error:  # the converter raises plain exceptions on bad input
         raise RequestError(f"{spec.param}: invalid grammar: {error}", param=spec.param) from None
     return str(LLMatcher.grammar_from_lark(lark))
+
+
+def after_thinking(spec: StructuredOutputs, options: dict[str, Any]) -> str:
+    """A Lark grammar: free thinking up to `</think>`, then `spec`'s constraint on the answer."""
+    assert spec.thinking is not None
+    if spec.json is not None or spec.json_object:
+        schema = json.loads(spec.json) if spec.json is not None else {"type": "object"}
+        if isinstance(schema, bool):  # JSON schema's `true` (anything) and `false` (nothing)
+            schema = {} if schema else {"not": {}}
+        answer = "%json " + json.dumps({**schema, "x-guidance": options})
+    elif spec.regex is not None:
+        answer = "/" + re.sub(r"(?<!\\)((?:\\\\)*)/", r"\1\\/", spec.regex) + "/"
+    else:
+        assert spec.choice is not None
+        answer = " | ".join(json.dumps(c) for c in spec.choice)
+    return f"{THINKING_STARTS[spec.thinking]}\n{THINKING}\nanswer: {answer}\n"
 
 
 class GrammarCompiler:

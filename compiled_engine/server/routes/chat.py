@@ -84,16 +84,16 @@ def chat_prompt(
 async def output_constraint(
     serving: Serving, data: ChatCompletionRequest, plan: ToolPlan | None
 ) -> StructuredOutputs | None:
-    """The request's own constraint, or the one `tool_choice` puts on the output (never both)."""
+    """The request's own constraint, or the one `tool_choice` puts on the output (never both);
+    after the thinking, with a reasoning parser."""
     structured = await serving.structured_outputs(data)
     forced = plan.constraint() if plan is not None else None
     if forced is None:
-        return structured
+        return await serving.answer_constraint(structured)
     if structured is not None:
         raise ApiError(
             400,
             f"tool_choice {data.tool_choice!r} constrains the output itself: drop the output constraint",
             param="tool_choice",
         )
-    await serving.compile(forced)
-    return forced
+    return await serving.answer_constraint(forced)

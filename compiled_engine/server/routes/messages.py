@@ -44,9 +44,7 @@ class MessagesController(Controller):
             raise ApiError(400, f"max_tokens: must be at least 1, got {data.max_tokens}", param="max_tokens")
         plan = message_tool_plan(data.tools, data.tool_choice, serving.tool_parser)
         prompt = chat_prompt(serving, message_turns(data.system, data.messages), plan)
-        constraint = plan.constraint() if plan is not None else None
-        if constraint is not None:
-            await serving.compile(constraint)
+        constraint = await serving.answer_constraint(plan.constraint() if plan is not None else None)
         stop_sequences = data.stop_sequences or []
         params = SamplingParams(
             temperature=data.temperature,

@@ -53,9 +53,7 @@ class ResponsesController(Controller):
         forced = plan.constraint() if plan is not None else None
         if forced is not None and constraint is not None:
             raise ApiError(400, f"tool_choice {data.tool_choice!r} constrains the output itself: drop text.format")
-        constraint = forced or constraint
-        if constraint is not None:
-            await serving.compile(constraint)
+        constraint = await serving.answer_constraint(forced or constraint)
         temperature = 1.0 if data.temperature is None else data.temperature
         top_p = 1.0 if data.top_p is None else data.top_p
         params = SamplingParams(
