@@ -24,7 +24,7 @@ from compiled_engine.engine.memory_budget import return_freed_heap
 from compiled_engine.engine.model_runner import ModelRunner, SharedPool
 from compiled_engine.engine.output_text import SequenceText
 from compiled_engine.engine.outputs import RequestMetrics, RequestOutput
-from compiled_engine.engine.pooling import PoolingState, pooling_config
+from compiled_engine.engine.pooling import PoolingConfig, PoolingState, pooling_config
 from compiled_engine.engine.request_state import RequestState
 from compiled_engine.engine.request_validation import check_request, prompt_token_ids
 from compiled_engine.engine.sampler import TokenLogprobs, make_sampler
@@ -124,7 +124,31 @@ class LLMEngine:
         nothing queued. With `lora_request` it runs with that adapter, loaded now if new."""
         if self.pooling is not None:
             raise RequestError("this engine pools (runner pooling): it makes embeddings, not text")
-        params = params or SamplingParams()
+        return self._queue(prompt, params or SamplingParams(), request_id, cache_salt, lora_request)
+
+    def add_pooling_request(
+        self,
+        prompt: str | list[int],
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        lora_request: AdapterRequest | None = None,
+    ) -> str:
+        """Queue a prompt to pool into one embedding (an engine with runner pooling); its last
+        output carries `embedding`. The prompt checks are add_request's."""
+        if self.pooling is None:
+            raise RequestError("this engine generates text (runner generate): it makes no embeddings")
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        return self._queue(prompt, params, request_id, cache_salt, lora_request, self.pooling)
+
+    def _queue(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None,
+        cache_salt: str | None,
+        lora_request: AdapterRequest | None,
+        pooling: PoolingConfig | None = None,
+    ) -> str:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._requests:
             raise RequestError(f"request id {request_id!r} is already in use")
@@ -152,6 +176,7 @@ class LLMEngine:
                     arrival_time=now,
                     fork_of=seqs[0] if index else None,
                     grammar=constraint,
+                    pooling=PoolingState(pooling) if pooling is not None else None,
                 )
             )
         self._requests[request_id] = RequestState(
@@ -166,49 +191,6 @@ class LLMEngine:
         )
         for seq in seqs:
             self.scheduler.add(seq)
-        return request_id
-
-    def add_pooling_request(
-        self,
-        prompt: str | list[int],
-        request_id: str | None = None,
-        cache_salt: str | None = None,
-        lora_request: AdapterRequest | None = None,
-    ) -> str:
-        """Queue a prompt to pool into one embedding (an engine with runner pooling); its last
-        output carries `embedding`. The prompt checks are add_request's."""
-        if self.pooling is None:
-            raise RequestError("this engine generates text (runner generate): it makes no embeddings")
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self._requests:
-            raise RequestError(f"request id {request_id!r} is already in use")
-        prompt_ids = prompt_token_ids(prompt, self.tokenizer, str(self.model_dir))
-        params = SamplingParams(temperature=0.0, max_tokens=1)
-        vocab_size, has_tokenizer = self.runner.model_config.vocab_size, self.tokenizer is not None
-        check_request(prompt_ids, params, vocab_size, self.runner.max_model_len, has_tokenizer)
-        adapter = self.adapters.admit(lora_request)
-        now = time.perf_counter()
-        seq = Sequence(
-            next(self._seq_ids),
-            list(prompt_ids),
-            params,
-            request_id=request_id,
-            cache_salt=cache_salt,
-            adapter=adapter,
-            arrival_time=now,
-            pooling=PoolingState(self.pooling),
-        )
-        self._requests[request_id] = RequestState(
-            request_id,
-            prompt if isinstance(prompt, str) else None,
-            prompt_ids,
-            [seq],
-            [SequenceText(self.tokenizer, prompt_ids, params)],
-            None,
-            RequestMetrics(arrival_time=now),
-            adapter,
-        )
-        self.scheduler.add(seq)
         return request_id
 
     def abort_request(self, request_id: str) -> None:
