@@ -202,22 +202,6 @@ class AsyncEngine:
 
     # -- requests -------------------------------------------------------------------------------
 
-    async def encode(
-        self,
-        prompt: str | list[int],
-        request_id: str | None = None,
-        cache_salt: str | None = None,
-        lora_request: AdapterRequest | None = None,
-    ) -> RequestOutput:
-        """A prompt pooled into its embedding (an engine with runner pooling): the finished
-        output, whose `embedding` is set. Raises as `generate`."""
-        final = None
-        async for output in self.generate(prompt, SamplingParams(), request_id, cache_salt, lora_request, pooling=True):
-            final = output
-        if final is None or final.embedding is None:  # aborted: the server is stopping
-            raise EngineShuttingDownError("the request was aborted before its prompt was pooled")
-        return final
-
     async def generate(
         self,
         prompt: str | list[int],
@@ -229,7 +213,7 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs as they come; the last one has `finished` set. Raises the
         engine's RequestError for an invalid request, and the overload / dead / shutdown errors.
-        `pooling`: the prompt is pooled instead (`encode`)."""
+        `pooling`: the prompt is pooled instead (runner pooling); its last output carries `embedding`."""
         if self.error is not None or not self._thread.is_alive():
             raise EngineDeadError(f"the engine loop is not running ({self.error!r})")
         if not self._accepting:
