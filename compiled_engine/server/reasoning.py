@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from compiled_engine.server.tool_parsers import shown_before
+
 if TYPE_CHECKING:  # the command line imports this module for its names, before torch
     from compiled_engine.server.replies.deltas import ChoiceDelta
 
@@ -49,15 +51,7 @@ class ReasoningParser:
         if END in text:
             end = text.index(END)
             return Split(text[:end], text[end + len(END) :])
-        return Split(text if finished else text[: len(text) - _tag_prefix(text)], "")
-
-
-def _tag_prefix(text: str) -> int:
-    """The length of the longest ending of `text` that `</think>` starts with (0 if none)."""
-    for size in range(min(len(END) - 1, len(text)), 0, -1):
-        if END.startswith(text[-size:]):
-            return size
-    return 0
+        return Split(text if finished else text[: shown_before(text, END)], "")
 
 
 @dataclass

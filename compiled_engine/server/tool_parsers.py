@@ -65,8 +65,9 @@ class ToolCallParser(Protocol):
         ...
 
 
-def _before_marker(text: str, marker: str) -> int:
-    """Everything before `marker`, or before an ending that could still become it."""
+def shown_before(text: str, marker: str) -> int:
+    """How much of a streaming `text` can be shown: everything before `marker`, or before an
+    ending that could still become it (the reasoning split holds back `</think>` the same way)."""
     if marker in text:
         return text.index(marker)
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -90,7 +91,7 @@ class HermesParser:
         return (_text_before(text, text.index(self.OPEN)), calls) if calls else (text, [])
 
     def shown(self, text: str) -> int:
-        return _before_marker(text, self.OPEN)
+        return shown_before(text, self.OPEN)
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ class MistralParser:
         return (_text_before(text, start), calls) if calls else (text, [])
 
     def shown(self, text: str) -> int:
-        return _before_marker(text, self.MARKER)
+        return shown_before(text, self.MARKER)
 
 
 @dataclass(frozen=True)
