@@ -3,6 +3,7 @@ read its /metrics."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -122,3 +124,12 @@ def wait_until_aborted_and_idle(server: ServerProcess, before: float) -> None:
 
     wait_until(done, "the request aborted and the server idle", state)
     assert metric(server, ABORTED) == before + 1
+
+
+def named_events(response: httpx.Response) -> list[tuple[str, dict[str, Any]]]:
+    """A stream of `event: <name>` / `data: <json>` pairs (Anthropic's and Responses' SSE), parsed."""
+    events = []
+    for block in response.text.strip().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.split("\n"))
+        events.append((lines["event"], json.loads(lines["data"])))
+    return events

@@ -3,7 +3,6 @@ by the official `anthropic` client, and by raw HTTP for the event stream and the
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import anthropic
@@ -13,7 +12,7 @@ import pytest
 
 from tests.conftest import API_KEY as KEY
 from tests.conftest import API_MODEL as MODEL
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, named_events
 
 SYSTEM = "You are a helpful assistant. Answer in one short sentence."
 QUESTION = "What is the capital of France?"
@@ -136,19 +135,11 @@ def test_a_tool_round_trip(client: anthropic.Anthropic) -> None:
     assert final.content[0].input == use.input
 
 
-def _events(response: httpx.Response) -> list[tuple[str, dict[str, Any]]]:
-    events = []
-    for block in response.text.strip().split("\n\n"):
-        lines = dict(line.split(": ", 1) for line in block.split("\n"))
-        events.append((lines["event"], json.loads(lines["data"])))
-    return events
-
-
 def test_the_event_stream_follows_anthropics_sequence(server: ServerProcess) -> None:
     body = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": QUESTION}], "stream": True}
     response = httpx.post(f"{server.url}/v1/messages", json={**body, **GREEDY}, headers={"x-api-key": KEY}, timeout=60)
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
-    events = _events(response)
+    events = named_events(response)
     assert all(name == data["type"] for name, data in events)
     names = [name for name, _ in events]
     assert names[:3] == ["message_start", "ping", "content_block_start"]

@@ -15,7 +15,7 @@ import pytest
 from compiled_engine.server.responses_protocol import ResponseObject
 from compiled_engine.server.responses_store import ResponseStore
 from tests.conftest import API_KEY, API_MODEL, OTHER_API_KEY
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, named_events
 
 INSTRUCTIONS = "You are a helpful assistant. Answer in one short sentence."
 QUESTION = "What is the capital of France?"
@@ -161,19 +161,11 @@ def test_text_format_json_schema_constrains_the_output(client: openai.OpenAI) ->
     jsonschema.validate(json.loads(reply.output_text), PERSON)
 
 
-def _events(response: httpx.Response) -> list[tuple[str, dict[str, Any]]]:
-    events = []
-    for block in response.text.strip().split("\n\n"):
-        lines = dict(line.split(": ", 1) for line in block.split("\n"))
-        events.append((lines["event"], json.loads(lines["data"])))
-    return events
-
-
 def test_the_event_stream_is_numbered_and_ends_incomplete_at_max_output_tokens(api_server: ServerProcess) -> None:
     body = {"model": API_MODEL, "input": QUESTION, "max_output_tokens": 4, "temperature": 0, "stream": True}
     response = httpx.post(f"{api_server.url}/v1/responses", json=body, headers={"x-api-key": API_KEY}, timeout=60)
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
-    events = _events(response)
+    events = named_events(response)
     assert all(name == data["type"] for name, data in events)
     assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
     names = [name for name, _ in events]
