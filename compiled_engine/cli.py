@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--top-k", type=int, default=0)
     generate.add_argument("--seed", type=int, default=None, help="this request's seed (default: one drawn at random)")
-    add_engine_options(generate, exclude={"seed"})  # one request: its own --seed is the one that counts
+    # One request: its own --seed is the one that counts; one engine, no replicas.
+    add_engine_options(generate, exclude={"seed", "data_parallel_size"})
 
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
     serve.add_argument("--host", default="127.0.0.1")
@@ -78,6 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
         "reasoning items in Responses, thinking blocks in Messages",
     )
     serve.add_argument(
+        "--kv-events-config",
+        default=None,
+        metavar="JSON",
+        help="publish the prefix cache's changes as vLLM's KV events over ZMQ, in vLLM's schema: "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\' (docs/parallel.md)',
+    )
+    serve.add_argument(
         "--enable-runtime-lora-updates",
         action="store_true",
         help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key)",
@@ -88,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--prompts", type=Path, default=None, help=".json list or one prompt per line")
     verify.add_argument("--chat", action="store_true", help="treat the prompts of a text file as chat messages")
     verify.add_argument("--max-tokens", type=int, default=64)
-    add_engine_options(verify)
+    add_engine_options(verify, exclude={"data_parallel_size"})
     return parser
 
 
@@ -185,6 +194,7 @@ def _api_keys(flags: list[str] | None) -> tuple[str, ...]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from compiled_engine.replicas.kv_events import KVEventsConfig
     from compiled_engine.server.launch import run_server
 
     return run_server(
@@ -204,6 +214,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.log_format,
         args.reasoning_parser,
         args.tool_call_parser,
+        KVEventsConfig.parse(args.kv_events_config) if args.kv_events_config else None,
     )
 
 

@@ -124,6 +124,9 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # CPU threads for each of the engine's processes; None: torch's default for one process, and
     # each tensor-parallel rank its share of the cores (parallel/threads.py).
     cpu_threads: int | None = None
+    # Engine replicas behind one server, each on its share of the cores or its own GPUs
+    # (replicas/; `serve` only: an LLMEngine is one replica).
+    data_parallel_size: int = 1
     distributed_timeout_s: float = 60.0  # a collective that waits longer fails (a rank died or hung)
     # One of QUANTIZATIONS: the layer products' weights quantized at load. None = the checkpoint's
     # own: a GGUF's quantized tensors stay as they are (the default model runs its Q4_1/Q8_0
@@ -167,6 +170,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
             "max_num_seqs",
             "max_num_batched_tokens",
             "tensor_parallel_size",
+            "data_parallel_size",
             "max_loras",
             "max_lora_rank",
         ):

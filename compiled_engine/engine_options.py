@@ -143,6 +143,13 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
         "split the model across this many processes: gloo on CPU, NCCL on CUDA, see docs/parallel.md",
     ),
     EngineOption(
+        "data_parallel_size",
+        "--data-parallel-size",
+        "serve: run this many engine replicas behind one front end, each on its share of the cores or its "
+        "own GPUs; requests go to the replica that caches most of their prompt, else the least loaded "
+        "(docs/parallel.md)",
+    ),
+    EngineOption(
         "distributed_timeout_s",
         "--distributed-timeout-s",
         "seconds a tensor-parallel collective may wait before it fails",

@@ -276,7 +276,7 @@ def test_eviction_takes_the_least_recently_released_cached_page() -> None:
         table: list[int] = []
         manager.grow(table, 2)
         page_keys: list[int] = []
-        manager.register_full_pages(table, page_keys, tokens, 2, salt=None)
+        manager.register_full_pages(table, page_keys, tokens, 2, salt=0)
         tables.append(table)
         keys.append(page_keys)
     first, second = tables[0][0], tables[1][0]
@@ -287,11 +287,11 @@ def test_eviction_takes_the_least_recently_released_cached_page() -> None:
     manager.grow(grabbed, 4)  # two pages: the never-cached one, then the oldest cached one
     assert first in grabbed and second not in grabbed
     assert manager.stats.evictions == 1
-    assert manager.match_prefix([1, 2, 9], None) == ([], [])
-    assert manager.match_prefix([3, 4, 9], None) == ([second], keys[1])
+    assert manager.match_prefix([1, 2, 9], 0) == ([], [])
+    assert manager.match_prefix([3, 4, 9], 0) == ([second], keys[1])
 
 
-def _computed(manager: BlockManager, tokens: list[int], salt: str | None) -> tuple[list[int], list[int]]:
+def _computed(manager: BlockManager, tokens: list[int], salt: int) -> tuple[list[int], list[int]]:
     """A sequence whose `tokens` are all computed: its block table and full pages' keys."""
     table: list[int] = []
     manager.grow(table, len(tokens))
@@ -302,35 +302,35 @@ def _computed(manager: BlockManager, tokens: list[int], salt: str | None) -> tup
 
 def test_a_kept_last_page_continues_a_prompt_for_as_long_as_it_agrees() -> None:
     manager = BlockManager(num_pages=8, page_size=4)
-    table, keys = _computed(manager, [1, 2, 3, 4, 5, 6, 7], salt="a")  # one full page, three tokens
+    table, keys = _computed(manager, [1, 2, 3, 4, 5, 6, 7], salt=1)  # one full page, three tokens
     first, last = table
-    manager.free_keeping_last_page(table, keys, [1, 2, 3, 4, 5, 6, 7, 8], 7, "a")
+    manager.free_keeping_last_page(table, keys, [1, 2, 3, 4, 5, 6, 7, 8], 7, 1)
     assert manager.num_free_pages == 8 and manager.num_cached_pages == 1  # the kept page is evictable
     manager.check_consistency([])
-    hits, found = manager.match_prefix([1, 2, 3, 4, 5, 6, 9, 9], "a")
+    hits, found = manager.match_prefix([1, 2, 3, 4, 5, 6, 9, 9], 1)
     assert hits == [first] and found == keys
-    assert manager.match_tail([1, 2, 3, 4, 5, 6, 9, 9], found, "a") == TailHit(last, 2)
+    assert manager.match_tail([1, 2, 3, 4, 5, 6, 9, 9], found, 1) == TailHit(last, 2)
     # never the prompt's last token, even when the page holds it
-    assert manager.match_tail([1, 2, 3, 4, 5, 6, 7], found, "a") == TailHit(last, 2)
-    assert manager.match_tail([1, 2, 3, 4, 5, 6, 7, 0], found, "a") == TailHit(last, 3)
-    assert manager.match_tail([1, 2, 3, 4, 9], found, "a") is None  # no page starts with 9 there
-    assert manager.match_tail([1, 2, 3, 4, 5, 6, 7, 0], found, "b") is None  # another tenant's
-    assert manager.match_tail([5, 6, 7, 0], [], "a") is None  # another parent (the root)
+    assert manager.match_tail([1, 2, 3, 4, 5, 6, 7], found, 1) == TailHit(last, 2)
+    assert manager.match_tail([1, 2, 3, 4, 5, 6, 7, 0], found, 1) == TailHit(last, 3)
+    assert manager.match_tail([1, 2, 3, 4, 9], found, 1) is None  # no page starts with 9 there
+    assert manager.match_tail([1, 2, 3, 4, 5, 6, 7, 0], found, 2) is None  # another tenant's
+    assert manager.match_tail([5, 6, 7, 0], [], 1) is None  # another parent (the root)
     # Handed out again, the page is forgotten.
     grabbed: list[int] = []
     manager.grow(grabbed, 32)
-    assert manager.match_tail([1, 2, 3, 4, 5, 6, 7, 0], found, "a") is None
+    assert manager.match_tail([1, 2, 3, 4, 5, 6, 7, 0], found, 1) is None
     manager.free(grabbed)
     manager.check_consistency([])
 
 
 def test_the_longest_agreement_wins_among_full_and_kept_pages() -> None:
     manager = BlockManager(num_pages=8, page_size=4)
-    full, _ = _computed(manager, [1, 2, 3, 4], salt=None)
-    short, _ = _computed(manager, [1, 2], salt=None)
-    manager.free_keeping_last_page(short, [], [1, 2], 2, None)
-    assert manager.match_tail([1, 2, 3, 9, 9], [], None) == TailHit(full[0], 3)
-    shorter = manager.match_tail([1, 2, 9], [], None)
+    full, _ = _computed(manager, [1, 2, 3, 4], salt=0)
+    short, _ = _computed(manager, [1, 2], salt=0)
+    manager.free_keeping_last_page(short, [], [1, 2], 2, 0)
+    assert manager.match_tail([1, 2, 3, 9, 9], [], 0) == TailHit(full[0], 3)
+    shorter = manager.match_tail([1, 2, 9], [], 0)
     assert shorter is not None and shorter.num_tokens == 2
     manager.free(full)
     manager.check_consistency([])
@@ -338,14 +338,14 @@ def test_the_longest_agreement_wins_among_full_and_kept_pages() -> None:
 
 def test_no_last_page_is_kept_when_it_is_full_shared_or_the_cache_is_off() -> None:
     off = BlockManager(num_pages=4, page_size=4, enable_prefix_caching=False)
-    table, keys = _computed(off, [1, 2, 3], salt=None)
-    off.free_keeping_last_page(table, keys, [1, 2, 3], 3, None)
-    assert off.match_tail([1, 2, 3, 4], [], None) is None and off.num_cached_pages == 0
+    table, keys = _computed(off, [1, 2, 3], salt=0)
+    off.free_keeping_last_page(table, keys, [1, 2, 3], 3, 0)
+    assert off.match_tail([1, 2, 3, 4], [], 0) is None and off.num_cached_pages == 0
     manager = BlockManager(num_pages=4, page_size=4)
-    table, keys = _computed(manager, [1, 2, 3], salt=None)
+    table, keys = _computed(manager, [1, 2, 3], salt=0)
     other = manager.share(table)
-    manager.free_keeping_last_page(table, keys, [1, 2, 3], 3, None)  # still referenced elsewhere
-    assert manager.match_tail([1, 2, 3, 4], [], None) is None
+    manager.free_keeping_last_page(table, keys, [1, 2, 3], 3, 0)  # still referenced elsewhere
+    assert manager.match_tail([1, 2, 3, 4], [], 0) is None
     manager.free(other)
     assert manager.num_free_pages == 4
     manager.check_consistency([])
@@ -355,10 +355,10 @@ def test_the_same_last_page_twice_is_kept_once() -> None:
     manager = BlockManager(num_pages=2, page_size=4)
     pages = []
     for _ in range(2):  # a repeated prompt's two runs
-        table, keys = _computed(manager, [1, 2, 3], salt=None)
+        table, keys = _computed(manager, [1, 2, 3], salt=0)
         pages.append(table[0])
-        manager.free_keeping_last_page(table, keys, [1, 2, 3], 3, None)
-    assert manager.match_tail([1, 2, 3, 4], [], None) == TailHit(pages[0], 3)
+        manager.free_keeping_last_page(table, keys, [1, 2, 3], 3, 0)
+    assert manager.match_tail([1, 2, 3, 4], [], 0) == TailHit(pages[0], 3)
     taken: list[int] = []
     manager.grow(taken, 4)  # the page not kept comes first, with no eviction
     assert taken == [pages[1]] and manager.stats.evictions == 0

@@ -502,7 +502,7 @@ def test_a_client_that_gives_up_on_a_whole_reply_aborts_it(server: ServerProcess
     with pytest.raises(httpx.ReadTimeout):  # the client gives up after 1.5 s
         httpx.post(f"{server.url}{route}", json=body, headers=AUTH, timeout=httpx.Timeout(60, read=1.5))
     wait_until_aborted_and_idle(server, aborted)
-    abort = {"finished_reason": "abort", "model_name": MODEL}
+    abort = {"finished_reason": "abort", "model_name": MODEL, "engine": "0"}
     after = wait_for_sample(
         server, "vllm:request_success_total", sample(before, "vllm:request_success_total", **abort) + 1, **abort
     )
@@ -611,7 +611,7 @@ def test_vllm_named_metrics_match_a_known_workload(server: ServerProcess, client
     """Three requests that run to max_tokens, one ended by a stop string and one stream cut by its
     client, with token-id prompts of known lengths: every vLLM-named series (and ours beside it)
     moves by exactly what they did; the gauges show the open stream, and nothing once it is gone."""
-    label = {"model_name": MODEL}
+    label = {"model_name": MODEL, "engine": "0"}
     before = scrape(server)
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
         assert sample(before, name, **label) == 0, f"{name} before the workload: the server should be idle"
@@ -706,7 +706,7 @@ def test_scrapes_never_fail_while_streams_start_finish_and_are_cut(tmp_path: Pat
 
 
 def _scrape_while_streaming(server: ServerProcess) -> None:
-    label = {"model_name": MODEL}
+    label = {"model_name": MODEL, "engine": "0"}
     before = scrape(server)
     stop, queued = threading.Event(), threading.Event()  # queued: a scrape saw a request waiting
     scrapes, failures = [0] * 4, []

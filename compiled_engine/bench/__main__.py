@@ -65,8 +65,10 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     for name in ("latency", "offline", "serve"):
         sub = commands.add_parser(name)
-        # latency turns prefix caching off itself; --seed is the workload's (below)
-        add_engine_options(sub, exclude={"seed", "enable_prefix_caching"} if name == "latency" else {"seed"})
+        # latency turns prefix caching off itself; --seed is the workload's (below); only serve
+        # runs data-parallel replicas (behind its front end)
+        excluded = {"seed", "enable_prefix_caching"} if name == "latency" else {"seed"}
+        add_engine_options(sub, exclude=excluded if name == "serve" else {*excluded, "data_parallel_size"})
         extra = {"latency": ["llama-cpp"], "serve": ["llama-server"]}.get(name, [])
         sub.add_argument(
             "--baseline",
@@ -130,7 +132,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_perplexity_command(commands)
     lora = commands.add_parser("lora", help="adapters beside the base model, in the same run")
-    add_engine_options(lora, exclude={"seed", "enable_lora", "max_loras", "enable_prefix_caching"})
+    add_engine_options(
+        lora, exclude={"seed", "enable_lora", "max_loras", "enable_prefix_caching", "data_parallel_size"}
+    )
     lora.add_argument("--lora-rank", type=int, default=16)
     lora.add_argument("--num-adapters", type=int, default=4, help="distinct adapters in the batch")
     lora.add_argument("--batch", type=int, default=32)

@@ -148,7 +148,7 @@ def add_perplexity_command(commands: Any) -> argparse.ArgumentParser:
         "perplexity", help="sliding-window perplexity of each weight format on the shipped text"
     )
     # Each format sets the quantization; the group size is this command's own option below.
-    add_engine_options(sub, exclude={"quantization", "quantization_group_size"})
+    add_engine_options(sub, exclude={"quantization", "quantization_group_size", "data_parallel_size"})
     sub.add_argument(
         "--formats",
         type=_formats,

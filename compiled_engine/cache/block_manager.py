@@ -13,19 +13,19 @@ agrees with the prompt only for a while. `match_tail` finds the cached page afte
 ones that agrees longest with the prompt, and the scheduler copies the K/V of those tokens into
 the prompt's own next page (`PageCopy`). So a repeated prompt recomputes its last token only.
 Partly filled pages are copied from, never shared.
+
+With `record_events` the manager also records what a follower outside the engine needs to mirror
+its keyed pages (cache/events.py), until `take_events` hands them over.
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from compiled_engine.cache.events import CacheEvent, PagesRemoved, PageStored, page_key
 from compiled_engine.errors import OutOfPagesError
-
-
-def page_key(parent_key: int | None, token_ids: Sequence[int], salt: Hashable) -> int:
-    return hash((parent_key, tuple(token_ids), salt))
 
 
 @dataclass(frozen=True)
@@ -51,11 +51,11 @@ class _CachedTokens:
     """What a cached page holds: the tokens after the page keyed `parent` under `salt`."""
 
     parent: int | None
-    salt: Hashable
+    salt: int
     tokens: tuple[int, ...]
 
     @property
-    def index_key(self) -> tuple[int | None, Hashable, int]:
+    def index_key(self) -> tuple[int | None, int, int]:
         return (self.parent, self.salt, self.tokens[0])
 
 
@@ -68,7 +68,9 @@ class PrefixCacheStats:
 
 
 class BlockManager:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_pages: int, page_size: int, enable_prefix_caching: bool = True, record_events: bool = False
+    ) -> None:
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")
         self.num_pages = num_pages
@@ -83,7 +85,13 @@ class BlockManager:
         # Every cached page's tokens (full pages and kept last pages), and the cached pages by
         # (parent key, salt, first token): where `match_tail` looks for a continuation.
         self._tokens_of_page: list[_CachedTokens | None] = [None] * num_pages
-        self._pages_after: dict[tuple[int | None, Hashable, int], dict[int, None]] = {}
+        self._pages_after: dict[tuple[int | None, int, int], dict[int, None]] = {}
+        self._events: list[CacheEvent] | None = [] if record_events else None
+
+    def take_events(self) -> list[CacheEvent]:
+        """The cache events recorded since the last call (none unless `record_events`)."""
+        events, self._events = self._events, [] if self._events is not None else None
+        return events or []
 
     @property
     def num_free_pages(self) -> int:
@@ -124,6 +132,8 @@ class BlockManager:
         if key is not None:
             del self._page_of_key[key]
             self._key_of_page[page] = None
+            if self._events is not None:
+                self._events.append(PagesRemoved((key,)))
         self._forget_tokens(page)
         self.stats.evictions += 1
         return page
@@ -165,7 +175,7 @@ class BlockManager:
         page_keys: Sequence[int],
         token_ids: Sequence[int],
         num_computed: int,
-        salt: Hashable,
+        salt: int,
     ) -> None:
         """`free`, but first keep the sequence's partly filled last page cached (its computed
         tokens after its full pages `page_keys`), for a later prompt to copy from."""
@@ -218,7 +228,7 @@ class BlockManager:
 
     # -- prefix cache ---------------------------------------------------------------------------
 
-    def match_prefix(self, token_ids: Sequence[int], salt: Hashable) -> tuple[list[int], list[int]]:
+    def match_prefix(self, token_ids: Sequence[int], salt: int) -> tuple[list[int], list[int]]:
         """The cached pages (and their keys) that hold the leading full pages of `token_ids`.
         The last token is never covered: its logits must be computed."""
         pages: list[int] = []
@@ -237,7 +247,7 @@ class BlockManager:
             parent = key
         return pages, keys
 
-    def match_tail(self, token_ids: Sequence[int], keys: Sequence[int], salt: Hashable) -> TailHit | None:
+    def match_tail(self, token_ids: Sequence[int], keys: Sequence[int], salt: int) -> TailHit | None:
         """After the full pages `keys` that `match_prefix` found: the cached page whose first
         tokens agree longest with the prompt's next ones (never covering its last token)."""
         if not self.enable_prefix_caching:
@@ -273,7 +283,7 @@ class BlockManager:
         page_keys: list[int],
         token_ids: Sequence[int],
         num_computed: int,
-        salt: Hashable,
+        salt: int,
     ) -> None:
         """Give keys to the pages that became full with computed K/V; extends `page_keys`."""
         if not self.enable_prefix_caching:
@@ -289,7 +299,10 @@ class BlockManager:
                 self._page_of_key[key] = page
                 self._key_of_page[page] = key
                 parent = page_keys[-2] if i else None
-                self._remember_tokens(page, _CachedTokens(parent, salt, tuple(token_ids[i * size : (i + 1) * size])))
+                tokens = tuple(token_ids[i * size : (i + 1) * size])
+                self._remember_tokens(page, _CachedTokens(parent, salt, tokens))
+                if self._events is not None:
+                    self._events.append(PageStored(key, parent, tokens))
 
     def check_consistency(self, tables: Sequence[Sequence[int]]) -> None:
         """Assert that refcounts equal the references in `tables` (every live block table) and

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -32,8 +33,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from compiled_engine.cache.events import CacheEvent
 from compiled_engine.engine.adapters import AdapterRequest, AdapterStats
 from compiled_engine.engine.drafting import DraftStats
+from compiled_engine.engine.engine_client import ReplicaHealth, ServedModel
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.outputs import RequestOutput
 from compiled_engine.engine.sampling_params import SamplingParams
@@ -120,9 +123,20 @@ def _adapter_fields(found: AdapterStats | None) -> dict[str, Any]:
     }
 
 
+CacheEventSink = Callable[[list[CacheEvent]], None]
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], max_waiting_requests: int = 256) -> None:
-        """`engine`: an engine, or a function that builds one on the loop thread (see above)."""
+    def __init__(
+        self,
+        engine: LLMEngine | Callable[[], LLMEngine],
+        max_waiting_requests: int = 256,
+        cache_events: CacheEventSink | None = None,
+    ) -> None:
+        """`engine`: an engine, or a function that builds one on the loop thread (see above).
+        `cache_events`: called on the loop thread after each step with the prefix cache's events
+        (an engine built with `record_cache_events`), e.g. a KV-event publisher."""
+        self._cache_events = cache_events
         self._build: Callable[[], LLMEngine] | None = None
         if isinstance(engine, LLMEngine):
             self.engine = engine
@@ -156,6 +170,20 @@ class AsyncEngine:
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
+
+    @functools.cached_property
+    def served(self) -> ServedModel:
+        """The model as the server sees it (once the engine is built)."""
+        engine = self.engine
+        return ServedModel(
+            engine.tokenizer, engine.max_model_len, engine.runner.model_config, engine.pooling, engine.grammars
+        )
+
+    def health(self) -> list[ReplicaHealth]:
+        return [ReplicaHealth(0, self.is_alive, None if self.error is None else repr(self.error))]
+
+    def engine_stats(self) -> dict[int, EngineStats]:
+        return {0: self.stats()}
 
     @property
     def accepting(self) -> bool:
@@ -361,6 +389,8 @@ class AsyncEngine:
                 self._drain_inbox()
                 if self.engine.has_unfinished_requests():
                     outputs = self.engine.step()
+                    if self._cache_events is not None:
+                        self._cache_events(self.engine.take_cache_events())
                     self._publish()
                     for output in outputs:
                         self._deliver(output.request_id, output)

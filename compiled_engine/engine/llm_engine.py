@@ -16,6 +16,7 @@ import time
 import uuid
 
 from compiled_engine.cache.block_manager import BlockManager
+from compiled_engine.cache.events import CacheEvent
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine.adapters import AdapterInstall, AdapterRequest
 from compiled_engine.engine.drafting import DraftStats
@@ -48,7 +49,14 @@ SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads the seeds of a request's n completio
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, record_cache_events: bool = False) -> None:
+        """`record_cache_events`: keep the prefix cache's events for `take_cache_events` (a
+        data-parallel replica's front end and a KV-event publisher follow the cache by them)."""
+        if config.data_parallel_size != 1:
+            raise ValueError(
+                "an engine is one replica: data parallelism runs replicas behind the server's front end "
+                "(serve --data-parallel-size)"
+            )
         self.config = config
         set_threads(config)  # before any weight is read or kernel compiled
         self.model_dir = resolve_model_dir(config.model)
@@ -65,7 +73,9 @@ class LLMEngine:
         )
         tokenizer_file = self.model_dir / "tokenizer.json" if has_tokenizer else None
         self.grammars = features.grammars(tokenizer_file, self.runner.model_config.vocab_size, self.eos_token_ids)
-        self.block_manager = BlockManager(self.runner.num_pages, self.runner.page_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            self.runner.num_pages, self.runner.page_size, config.enable_prefix_caching, record_cache_events
+        )
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.adapters.must_wait
         )
@@ -201,6 +211,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    def take_cache_events(self) -> list[CacheEvent]:
+        """The prefix cache's events since the last call (none unless `record_cache_events`)."""
+        return self.block_manager.take_events()
 
     # -- the loop -------------------------------------------------------------------------------
 

@@ -78,6 +78,7 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first.
     prompt_logprobs: list[PromptTokenLogprobs | None] | None = None
     embedding: list[float] | None = None  # a pooling request's (--runner pooling), once finished
+    engine_index: int = 0  # the data-parallel replica that ran it (vLLM's `engine` label)
 
     # Convenience for n == 1, the common case.
     @property

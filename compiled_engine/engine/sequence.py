@@ -4,9 +4,11 @@ A request with n > 1 has n sequences sharing its request id and its prompt."""
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from compiled_engine.cache.events import salt_key
 from compiled_engine.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -71,11 +73,12 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
-    @property
-    def prefix_salt(self) -> tuple[str | None, AdapterKey | None]:
+    @functools.cached_property
+    def prefix_salt(self) -> int:
         """Its part of the prefix-cache key: pages are shared only under the same user salt and
-        the same adapter (the same files)."""
-        return (self.cache_salt, self.adapter)
+        the same adapter (the same files). The same in every process (cache/events.py)."""
+        adapter = self.adapter
+        return salt_key(self.cache_salt, adapter.name if adapter else None, adapter.digest if adapter else None)
 
     @property
     def num_tokens(self) -> int:

@@ -12,7 +12,7 @@ from litestar.logging.config import LoggingConfig
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import JsonRenderPlugin
 
-from compiled_engine.engine.async_engine import AsyncEngine
+from compiled_engine.engine.engine_client import EngineClient
 from compiled_engine.errors import RequestError
 from compiled_engine.server.docs_page import PlainDocsRenderPlugin
 from compiled_engine.server.errors import handle_exception, request_error_handler
@@ -64,7 +64,7 @@ def controllers(settings: ServerSettings) -> list[type[Controller]]:
     return served
 
 
-def create_app(engine: AsyncEngine, settings: ServerSettings) -> Litestar:
+def create_app(engine: EngineClient, settings: ServerSettings) -> Litestar:
     serving = Serving(engine, settings)
     return Litestar(
         route_handlers=controllers(settings),

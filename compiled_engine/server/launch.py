@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import socket
@@ -13,11 +14,15 @@ from types import FrameType
 
 import uvicorn
 
+from compiled_engine.cache.events import CacheEvent
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine.async_engine import AsyncEngine
+from compiled_engine.engine.engine_client import EngineClient
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.errors import EngineDeadError
-from compiled_engine.lora.manager import LoRAManager, LoRARequest
+from compiled_engine.replicas.front_end import DataParallelEngine
+from compiled_engine.replicas.kv_events import KVEventsConfig, ZmqEventPublisher
+from compiled_engine.replicas.replica import build_engine
 from compiled_engine.server.app import ServerSettings, create_app
 
 logger = logging.getLogger("compiled_engine.server")
@@ -43,15 +48,22 @@ def run_server(
     log_format: str = "text",
     reasoning_parser: str | None = None,
     tool_call_parser: str | None = None,
+    kv_events: KVEventsConfig | None = None,
 ) -> int:
     started = time.perf_counter()
     lora_modules = dict(lora_modules or {})
     if (lora_modules or runtime_lora_updates) and not config.enable_lora:
         raise ValueError("--lora-modules and --enable-runtime-lora-updates need --enable-lora")
-    async_engine = _start_engine(config, lora_modules, max_waiting_requests)
-    engine = async_engine.engine
+    publishers = _EventPublishers(kv_events, config)
+    async_engine: EngineClient
+    if config.data_parallel_size > 1:
+        front_end = DataParallelEngine(config, lora_modules, max_waiting_requests, publishers.publish)
+        front_end.start()
+        async_engine = front_end
+    else:
+        async_engine = _start_engine(config, lora_modules, max_waiting_requests, publishers)
+        _log_loaded(async_engine.engine, time.perf_counter() - started)
     name = served_model_name or (config.model or "SmolLM2-135M-Instruct")
-    _log_loaded(engine, name, time.perf_counter() - started)
     if name in lora_modules:
         raise ValueError(f"the adapter name {name!r} is the served model's name")
     settings = ServerSettings(
@@ -83,39 +95,80 @@ def run_server(
         log_config=None if log_format == "json" else uvicorn.config.LOGGING_CONFIG,
     )
     server = _DrainingServer(config_, async_engine.stop_accepting, shutdown_grace_s, async_engine.abort_all)
-    if engine.tensor_parallel is not None:
+    single = async_engine.engine if isinstance(async_engine, AsyncEngine) else None
+    if single is None or single.tensor_parallel is not None:
         threading.Thread(
-            target=_exit_when_the_loop_dies, args=(async_engine, server), name="tp-watchdog", daemon=True
+            target=_exit_when_the_loop_dies, args=(async_engine, server), name="engine-watchdog", daemon=True
         ).start()
     try:
         server.run()
     finally:
-        engine.shutdown()
+        if single is not None:
+            single.shutdown()
+        else:
+            async_engine.shutdown(grace_s=0)  # drained already, unless uvicorn never started
+        publishers.close()
     return 1 if async_engine.error is not None else 0
 
 
-def _start_engine(config: EngineConfig, lora_modules: dict[str, str], max_waiting_requests: int) -> AsyncEngine:
+class _EventPublishers:
+    """The KV-event publishers of `--kv-events-config`: one per engine (a replica's on its
+    endpoints' ports plus its index), started on its first events."""
+
+    def __init__(self, config: KVEventsConfig | None, engine_config: EngineConfig) -> None:
+        self.config = config if config is not None and config.publishes else None
+        if config is not None and config.enable_kv_cache_events and not engine_config.enable_prefix_caching:
+            logger.warning("--kv-events-config: the prefix cache is off (--no-prefix-caching), so no event comes")
+        self.page_size = engine_config.page_size
+        self.medium = "GPU" if engine_config.resolved_device().type == "cuda" else "CPU"
+        self._publishers: dict[int, ZmqEventPublisher] = {}
+        self._lock = threading.Lock()
+        if self.config is not None:  # bound now: a taken port fails the start, not the first event
+            for index in range(engine_config.data_parallel_size):
+                self._publisher(index)
+
+    @property
+    def enabled(self) -> bool:
+        return self.config is not None
+
+    def _publisher(self, index: int) -> ZmqEventPublisher:
+        assert self.config is not None
+        with self._lock:
+            if index not in self._publishers:
+                self._publishers[index] = ZmqEventPublisher(
+                    self.config.for_replica(index), self.page_size, self.medium, index
+                )
+                logger.info("kv events of engine %d: %s", index, self._publishers[index].endpoint)
+            return self._publishers[index]
+
+    def publish(self, index: int, events: list[CacheEvent]) -> None:
+        if self.config is not None and events:
+            self._publisher(index).publish(events)
+
+    def close(self) -> None:
+        for publisher in self._publishers.values():
+            publisher.close()
+
+
+def _start_engine(
+    config: EngineConfig, lora_modules: dict[str, str], max_waiting_requests: int, publishers: _EventPublishers
+) -> AsyncEngine:
     """The engine loop, started, with the adapters of `--lora-modules` loaded."""
-
-    def build() -> LLMEngine:
-        engine = LLMEngine(config)
-        for lora_name, path in lora_modules.items():  # each checked now: a bad adapter stops the start
-            assert isinstance(engine.adapters, LoRAManager)
-            engine.adapters.add(LoRARequest(lora_name, path))
-        return engine
-
+    record = publishers.enabled
+    sink = functools.partial(publishers.publish, 0) if record else None
     # The engine is built on the loop thread that will run it (see AsyncEngine).
-    async_engine = AsyncEngine(build, max_waiting_requests)
+    async_engine = AsyncEngine(
+        functools.partial(build_engine, config, lora_modules, record), max_waiting_requests, sink
+    )
     async_engine.start()
     return async_engine
 
 
-def _log_loaded(engine: LLMEngine, name: str, load_s: float) -> None:
+def _log_loaded(engine: LLMEngine, load_s: float) -> None:
     runner = engine.runner
     logger.info(
-        "model %s (%s) loaded in %.1f s on %s, dtype %s; KV cache %d pages of %d tokens; max_model_len %d; "
+        "model %s loaded in %.1f s on %s, dtype %s; KV cache %d pages of %d tokens; max_model_len %d; "
         "weights %.2f GiB, KV cache %.2f GiB",
-        name,
         engine.model_dir,
         load_s,
         runner.device,
@@ -129,17 +182,19 @@ def _log_loaded(engine: LLMEngine, name: str, load_s: float) -> None:
 
 
 def _exit_when_the_loop_dies(
-    async_engine: AsyncEngine, server: uvicorn.Server, poll_s: float = 1.0, not_ready_s: float = 2.0
+    async_engine: EngineClient, server: uvicorn.Server, poll_s: float = 1.0, not_ready_s: float = 2.0
 ) -> None:
     """With tensor parallelism a lost rank cannot be brought back from this process: once a
     worker is gone (checked every `poll_s`, even when idle) or the loop has died, report not
-    ready for a moment (load balancers see it), then exit non-zero."""
-    group = async_engine.engine.tensor_parallel
+    ready for a moment (load balancers see it), then exit non-zero. With data-parallel replicas,
+    the same once the last one is gone."""
+    group = async_engine.engine.tensor_parallel if isinstance(async_engine, AsyncEngine) else None
     while True:
         if group is not None:
             try:
                 group.check_alive()
             except EngineDeadError as exc:
+                assert isinstance(async_engine, AsyncEngine)
                 async_engine.fail(exc)
         if not async_engine.is_alive:
             break
@@ -185,7 +240,7 @@ class _DrainingServer(uvicorn.Server):
 
 
 @contextmanager
-def serve_in_background(async_engine: AsyncEngine, served_model_name: str = "bench") -> Iterator[str]:
+def serve_in_background(async_engine: EngineClient, served_model_name: str = "bench") -> Iterator[str]:
     """Our server for `async_engine` (started) on a free loopback port, in a thread of this
     process, for the serving bench. Yields the base URL; stops the server and the engine loop on
     exit."""

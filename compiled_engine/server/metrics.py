@@ -1,5 +1,9 @@
 """Prometheus metrics for `GET /metrics`, in a registry of the server's own: both families of
-metric_table.py (ours and vLLM's names), and the HTTP responses by route and status."""
+metric_table.py (ours and vLLM's names), and the HTTP responses by route and status.
+
+vLLM's series carry `model_name` and `engine` (the data-parallel replica, "0" for one engine), as
+vLLM's do; ours describe the server as a whole (the replicas' sum), and
+`compiled_engine_engine_up{engine}` says which replicas are alive."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from compiled_engine.engine.async_engine import AsyncEngine
+from compiled_engine.engine.engine_client import EngineClient
 from compiled_engine.engine.outputs import RequestOutput
 from compiled_engine.engine.sequence import FinishReason
 from compiled_engine.server.metric_table import (
@@ -20,7 +24,6 @@ from compiled_engine.server.metric_table import (
     REQUEST_COUNTERS,
     REQUEST_HISTOGRAMS,
     Kind,
-    Name,
 )
 
 KNOWN_PATHS = ("/health", "/ready", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
@@ -30,36 +33,63 @@ class _EngineCollector(Collector):
     """One family's engine metrics at scrape time, from the snapshot the engine loop published
     last (`stats()`). `model_name`: the label every vLLM series carries; None for ours."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str | None) -> None:
+    def __init__(self, engine: EngineClient, model_name: str | None) -> None:
         self.engine = engine
         self.model_name = model_name
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        stats = self.engine.stats()
-        vllm = self.model_name is not None
+        if self.model_name is None:
+            yield from self._ours()
+            return
+        by_engine = self.engine.engine_stats()  # the live engines only
         for metric in ENGINE_METRICS:
-            name = metric.vllm if vllm else metric.ours
-            reading = metric.read(stats)
-            if name is None or reading is None:
+            if metric.vllm is None:
                 continue
             family = GaugeMetricFamily if metric.kind is Kind.GAUGE else CounterMetricFamily
-            if not vllm and not metric.labels:
-                assert not isinstance(reading, list)
-                yield family(name.name, name.help, reading)
+            labelled = family(metric.vllm.name, metric.vllm.help, labels=["model_name", "engine", *metric.labels])
+            exported = False
+            for index, stats in by_engine.items():
+                reading = metric.read(stats)
+                if reading is None:
+                    continue
+                exported = True
+                for values, value in reading if isinstance(reading, list) else [([], reading)]:
+                    labelled.add_metric([self.model_name, str(index), *values], value)
+            if exported:
+                yield labelled
+
+    def _ours(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        health = self.engine.health()
+        up = GaugeMetricFamily(
+            "compiled_engine_engine_up", "1 while the engine (replica) runs, else 0", labels=["engine"]
+        )
+        for replica in health:
+            up.add_metric([str(replica.index)], 1.0 if replica.alive else 0.0)
+        yield up
+        if not any(replica.alive for replica in health):
+            return
+        stats = self.engine.stats()
+        for metric in ENGINE_METRICS:
+            reading = metric.read(stats)
+            if metric.ours is None or reading is None:
                 continue
-            # A vLLM series, or a labelled one: the samples carry their labels, vLLM's model_name first.
-            prefix = [self.model_name] if self.model_name is not None else []
-            samples = reading if isinstance(reading, list) else [([], reading)]
-            labelled = family(name.name, name.help, labels=[*(["model_name"] if vllm else []), *metric.labels])
-            for values, value in samples:
-                labelled.add_metric([*prefix, *values], value)
+            family = GaugeMetricFamily if metric.kind is Kind.GAUGE else CounterMetricFamily
+            if not metric.labels:
+                assert not isinstance(reading, list)
+                yield family(metric.ours.name, metric.ours.help, reading)
+                continue
+            labelled = family(metric.ours.name, metric.ours.help, labels=list(metric.labels))
+            for values, value in reading if isinstance(reading, list) else [([], reading)]:
+                labelled.add_metric(values, value)
             yield labelled
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncEngine, model_name: str = "default") -> None:
-        """`model_name`: the served model, the `model_name` label of the vLLM-named metrics."""
+    def __init__(self, engine: EngineClient, model_name: str = "default", num_engines: int = 1) -> None:
+        """`model_name`: the served model, the `model_name` label of the vLLM-named metrics;
+        `num_engines`: the data-parallel replicas (their `engine` labels 0..N-1)."""
         self.model_name = model_name
+        engines = [str(index) for index in range(num_engines)]
         self.registry = registry = CollectorRegistry()
         # Registered in the order /metrics shows them: ours, then vLLM's.
         self.requests = Counter(
@@ -80,52 +110,57 @@ class ServerMetrics:
         ]
         registry.register(_EngineCollector(engine, None))
 
-        labels = ["model_name"]
+        labels = ["model_name", "engine"]
         self.vllm_counters = [
-            Counter(row.vllm.name, row.vllm.help, labels, registry=registry).labels(model_name)
-            for row in REQUEST_COUNTERS
+            Counter(row.vllm.name, row.vllm.help, labels, registry=registry) for row in REQUEST_COUNTERS
         ]
         self.success = Counter(FINISHED_VLLM.name, FINISHED_VLLM.help, [*labels, "finished_reason"], registry=registry)
         self.vllm_histograms = [
-            (row.observe, self._vllm_histogram(row.vllm, row.buckets))
+            (row.observe, Histogram(row.vllm.name, row.vllm.help, labels, buckets=row.buckets, registry=registry))
             for row in REQUEST_HISTOGRAMS
             if row.vllm is not None
         ]
         registry.register(_EngineCollector(engine, model_name))
-        # Every finish reason is exported from the start, at zero.
+        # Every series is exported from the start, at zero, for every engine.
+        for index in engines:
+            for counter in self.vllm_counters:
+                counter.labels(model_name, index)
+            for _, histogram in self.vllm_histograms:
+                histogram.labels(model_name, index)
+            for reason in FinishReason:
+                self.success.labels(model_name, index, str(reason))
         for reason in FinishReason:
             self.finished.labels(str(reason))
-            self.success.labels(model_name, str(reason))
-
-    def _vllm_histogram(self, name: Name, buckets: tuple[float, ...]) -> Histogram:
-        """A vLLM histogram's one series (exported from the start, at zero)."""
-        histogram = Histogram(name.name, name.help, ["model_name"], buckets=buckets, registry=self.registry)
-        return histogram.labels(self.model_name)
 
     def observe(self, output: RequestOutput, adapter: str | None = None) -> None:
         """Record a finished request (`adapter`: the LoRA adapter it ran with)."""
         if adapter is not None:
             self.lora_requests.labels(adapter).inc()
-        self.count_finished(finish_reasons(output))
+        engine = str(output.engine_index)
+        self.count_finished(finish_reasons(output), engine)
         for row, ours, vllm in zip(REQUEST_COUNTERS, self.counters, self.vllm_counters, strict=True):
             ours.inc(row.count(output))
-            vllm.inc(row.count(output))
-        for observe, histogram in (*self.histograms, *self.vllm_histograms):
+            vllm.labels(self.model_name, engine).inc(row.count(output))
+        for observe, histogram in self.histograms:
             value = observe(output)
             if value is not None:
                 histogram.observe(value)
+        for observe, labelled in self.vllm_histograms:
+            value = observe(output)
+            if value is not None:
+                labelled.labels(self.model_name, engine).observe(value)
 
     def observe_abandoned(self, last: RequestOutput | None, n: int) -> None:
         """Record a request whose client went away before it finished (`last`: the last output it
         was given, None if none yet; `n`: its completions): its unfinished completions count as
         `abort` in both families; its tokens and latencies are not counted."""
-        self.count_finished(finish_reasons(last, n))
+        self.count_finished(finish_reasons(last, n), str(last.engine_index if last is not None else 0))
 
-    def count_finished(self, reasons: list[str]) -> None:
-        """Count finished completions, one finish reason each."""
+    def count_finished(self, reasons: list[str], engine: str = "0") -> None:
+        """Count finished completions, one finish reason each (`engine`: the replica that ran them)."""
         for reason in reasons:
             self.finished.labels(reason).inc()
-            self.success.labels(self.model_name, reason).inc()
+            self.success.labels(self.model_name, engine, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -13,7 +13,7 @@ from typing import Any
 
 from litestar import Request
 
-from compiled_engine.engine.async_engine import AsyncEngine
+from compiled_engine.engine.engine_client import EngineClient
 from compiled_engine.engine.outputs import RequestOutput
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.engine.structured_outputs import StructuredOutputs
@@ -31,21 +31,22 @@ from compiled_engine.tokenizer import Tokenizer
 
 
 class Serving:
-    def __init__(self, engine: AsyncEngine, settings: ServerSettings) -> None:
+    def __init__(self, engine: EngineClient, settings: ServerSettings) -> None:
         self.engine = engine
         self.settings = settings
-        tokenizer = engine.engine.tokenizer
+        self.served = served = engine.served
+        tokenizer = served.tokenizer
         if tokenizer is None:
             raise ValueError("the server needs a model with a tokenizer")
         self.tokenizer: Tokenizer = tokenizer
-        self.max_model_len = engine.engine.max_model_len
+        self.max_model_len = served.max_model_len
         self.created = int(time.time())
-        self.metrics = ServerMetrics(engine, settings.served_model_name)
+        self.metrics = ServerMetrics(engine, settings.served_model_name, len(engine.health()))
         self.request_log = RequestLog(settings.request_log, settings.log_prompts, tokenizer.decode)
         self.responses = ResponseStore(settings.responses_store_size, settings.responses_max_age_s)
         self.reasoning = ReasoningParser(settings.reasoning_parser) if settings.reasoning_parser else None
-        self.pooling = engine.engine.pooling  # None: a generating server
-        family = engine.engine.runner.model_config.architecture
+        self.pooling = served.pooling  # None: a generating server
+        family = served.model_config.architecture
         self.tool_parser = tool_call_parser(settings.tool_call_parser, family, tokenizer.template_takes_tools)
 
     # -- request checks -------------------------------------------------------------------------
@@ -97,7 +98,7 @@ class Serving:
         return spec
 
     async def compile(self, spec: StructuredOutputs) -> None:
-        await self.engine.engine.grammars.prepare(spec)
+        await self.served.grammars.prepare(spec)
 
     async def answer_constraint(self, spec: StructuredOutputs | None) -> StructuredOutputs | None:
         """A reply's constraint, compiled: with a reasoning parser it holds after the thinking

@@ -47,7 +47,7 @@ class EmbeddingsController(Controller):
                 param="encoding_format",
             )
         prompts = embedding_prompts(data.input, serving.tokenizer)
-        width = serving.engine.engine.runner.model_config.hidden_size
+        width = serving.served.model_config.hidden_size
         if data.dimensions is not None and not 1 <= data.dimensions <= width:
             raise ApiError(400, f"dimensions must be in [1, {width}], got {data.dimensions}", param="dimensions")
         base = f"embd-{uuid.uuid4().hex}"

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Any
 
 from litestar import Controller, Request, Response, get, post
@@ -47,7 +48,7 @@ class AdaptersController(Controller):
         if name in adapters:
             raise ApiError(400, f"the LoRA adapter '{name}' is already loaded", param="lora_name")
         lora = LoRARequest(name, data.lora_path)
-        await serving.engine.call(lambda e: _lora_manager(e).add(lora))
+        await serving.engine.call(functools.partial(_add_adapter, lora))
         adapters[name] = data.lora_path
         return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
 
@@ -64,7 +65,7 @@ class AdaptersController(Controller):
         if name not in adapters:
             raise ApiError(404, f"the LoRA adapter '{name}' is not loaded", "not_found_error", "lora_name")
         try:
-            await serving.engine.call(lambda e: _lora_manager(e).remove(name))
+            await serving.engine.call(functools.partial(_remove_adapter, name))
         except LoRAError as exc:
             raise ApiError(409, str(exc), "conflict_error", "lora_name", "adapter_in_use") from exc
         del adapters[name]
@@ -75,3 +76,12 @@ def _lora_manager(engine: LLMEngine) -> LoRAManager:
     if not isinstance(engine.adapters, LoRAManager):
         raise LoRAError("this server serves no LoRA adapters: start it with --enable-lora")
     return engine.adapters
+
+
+# Module-level, so that a data-parallel front end can send them to each replica.
+def _add_adapter(lora: LoRARequest, engine: LLMEngine) -> None:
+    _lora_manager(engine).add(lora)
+
+
+def _remove_adapter(name: str, engine: LLMEngine) -> None:
+    _lora_manager(engine).remove(name)

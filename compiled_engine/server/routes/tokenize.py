@@ -50,7 +50,7 @@ class DetokenizeController(Controller):
         """vLLM's /detokenize: token ids back to text (special tokens kept)."""
         serving.check_auth(request)
         serving.check_model(data.model)
-        vocab = serving.engine.engine.runner.model_config.vocab_size
+        vocab = serving.served.model_config.vocab_size
         bad = [token for token in data.tokens if not 0 <= token < vocab]
         if bad:
             raise ApiError(400, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="tokens")
