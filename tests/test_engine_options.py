@@ -124,11 +124,11 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.Argument
 @pytest.mark.parametrize(
     ("parser", "command", "excluded"),
     [
-        (build_parser, "generate", {"seed"}),
-        (build_parser, "verify", set()),
+        (build_parser, "generate", {"seed", "data_parallel_size"}),
+        (build_parser, "verify", {"data_parallel_size"}),
         (build_parser, "serve", set()),
-        (bench._parser, "latency", {"seed", "enable_prefix_caching"}),
-        (bench._parser, "offline", {"seed"}),
+        (bench._parser, "latency", {"seed", "enable_prefix_caching", "data_parallel_size"}),
+        (bench._parser, "offline", {"seed", "data_parallel_size"}),
         (bench._parser, "serve", {"seed"}),
     ],
 )
@@ -136,7 +136,8 @@ def test_every_engine_command_offers_every_option(
     parser: Callable[[], argparse.ArgumentParser], command: str, excluded: set[str]
 ) -> None:
     """Only a field the command fixes itself, or whose flag it spends on its own option (the
-    request's or the workload's --seed), is missing."""
+    request's or the workload's --seed), is missing; and data parallelism, which only a server
+    runs."""
     sub = _subcommands(parser())[command]
     declared = set(sub.get_default("_engine_option_fields"))
     assert declared == set(engine_config_fields()) - excluded

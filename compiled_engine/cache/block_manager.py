@@ -102,6 +102,10 @@ class BlockManager:
     def num_cached_pages(self) -> int:
         return len(self._page_of_key)
 
+    def cached_page_keys(self) -> set[int]:
+        """The keys a prefix lookup can find now (what the cache events, followed, add up to)."""
+        return set(self._page_of_key)
+
     def refcount(self, page: int) -> int:
         return self._refcount[page]
 

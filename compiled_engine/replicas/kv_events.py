@@ -174,10 +174,12 @@ class ZmqEventPublisher:
             self._pub.connect(config.endpoint)
         self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)  # the port chosen, for ":0"
         self._replay: Any = None
+        self.replay_endpoint: str | None = None
         if config.replay_endpoint is not None:
             self._replay = self._context.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.SNDHWM, 2 * (config.buffer_steps + 1))
             self._replay.bind(config.replay_endpoint)
+            self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._seq = 0
         self._thread = threading.Thread(target=self._send_loop, name="kv-events", daemon=True)

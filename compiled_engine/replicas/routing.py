@@ -8,8 +8,9 @@ match is exactly the pages `match_prefix` would find there, as of its last repor
 
 Load is the front end's own count of a replica's requests in flight (running and waiting), exact
 at the moment of the choice. A replica whose load exceeds the least loaded one's by more than
-`balance_slack` is overloaded: its cache hit is not worth the queue, and the request goes to the
-least loaded. Ties in load go round robin, so that requests one at a time still spread.
+`balance_slack` is overloaded: its cache hit is not worth the queue, so the request goes to the
+best cache among the others, or, with no hit there, to the least loaded. Ties in load go round
+robin, so that requests one at a time still spread.
 """
 
 from __future__ import annotations
@@ -71,17 +72,20 @@ class PrefixRouter:
 
     def choose(self, keys: Sequence[int]) -> Route:
         """The replica for a prompt, given its page keys (`prompt_page_keys`; none: by load
-        alone). Raises LookupError when no replica is alive."""
+        alone): of the replicas not overloaded, the one that caches most of them; with no cache
+        hit, the least loaded. Raises LookupError when no replica is alive."""
         alive = [i for i, replica in enumerate(self.replicas) if replica.alive]
         if not alive:
             raise LookupError("no replica is alive")
         least = min(self.replicas[i].in_flight for i in alive)
         best, best_pages = None, 0
         for i in alive:
+            if self.replicas[i].in_flight - least > self.balance_slack:
+                continue  # overloaded: its cache hit is not worth its queue
             pages = self.cached_pages(i, keys)
-            if pages > best_pages or (pages == best_pages and best is not None and self._lighter(i, best)):
+            if pages > best_pages or (pages == best_pages > 0 and best is not None and self._lighter(i, best)):
                 best, best_pages = i, pages
-        if best is not None and best_pages > 0 and self.replicas[best].in_flight - least <= self.balance_slack:
+        if best is not None:
             return Route(best, best_pages, True)
         idle = [i for i in alive if self.replicas[i].in_flight == least]
         chosen = idle[self._turn % len(idle)]

@@ -1,0 +1,188 @@
+"""`serve --data-parallel-size 2` on the default model, one core each: the same greedy text as one
+engine, both replicas serving, a repeated prompt going back to the replica that cached it, each
+replica's KV events on its own port, a killed replica failing its own requests only, and SIGTERM
+draining the rest."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import zmq
+
+from tests.conftest import API_KEY
+from tests.server_process import ServerProcess, free_port, running_server
+from tests.test_kv_events import DECODER, BlockStored
+from tests.waiting import wait_until
+
+PROMPTS = [f"Question {i}: what is {i} plus {i + 3}? Answer:" for i in range(16)]
+LONG = [f"Story {k}. " + "The river ran past the old mill, and the miller counted the sacks. " * 8 for k in range(4)]
+
+
+@pytest.fixture(scope="module")
+def kv_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def dp_server(
+    tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path, kv_port: int
+) -> Iterator[ServerProcess]:
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{kv_port}", "topic": "kv"}
+    with running_server(
+        tmp_path_factory.mktemp("dp-server"),
+        "--data-parallel-size",
+        "2",
+        "--kv-cache-memory-gib",
+        "0.05",
+        "--kv-events-config",
+        json.dumps(events),
+        startup_timeout_s=600.0,
+    ) as process:
+        yield process
+
+
+def _complete(url: str, prompt: str, max_tokens: int = 12, **headers: str) -> httpx.Response:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+    return httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=300)
+
+
+def _complete_all(url: str, prompt: str, max_tokens: int) -> httpx.Response:
+    """Exactly `max_tokens` tokens (vLLM's ignore_eos): a request that runs for a while."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+
+
+def _replica_pids(server: ServerProcess) -> dict[int, int]:
+    found = re.findall(r"data-parallel replica (\d+) started \(pid (\d+)", server.log_text())
+    return {int(index): int(pid) for index, pid in found}
+
+
+def _samples(server: ServerProcess, name: str) -> dict[str, float]:
+    """`name`'s value by engine label."""
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    found = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            engine = re.search(r'engine="(\d+)"', line)
+            if engine is not None:
+                found[engine.group(1)] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def test_sixteen_concurrent_requests_give_one_engines_text_and_both_replicas_serve(
+    dp_server: ServerProcess, api_server: ServerProcess
+) -> None:
+    before = _samples(dp_server, "vllm:generation_tokens_total")
+    with ThreadPoolExecutor(16) as pool:
+        ours = list(pool.map(lambda p: _complete(dp_server.url, p), PROMPTS))
+    one = [_complete(api_server.url, p, Authorization=f"Bearer {API_KEY}") for p in PROMPTS]
+    assert all(r.status_code == 200 for r in [*ours, *one]), [r.text for r in ours if r.status_code != 200]
+    assert [r.json()["choices"][0]["text"] for r in ours] == [r.json()["choices"][0]["text"] for r in one]
+    after = _samples(dp_server, "vllm:generation_tokens_total")
+    served = {engine: after[engine] - before.get(engine, 0.0) for engine in after}
+    assert set(served) == {"0", "1"} and all(tokens > 0 for tokens in served.values()), served
+    assert sum(served.values()) == sum(r.json()["usage"]["completion_tokens"] for r in ours)
+
+
+def test_a_repeated_prompt_goes_back_to_the_replica_that_cached_it(dp_server: ServerProcess) -> None:
+    """Four long prompts spread over the replicas, then each again in the reverse order: every
+    repeat finds its prompt's pages cached (round robin would send each to the other replica)."""
+    first = [_complete(dp_server.url, prompt, 4).json() for prompt in LONG]
+    hits_before = _samples(dp_server, "vllm:prefix_cache_hits_total")
+    again = [_complete(dp_server.url, prompt, 4).json() for prompt in reversed(LONG)][::-1]
+    for a, b in zip(first, again, strict=True):
+        assert b["choices"][0]["text"] == a["choices"][0]["text"]
+        prompt_tokens = b["usage"]["prompt_tokens"]
+        assert b["usage"]["prompt_tokens_details"]["cached_tokens"] >= prompt_tokens - 16, b["usage"]
+    hits_after = _samples(dp_server, "vllm:prefix_cache_hits_total")
+    gained = {engine: hits_after[engine] - hits_before[engine] for engine in hits_after}
+    assert all(tokens > 0 for tokens in gained.values()), f"the long prompts all went to one replica: {gained}"
+
+
+def test_each_replica_publishes_its_kv_events_on_its_own_port(dp_server: ServerProcess, kv_port: int) -> None:
+    context = zmq.Context.instance()
+    subs = []
+    for rank in (0, 1):
+        sub = context.socket(zmq.SUB)
+        sub.connect(f"tcp://127.0.0.1:{kv_port + rank}")
+        sub.setsockopt_string(zmq.SUBSCRIBE, "kv")
+        subs.append(sub)
+    time.sleep(0.5)
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda k: _complete(dp_server.url, f"{k} " + LONG[0] + f" and {k}", 2), range(4)))
+        for rank, sub in enumerate(subs):
+            assert sub.poll(10_000), f"replica {rank} published nothing"
+            topic, _, payload = sub.recv_multipart()
+            batch = DECODER.decode(payload)
+            assert topic == b"kv" and batch.data_parallel_rank == rank
+            assert any(isinstance(event, BlockStored) for event in batch.events)
+    finally:
+        for sub in subs:
+            sub.close(linger=0)
+
+
+def test_a_killed_replica_fails_its_own_requests_and_the_other_serves_on(dp_server: ServerProcess) -> None:
+    pids = _replica_pids(dp_server)
+    assert set(pids) == {0, 1}
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(_complete_all, dp_server.url, p, 200) for p in PROMPTS[:6]]
+
+        def both_running() -> bool:
+            running = _samples(dp_server, "vllm:num_requests_running")
+            return running.get("0", 0) > 0 and running.get("1", 0) > 0
+
+        wait_until(both_running, "both replicas running requests")
+        os.kill(pids[1], signal.SIGKILL)
+        replies = [future.result() for future in futures]
+    statuses = [reply.status_code for reply in replies]
+    assert set(statuses) == {200, 503}, statuses
+    failed = [reply.json() for reply in replies if reply.status_code == 503]
+    for body in failed:
+        assert body["error"]["type"] == "service_unavailable"
+        assert "data-parallel replica 1 died" in body["error"]["message"]
+    assert all(reply.json()["usage"]["completion_tokens"] == 200 for reply in replies if reply.status_code == 200)
+
+    health = httpx.get(f"{dp_server.url}/health", timeout=30)
+    assert health.status_code == 200
+    state: Any = health.json()
+    assert state["status"] == "degraded"
+    assert [engine["alive"] for engine in state["engines"]] == [True, False]
+    assert _samples(dp_server, "compiled_engine_engine_up") == {"0": 1.0, "1": 0.0}
+    assert set(_samples(dp_server, "vllm:num_requests_running")) == {"0"}
+    with ThreadPoolExecutor(4) as pool:
+        after = list(pool.map(lambda p: _complete(dp_server.url, p, 4), PROMPTS[:4]))
+    assert [reply.status_code for reply in after] == [200] * 4
+
+
+def test_sigterm_drains_the_requests_in_flight(dp_server: ServerProcess) -> None:
+    """Last in this module: it stops the server."""
+    pids = _replica_pids(dp_server)
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(_complete_all, dp_server.url, PROMPTS[0], 48)
+        wait_until(lambda: sum(_samples(dp_server, "vllm:num_requests_running").values()) > 0, "a request running")
+        dp_server.process.send_signal(signal.SIGTERM)
+        reply = future.result()
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 48
+    assert dp_server.process.wait(timeout=60) == 0
+    for pid in pids.values():
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_the_engine_label_is_vllms_on_one_engine_too(api_server: ServerProcess) -> None:
+    text = httpx.get(f"{api_server.url}/metrics", timeout=30).text
+    series = [line for line in text.splitlines() if line.startswith("vllm:")]
+    assert series and all('engine="0"' in line for line in series)
+    assert msgspec.json.decode(httpx.get(f"{api_server.url}/health").content) == {"status": "ok"}
