@@ -183,6 +183,7 @@ BAD_INPUTS = [
     (None, {"messages": QUESTION, "temperature": -0.5}, 400, "temperature must be finite and >= 0"),
     (None, {"messages": QUESTION, "top_p": 1.5}, 400, "top_p must be in (0, 1]"),
     (None, {"messages": []}, 400, "messages must not be empty"),
+    (None, {"messages": QUESTION, "continue_final_message": True}, 400, "continue_final_message: only false"),
     (None, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role must be one of"),
     (None, {"messages": QUESTION, "tools": [{"type": "function"}]}, 400, 'tools[0] must be {"type": "function"'),
     (
@@ -239,6 +240,9 @@ COMPLETION_BAD_INPUTS = [
     (None, {"prompt": "word " * 2000}, 400, "context length", "prompt"),
     (None, {"prompt": [10**7]}, 400, "outside the vocabulary", "prompt"),
     (None, {"prompt": "Hi", "model": "gpt-4"}, 404, "does not exist", "model"),
+    # A router's added fields are served at the value it sends, refused at any other.
+    (None, {"prompt": "Hi", "no_stop_trim": True}, 400, "no_stop_trim: only false is supported", "no_stop_trim"),
+    (None, {"prompt": "Hi", "skip_special_tokens": False}, 400, "only true is supported", "skip_special_tokens"),
 ]
 
 

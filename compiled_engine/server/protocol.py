@@ -46,6 +46,12 @@ class SamplingRequest(Request, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # The routers put in front of vLLM-compatible servers (vllm-router, sglang-router) add these
+    # to every body they forward, at these values: what this server does. Any other value is
+    # refused as unsupported (server/sampling.py, ROUTER_FIELDS).
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    return_hidden_states: bool = False
 
 
 class CompletionRequest(SamplingRequest, kw_only=True):
@@ -75,6 +81,11 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Added by the routers too (above); the reasoning split is `serve --reasoning-parser`'s.
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    include_reasoning: bool = True
+    continue_final_message: bool = False
     # Accepted so that the error can name them; any value is refused as unsupported.
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None

@@ -9,6 +9,17 @@ from compiled_engine.server.protocol import ChatCompletionRequest, CompletionReq
 
 MAX_N = 16  # completions per request
 
+# The fields routers add to what they forward (protocol.py), each with the one value served.
+ROUTER_FIELDS = {
+    "skip_special_tokens": True,
+    "no_stop_trim": False,
+    "return_hidden_states": False,
+    "separate_reasoning": True,
+    "stream_reasoning": True,
+    "include_reasoning": True,
+    "continue_final_message": False,
+}
+
 
 def sampling_params(
     body: CompletionRequest | ChatCompletionRequest,
@@ -20,6 +31,9 @@ def sampling_params(
     the values themselves."""
     if body.n > MAX_N:
         raise ApiError(400, f"n must be at most {MAX_N}, got {body.n}", param="n")
+    for name, served in ROUTER_FIELDS.items():
+        if getattr(body, name, served) != served:
+            raise ApiError(400, f"{name}: only {str(served).lower()} is supported", param=name)
     if body.prompt_logprobs is not None and body.stream:
         raise ApiError(400, "prompt_logprobs needs stream: false", param="prompt_logprobs")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
