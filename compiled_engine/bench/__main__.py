@@ -48,12 +48,14 @@ from compiled_engine.bench.structured import bench_structured_runs
 from compiled_engine.bench.workload import Workload, random_workload
 from compiled_engine.config import DTYPES
 from compiled_engine.engine.async_engine import AsyncEngine
+from compiled_engine.engine.engine_client import EngineClient
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine_options import add_engine_options, engine_config_from_args
 from compiled_engine.errors import CompiledEngineError
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.gguf import gguf_file
 from compiled_engine.model.source import resolve_model_dir
+from compiled_engine.replicas.front_end import DataParallelEngine
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -69,13 +71,14 @@ def _parser() -> argparse.ArgumentParser:
         # runs data-parallel replicas (behind its front end)
         excluded = {"seed", "enable_prefix_caching"} if name == "latency" else {"seed"}
         add_engine_options(sub, exclude=excluded if name == "serve" else {*excluded, "data_parallel_size"})
-        extra = {"latency": ["llama-cpp"], "serve": ["llama-server"]}.get(name, [])
+        extra = {"latency": ["llama-cpp"], "serve": ["llama-server", "one-engine"]}.get(name, [])
         sub.add_argument(
             "--baseline",
             choices=["none", "hf", *extra],
             default="none",
             help="the same workload in the same run through transformers (hf); for latency, "
-            "llama.cpp on the same GGUF (llama-cpp); for serve, llama.cpp's server on it (llama-server)",
+            "llama.cpp on the same GGUF (llama-cpp); for serve, llama.cpp's server on it (llama-server), "
+            "or, with --data-parallel-size, one engine on all the cores (one-engine)",
         )
         sub.add_argument("--seed", type=int, default=0, help="seed of the random workload")
         sub.add_argument("--json", type=Path, default=None, help="write every figure and the environment here")
@@ -510,22 +513,39 @@ def bench_serve(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         list(args.request_rate) if args.request_rate is not None else list(args.concurrency or [1, 4, 16, 64])
     )
     plan = _serve_points(args, vocab, loads)
-    async_engine = None
-    if not args.base_url:  # built on its loop thread, which runs all its steps (see AsyncEngine)
+    config = engine_config_from_args(args)
+    if args.baseline == "one-engine" and config.data_parallel_size == 1:
+        raise SystemExit(
+            "--baseline one-engine compares data-parallel replicas with one engine: give --data-parallel-size"
+        )
+    client: EngineClient | None = None
+    engine = None
+    if not args.base_url and config.data_parallel_size > 1:
+        front_end = DataParallelEngine(config, max_waiting_requests=4096)
+        front_end.start()
+        client = front_end
+    elif not args.base_url:  # built on its loop thread, which runs all its steps (see AsyncEngine)
         async_engine = AsyncEngine(lambda: _engine(args), max_waiting_requests=4096)
         async_engine.start()
-    engine = async_engine.engine if async_engine is not None else None
+        client, engine = async_engine, async_engine.engine
     from compiled_engine.server.launch import serve_in_background  # the server stack only where it serves
 
-    server = serve_in_background(async_engine) if async_engine is not None else nullcontext(args.base_url.rstrip("/"))
+    server = serve_in_background(client) if client is not None else nullcontext(args.base_url.rstrip("/"))
     with server as base_url:  # ours stops here, before any baseline takes the cores
         ours = _drive(base_url, plan, args, console, "ours" if args.base_url is None else "server", vocab)
     points: list[dict[str, Any]] = [
         {"load": p.load, "prompts": p.prompts, "ours": figures} for p, figures in zip(plan, ours, strict=True)
     ]
-    device = engine.runner.device if engine is not None else torch.device("cpu")
+    device = engine.runner.device if engine is not None else config.resolved_device()
     dtype = engine.runner.dtype if engine is not None else DTYPES[args.dtype or "float32"]
     baseline = args.baseline.replace("-", "_")
+    if args.baseline == "one-engine":
+        single = AsyncEngine(lambda: _engine(args, data_parallel_size=1), max_waiting_requests=4096)
+        single.start()
+        with serve_in_background(single) as single_url:
+            alone = _drive(single_url, plan, args, console, "one engine", vocab)
+        for point, figures in zip(points, alone, strict=True):
+            point["one_engine"] = figures
     if args.baseline == "hf":
         model: Any = None
         if sweep_name != "concurrency":
@@ -599,8 +619,9 @@ def bench_serve(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         "seed": args.seed,
         "ignore_eos": True,
         "server": args.base_url or "ours, in-process on loopback",
+        "data_parallel_size": config.data_parallel_size,
     }
-    env = environment(device if engine is not None else None, dtype if engine is not None else None, model_dir)
+    env = environment(device if client is not None else None, dtype if client is not None else None, model_dir)
     return {
         "benchmark": "serve",
         "workload": workload_info,
