@@ -260,11 +260,13 @@ def _run_torchrun_worker(args: argparse.Namespace) -> int:
     """Ranks 1..N-1 under torchrun run the model's shard; rank 0 runs the command itself."""
     from compiled_engine.engine.tp_worker import run_worker
     from compiled_engine.model.source import resolve_model_dir
+    from compiled_engine.parallel.pipeline import ParallelLayout
 
     rank = _torchrun_worker_rank()
     assert rank is not None
     config = engine_config_from_args(args)
-    run_worker(rank, config.tensor_parallel_size, "env://", str(resolve_model_dir(config.model)), config)
+    layout = ParallelLayout(rank, config.pipeline_parallel_size, config.tensor_parallel_size)
+    run_worker(layout, "env://", str(resolve_model_dir(config.model)), config)
     return 0
 
 
@@ -274,7 +276,8 @@ COMMANDS = {"prepare": cmd_prepare, "generate": cmd_generate, "serve": cmd_serve
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(getattr(args, "log_format", "text"))
-    if getattr(args, "tensor_parallel_size", 1) > 1 and _torchrun_worker_rank() is not None:
+    ranks = getattr(args, "tensor_parallel_size", 1) * getattr(args, "pipeline_parallel_size", 1)
+    if ranks > 1 and _torchrun_worker_rank() is not None:
         return _run_torchrun_worker(args)
     try:
         return COMMANDS[args.command](args)

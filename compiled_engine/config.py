@@ -120,7 +120,10 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # Compiled: save the traced model at the first start and load it at the next ones
     # (engine/precompiled.py); False traces it at every start.
     compile_cache: bool = True
-    tensor_parallel_size: int = 1  # ranks the model is split across (parallel/)
+    tensor_parallel_size: int = 1  # ranks each layer's products are split across (parallel/)
+    # Stages the layers are split across, each a slice of them (parallel/pipeline.py); the engine
+    # runs pipeline_parallel_size x tensor_parallel_size ranks.
+    pipeline_parallel_size: int = 1
     # CPU threads for each of the engine's processes; None: torch's default for one process, and
     # each tensor-parallel rank its share of the cores (parallel/threads.py).
     cpu_threads: int | None = None
@@ -170,6 +173,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
             "max_num_seqs",
             "max_num_batched_tokens",
             "tensor_parallel_size",
+            "pipeline_parallel_size",
             "data_parallel_size",
             "max_loras",
             "max_lora_rank",
@@ -180,6 +184,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
             raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"num_pages must be at least 1, got {self.num_pages}")
+        if self.pipeline_parallel_size > 1 and (self.speculative is not None or self.enable_lora):
+            raise ValueError("pipeline parallelism runs without speculative decoding and LoRA for now")
         if self.runner == "pooling" and self.speculative is not None:
             raise ValueError("speculative decoding generates text: it cannot run with runner pooling")
         if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
@@ -192,6 +198,11 @@ class EngineConfig(msgspec.Struct, frozen=True):
         """The parsed speculative config (`speculative_config` after construction)."""
         assert self.speculative_config is None or isinstance(self.speculative_config, SpeculativeConfig)
         return self.speculative_config
+
+    @property
+    def world_size(self) -> int:
+        """The engine's ranks: one a (pipeline stage, tensor-parallel rank) pair."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def resolved_device(self) -> torch.device:
         name = self.device or ("cuda" if torch.cuda.is_available() else "cpu")

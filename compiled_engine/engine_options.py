@@ -143,6 +143,12 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
         "split the model across this many processes: gloo on CPU, NCCL on CUDA, see docs/parallel.md",
     ),
     EngineOption(
+        "pipeline_parallel_size",
+        "--pipeline-parallel-size",
+        "split the layers into this many contiguous stages, one process each (times --tensor-parallel-size); "
+        "activations go stage to stage, see docs/parallel.md",
+    ),
+    EngineOption(
         "data_parallel_size",
         "--data-parallel-size",
         "serve: run this many engine replicas behind one front end, each on its share of the cores or its "

@@ -242,7 +242,7 @@ def test_uneven_head_counts_are_refused_before_anything_starts(
     def must_not_run(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("a rank was started or a weight read before the head counts were checked")
 
-    monkeypatch.setattr(llm_engine.TensorParallelGroup, "start", must_not_run)
+    monkeypatch.setattr(llm_engine.RankGroup, "start", must_not_run)
     monkeypatch.setattr(llm_engine, "ModelRunner", must_not_run)
     model_dir = str(tiny_model_factory("llama"))  # 4 query heads, 2 KV heads, intermediate 128
     with pytest.raises(
@@ -300,20 +300,21 @@ def test_each_rank_reads_only_its_slices(tiny_model_factory: Callable[..., Path]
     assert torch.equal(torch.cat([d0, d1], 1), d)
 
 
-def _dead_worker_child(queue: Any, model_dir: str, how: str) -> None:
+def _dead_worker_child(queue: Any, model_dir: str, how: str, parallel: dict[str, int] | None = None) -> None:
+    """`parallel`: the engine's ranks (default: tensor_parallel_size 2)."""
     engine = LLMEngine(
         EngineConfig(
             model=model_dir,
-            tensor_parallel_size=2,
             enforce_eager=True,
             kv_cache_memory_gib=0.01,
             distributed_timeout_s=5,
+            **(parallel or {"tensor_parallel_size": 2}),
         )
     )
-    assert engine.tensor_parallel is not None
+    assert engine.ranks is not None
     engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     engine.step()
-    worker = engine.tensor_parallel.workers[0]
+    worker = engine.ranks.workers[0]
     assert worker.pid is not None
     os.kill(worker.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
     if how == "killed":
@@ -345,7 +346,7 @@ def test_a_dead_or_hung_worker_fails_the_engine_instead_of_hanging(
             child.kill()
     assert message != "no error"
     if how == "killed":
-        assert "EngineDeadError" in message and "tp-rank-1" in message
+        assert "EngineDeadError" in message and "rank-1" in message
 
 
 class StandInWorker:
@@ -371,17 +372,18 @@ def test_stopping_a_group_waits_for_its_workers_unless_one_is_lost(lost: bool) -
     """All alive: each worker gets the grace period to leave after rank 0's stop message (and is
     killed if it stays). One lost: the others wait in a collective that cannot complete, so they
     are killed at once, and the stop message, which would wait for the lost rank, is not sent."""
-    from compiled_engine.parallel.launch import TensorParallelGroup
+    from compiled_engine.parallel.launch import RankGroup
+    from compiled_engine.parallel.pipeline import ParallelLayout
 
     workers = [StandInWorker("tp-rank-1", alive=not lost), StandInWorker("tp-rank-2", alive=True)]
-    group = TensorParallelGroup(TPShard(0, 3), None, workers)  # type: ignore[arg-type]  # no mesh needed to stop
+    group = RankGroup(ParallelLayout(0, 1, 3), None, workers)  # type: ignore[arg-type]  # no mesh needed to stop
     assert group.all_alive() == (not lost)
     stopped: list[bool] = []
     engine = LLMEngine.__new__(LLMEngine)  # only what shutdown touches
-    engine.tensor_parallel = group
+    engine.ranks = group
     engine.runner = type("Runner", (), {"stop_workers": lambda self: stopped.append(True)})()  # type: ignore[assignment]
     engine.shutdown()
-    assert engine.tensor_parallel is None
+    assert engine.ranks is None
     assert stopped == ([] if lost else [True])
     survivor = workers[1]
     assert survivor.joined[0] == (0.0 if lost else 10.0)
@@ -424,7 +426,7 @@ def test_server_with_a_lost_worker_reports_not_ready_and_exits_non_zero(tmp_path
             time.sleep(0.2)
         assert server.process.poll() == 1, server.log_text()[-2000:]
         assert saw_not_ready
-        assert "tensor-parallel worker" in server.log_text()
+        assert "engine rank rank-" in server.log_text()
 
 
 def test_each_cpu_rank_takes_its_share_of_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -112,7 +112,7 @@ def perplexity(engine: LLMEngine, token_ids: list[int], window: int, stride: int
         raise ValueError(f"perplexity needs at least 2 tokens, got {len(token_ids)}")
     if window > engine.max_model_len:
         raise ValueError(f"window of {window} tokens exceeds the engine's max_model_len of {engine.max_model_len}")
-    if engine.tensor_parallel is not None:
+    if engine.ranks is not None:
         raise ValueError("perplexity runs on a single-process engine (tensor_parallel_size 1)")
     vocab = engine.runner.model_config.vocab_size
     bad = next((t for t in token_ids if not 0 <= t < vocab), None)

@@ -154,9 +154,10 @@ class CompiledForward(ModelForward):
 
     compiled = True
 
-    def __init__(self, model: DecoderModel, saved_dir: Path | None = None) -> None:
+    def __init__(self, model: DecoderModel, saved_dir: Path | None = None, whole_forward: bool = True) -> None:
         """`saved_dir`: where the entries' traces are saved and loaded (precompiled.py); None:
-        traced at every start."""
+        traced at every start. `whole_forward`: False runs one-token steps through the layers
+        one by one too (a pipeline stage, whose boundary layers send and receive)."""
         super().__init__(model)
         torch._inductor.config.fx_graph_cache = True
         # Python floats of the model (the softmax scale, norm epsilons) stay constants: a second
@@ -196,7 +197,7 @@ class CompiledForward(ModelForward):
             _LAYER_ENTRIES[block] = self.compiled_layers[kind]
         self.one_token_forward = (
             None
-            if tensor_parallel
+            if tensor_parallel or not whole_forward
             else PrecompiledFunction(
                 type(model).forward, saved("one_token_forward.bin"), _FORWARD_DYNAMIC_DIMS, options=COMPILE_OPTIONS
             )
@@ -229,5 +230,7 @@ class CompiledForward(ModelForward):
         return self.model.compute_logits(hidden)
 
 
-def model_forward(model: DecoderModel, compiled: bool, saved_dir: Path | None = None) -> ModelForward:
-    return CompiledForward(model, saved_dir) if compiled else ModelForward(model)
+def model_forward(
+    model: DecoderModel, compiled: bool, saved_dir: Path | None = None, whole_forward: bool = True
+) -> ModelForward:
+    return CompiledForward(model, saved_dir, whole_forward) if compiled else ModelForward(model)

@@ -40,7 +40,8 @@ from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.packed_linear import packed_bytes
 from compiled_engine.model.shard import TPShard
 from compiled_engine.model.source import resolve_model_dir
-from compiled_engine.parallel.launch import TensorParallelGroup
+from compiled_engine.parallel.launch import RankGroup
+from compiled_engine.parallel.pipeline import stage_layers
 from compiled_engine.parallel.threads import set_threads
 from compiled_engine.profiling import nvtx_range
 from compiled_engine.tokenizer import Tokenizer
@@ -61,7 +62,7 @@ class LLMEngine:
         set_threads(config)  # before any weight is read or kernel compiled
         self.model_dir = resolve_model_dir(config.model)
         features = plan_features(config, self.model_dir)
-        self.tensor_parallel: TensorParallelGroup | None = None
+        self.ranks: RankGroup | None = None
         self.runner = self._start_runner(features.drafter.shared_pool, features.adapters.install)
         self.drafter = features.drafter.start(self.runner)
         self.adapters = features.adapters.start(self.runner.adapter_slots, self.runner.model_config)
@@ -89,15 +90,19 @@ class LLMEngine:
         self.pooling = pooling_config(self.model_dir) if config.runner == "pooling" else None
 
     def _start_runner(self, shared_pool: SharedPool | None, install_adapters: AdapterInstall) -> ModelRunner:
-        """This process's model runner; with tensor parallelism, the other ranks' processes first."""
+        """This process's model runner; with tensor or pipeline parallelism, the other ranks'
+        processes first."""
         config, model_dir = self.config, self.model_dir
-        if config.tensor_parallel_size == 1:
+        if config.world_size == 1:
             return ModelRunner(model_dir, config, shared_pool=shared_pool, install_adapters=install_adapters)
-        # Uneven head counts fail here, before any process starts or weight is read.
-        TPShard(0, config.tensor_parallel_size).check(ModelConfig.from_model_dir(model_dir))
-        self.tensor_parallel = TensorParallelGroup.start(model_dir, config, run_worker)
-        shard, mesh = self.tensor_parallel.shard, self.tensor_parallel.mesh
-        return ModelRunner(model_dir, config, shard, mesh, shared_pool, install_adapters)
+        # Uneven head counts, or more stages than layers, fail here, before any process starts
+        # or weight is read.
+        model_config = ModelConfig.from_model_dir(model_dir)
+        TPShard(0, config.tensor_parallel_size).check(model_config)
+        stage_layers(model_config.num_layers, config.pipeline_parallel_size, 0)
+        self.ranks = RankGroup.start(model_dir, config, run_worker)
+        shard, mesh = self.ranks.shard, self.ranks.mesh
+        return ModelRunner(model_dir, config, shard, mesh, shared_pool, install_adapters, self.ranks.layout)
 
     @property
     def max_model_len(self) -> int:
@@ -222,17 +227,17 @@ class LLMEngine:
         """Stop the tensor-parallel ranks, if any (the engine is unusable afterwards). With a rank
         lost, the others are not told to stop: that broadcast would wait for the lost one until
         the collective timeout."""
-        if self.tensor_parallel is not None:
+        if self.ranks is not None:
             try:
-                if self.tensor_parallel.all_alive():
+                if self.ranks.all_alive():
                     self.runner.stop_workers()
             finally:
-                self.tensor_parallel.stop()
-                self.tensor_parallel = None
+                self.ranks.stop()
+                self.ranks = None
 
     def step(self) -> list[RequestOutput]:
-        if self.tensor_parallel is not None:
-            self.tensor_parallel.check_alive()
+        if self.ranks is not None:
+            self.ranks.check_alive()
         self._apply_aborts()
         with nvtx_range("schedule"):
             self.drafter.propose(self.scheduler.running, self.max_model_len)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from compiled_engine.attention.backend import AttentionBackend, AttentionShape
@@ -41,6 +42,7 @@ from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.layers import DecoderModel
 from compiled_engine.model.shard import NO_SHARD, TPShard
 from compiled_engine.parallel.distributed import broadcast_step
+from compiled_engine.parallel.pipeline import ParallelLayout, StageLinks, keep_stage_layers, link_stage, stage_layers
 from compiled_engine.parallel.plan import parallelize
 from compiled_engine.products.walk import install_products
 from compiled_engine.profiling import nvtx_range
@@ -68,13 +70,17 @@ class ModelRunner:
         mesh: DeviceMesh | None = None,
         shared_pool: SharedPool | None = None,
         install_adapters: AdapterInstall = install_no_adapters,
+        layout: ParallelLayout | None = None,
     ) -> None:
         """`shard` and `mesh`: this rank's part of a tensor-parallel model (parallel/).
         `shared_pool`: what a second model under the same page ids adds (a draft model).
         `install_adapters`: puts the adapter products into the model before it is compiled
-        (engine/adapters.py)."""
+        (engine/adapters.py). `layout`: this rank's place among the engine's ranks (its pipeline
+        stage; None: the only rank, or a tensor-parallel one as `shard` says)."""
         install_frame_arena()  # a step's Python calls stay off mmap at any stack depth
         self.shard = shard
+        self.layout = layout or ParallelLayout(shard.rank, 1, shard.size)
+        self.links: StageLinks | None = None  # a pipeline stage's sends and receives (linked last)
         self.shared_pool = shared_pool or SharedPool()
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
@@ -82,8 +88,9 @@ class ModelRunner:
         self.page_size = config.page_size
         self.max_model_len = self._context_limit(config)
         self.model_config = self.model_config.for_context(self.max_model_len)
+        self.stage_layers = stage_layers(self.model_config.num_layers, self.layout.pipeline_size, self.layout.stage)
         self.kv_spec = KVCacheSpec(
-            self.model_config.num_layers,
+            len(self.stage_layers),
             shard.kv_heads(self.model_config)[1],
             self.model_config.head_dim,
             self.page_size,
@@ -101,6 +108,7 @@ class ModelRunner:
         # the same padded size each step (`execute`), so the all-reduces match.
         self.use_cuda_graphs = (
             self.forward.compiled
+            and self.layout.pipeline_size == 1  # a stage's step waits on its neighbours: not graphed
             and config.cuda_graphs
             and self.device.type == "cuda"
             and self.backend.supports_cuda_graphs
@@ -108,6 +116,9 @@ class ModelRunner:
         self.num_pages = self._size_kv_pool(config)
         self.kv_cache = self._allocate_kv_pool()
         self.graphs = self._capture_graphs(config) if self.use_cuda_graphs else None
+        if self.layout.pipeline_size > 1:  # each stage compiled and warmed up alone; now linked
+            self.links = StageLinks(self.layout)
+            link_stage(self.model, self.links)
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -140,6 +151,8 @@ class ModelRunner:
             if mesh is None:
                 raise ValueError("a tensor-parallel shard needs its device mesh")
             parallelize(model, mesh)
+        if self.layout.pipeline_size > 1:
+            keep_stage_layers(model, self.layout)
         return model
 
     def _compile_and_warm_up(self, config: EngineConfig) -> tuple[ModelForward, float]:
@@ -149,10 +162,13 @@ class ModelRunner:
         use_compile_cache(inductor_dir())
         saved_dir = None
         # CPU only for now: saved traces replayed inside CUDA graphs have not run on a GPU yet.
-        if config.compile_cache and self.device.type == "cpu":
+        # Not for a pipeline stage: its one-token steps run the layers one by one, which the
+        # saved layer trace (made for steps of several tokens) does not take.
+        if config.compile_cache and self.device.type == "cpu" and self.layout.pipeline_size == 1:
             key = [*model_signature(self.model), repr(self.model_config), self.weights_description, str(self.dtype)]
             saved_dir = artifact_dir(compiled_dir(), key)
-        forward = model_forward(self.model, compiled=True, saved_dir=saved_dir)
+        whole = self.layout.pipeline_size == 1
+        forward = model_forward(self.model, compiled=True, saved_dir=saved_dir, whole_forward=whole)
         self.forward = forward
         started = time.perf_counter()
         self.warm_up(self._scratch_cache(WARM_UP_TOKENS))
@@ -173,6 +189,10 @@ class ModelRunner:
             extra = self.shared_pool
             budget = kv_budget_bytes(config, self.device, lambda: self._measure_cuda(config), extra.reserved_bytes)
             num_pages = budget // (self.kv_spec.bytes_per_page + extra.bytes_per_page)
+        if self.layout.world_size > 1:  # every rank the same page count: the fewest any can hold
+            found = torch.tensor([num_pages], dtype=torch.int64, device=self.device)
+            dist.all_reduce(found, op=dist.ReduceOp.MIN)
+            num_pages = int(found.item())
         capacity = num_pages * self.page_size
         if capacity < self.max_model_len:
             if config.max_model_len is not None:
@@ -320,7 +340,7 @@ class ModelRunner:
         one way to run a scheduled batch; tensor-parallel ranks receive the same step (`execute`)."""
         with nvtx_range("prepare inputs"):
             inputs = StepInputs.from_batch(batch, lora_slots, page_copies)
-            if self.shard.size > 1:
+            if self.layout.world_size > 1:
                 broadcast_step(inputs)
         out = self.execute(inputs, hidden_states=hidden)
         assert out is not None
@@ -340,21 +360,46 @@ class ModelRunner:
                 replayed = self.graphs.replay(inputs.token_ids, inputs.positions, inputs.block_tables)
                 if replayed is not None:
                     return replayed.clone()  # the graph's output buffer is rewritten by the next replay
-            input_ids, positions, metadata = self._tensors(inputs)
-            hidden = self._hidden(input_ids, positions, self.kv_cache, metadata, inputs.lora_slots)
-            if not logits:
-                return None
+            if self.links is not None:
+                staged = self._pipeline_hidden(inputs)
+                if staged is None or not logits:  # a rank other than 0
+                    return None
+                hidden = staged
+            else:
+                input_ids, positions, metadata = self._tensors(inputs)
+                hidden = self._hidden(input_ids, positions, self.kv_cache, metadata, inputs.lora_slots)
+                if not logits:
+                    return None
             if hidden_states:
                 return hidden.float()
+            ends = list(itertools.accumulate(inputs.query_lens))
             if inputs.logit_counts is not None:  # each sequence's last tokens (drafts verified)
-                ends = metadata.query_start_loc_cpu[1:]
                 rows = [
                     row for end, count in zip(ends, inputs.logit_counts, strict=True) for row in range(end - count, end)
                 ]
                 hidden = hidden[torch.tensor(rows, device=hidden.device)]
-            elif not metadata.decode_only:  # each sequence's last new token
-                hidden = hidden[metadata.query_start_loc[1:].long() - 1]
+            elif not inputs.decode_only:  # each sequence's last new token
+                hidden = hidden[torch.tensor(ends, device=hidden.device) - 1]
             return self.forward.logits(hidden).float()
+
+    def _pipeline_hidden(self, inputs: StepInputs) -> torch.Tensor | None:
+        """A pipeline stage's part of a step: the step in micro-batches of whole sequences, one
+        per stage at most, each run through this stage's layers (receiving from the stage before,
+        sending to the one after) as soon as the last is sent on, so that the stages work on
+        different micro-batches at once. On rank 0, the final hidden states of every token, as
+        the last stage sent them back; None elsewhere."""
+        assert self.links is not None
+        sent = []
+        for part in inputs.micro_batches(self.layout.pipeline_size):
+            input_ids, positions, metadata = self._tensors(part)
+            hidden = self._hidden(input_ids, positions, self.kv_cache, metadata, part.lora_slots)
+            self.links.send_final(hidden)
+            sent.append(hidden)
+        final = None
+        if self.layout.rank == 0:
+            final = torch.cat([self.links.receive_final(hidden) for hidden in sent])
+        self.links.finish()
+        return final
 
     def copy_pages(self, copies: list[PageCopy]) -> None:
         """Copy each `PageCopy`'s leading tokens' K/V (every layer, K and V) into its page, in
@@ -363,5 +408,5 @@ class ModelRunner:
             self.kv_cache[:, copy.dst, :, : copy.num_tokens] = self.kv_cache[:, copy.src, :, : copy.num_tokens]
 
     def stop_workers(self) -> None:
-        if self.shard.size > 1 and self.shard.rank == 0:
+        if self.layout.world_size > 1 and self.layout.rank == 0:
             broadcast_step(None)

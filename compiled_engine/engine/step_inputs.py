@@ -31,6 +31,41 @@ class StepInputs:
     def decode_only(self) -> bool:
         return len(self.token_ids) == len(self.query_lens)
 
+    def micro_batches(self, parts: int) -> list[StepInputs]:
+        """The step cut into at most `parts` runs of whole sequences, in order and of about equal
+        token counts (a pipeline's micro-batches). Page copies stay with the whole step: they run
+        once, before any of it."""
+        total, count = len(self.token_ids), len(self.query_lens)
+        parts = min(parts, count)
+        cuts: list[int] = []
+        seen = 0
+        for i, query_len in enumerate(self.query_lens[:-1]):
+            seen += query_len
+            still = parts - 1 - len(cuts)  # cuts still to make
+            if still == 0:
+                break
+            # Cut once this run holds its share of the tokens, or when each sequence left must
+            # start a run of its own.
+            if seen >= total * (len(cuts) + 1) / parts or count - (i + 1) == still:
+                cuts.append(i + 1)
+        start = 0
+        runs = []
+        token = 0
+        for end in [*cuts, count]:
+            tokens = sum(self.query_lens[start:end])
+            runs.append(
+                StepInputs(
+                    self.token_ids[token : token + tokens],
+                    self.positions[token : token + tokens],
+                    self.query_lens[start:end],
+                    self.seq_lens[start:end],
+                    self.block_tables[start:end],
+                    None if self.lora_slots is None else self.lora_slots[start:end],
+                )
+            )
+            start, token = end, token + tokens
+        return runs
+
     @classmethod
     def from_batch(
         cls, batch: ScheduledBatch, lora_slots: list[int] | None = None, page_copies: list[PageCopy] | None = None

@@ -74,7 +74,7 @@ class Gemma(DecoderModel):
         cos, sin = self.rotary(positions, x.dtype)
         local = self.rotary_local(positions, x.dtype) if self.rotary_local is not None else (cos, sin)
         for i, layer in enumerate(self.layers):
-            layer_cos, layer_sin = local if self.config.window(i) else (cos, sin)
+            layer_cos, layer_sin = local if self.config.window(self.first_layer + i) else (cos, sin)
             x = layer(x, layer_cos, layer_sin, kv_cache[i])
         return self.norm(x)
 

@@ -210,6 +210,7 @@ class DecoderModel(nn.Module):
     lm_head: Linear
     rotary: RotaryEmbedding
     final_soft_cap: float = 0.0
+    first_layer: int = 0  # the model index of layers[0] (a pipeline stage holds a slice of them)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

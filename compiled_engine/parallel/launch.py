@@ -1,10 +1,11 @@
-"""Starting and stopping the ranks of a tensor-parallel engine.
+"""Starting and stopping the ranks of a multi-process engine: tensor-parallel ranks, pipeline
+stages, or a grid of both (`ParallelLayout`).
 
 On one machine, rank 0 (the process that serves) spawns ranks 1..N-1 as child processes that
 rendezvous over TCP on loopback. Under `torchrun` (several machines, `env://` rendezvous), every
 process is started by torchrun: rank 0 runs the command as usual and the others run the rank's
 entry point. That entry point (load the shard, run the broadcast steps) is the engine's
-(`engine/tp_worker.py`): rank 0 hands it to `TensorParallelGroup.start`, so this package knows
+(`engine/tp_worker.py`): rank 0 hands it to `RankGroup.start`, so this package knows
 nothing of the engine. A rank that dies makes the next step fail on rank 0 (the child is checked
 before every step, and collectives time out), so the engine reports itself dead instead of
 hanging.
@@ -27,13 +28,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from compiled_engine.config import EngineConfig
 from compiled_engine.errors import EngineDeadError
 from compiled_engine.model.shard import TPShard
-from compiled_engine.parallel.distributed import init_tensor_parallel
+from compiled_engine.parallel.distributed import init_ranks
+from compiled_engine.parallel.pipeline import ParallelLayout
 
 logger = logging.getLogger(__name__)
 
-# What a spawned rank runs: (rank, size, init_method, model_dir, config). A module-level function,
+# What a spawned rank runs: (its layout, init_method, model_dir, config). A module-level function,
 # so that the spawn start method can send it to the child.
-RankEntry = Callable[[int, int, str, str, EngineConfig], None]
+RankEntry = Callable[[ParallelLayout, str, str, EngineConfig], None]
 
 
 def under_torchrun() -> bool:
@@ -48,47 +50,66 @@ def _loopback_init_method() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
+def layout_of(rank: int, config: EngineConfig) -> ParallelLayout:
+    return ParallelLayout(rank, config.pipeline_parallel_size, config.tensor_parallel_size)
+
+
 @dataclass
-class TensorParallelGroup:
-    shard: TPShard
+class RankGroup:
+    """Rank 0's view of the engine's other ranks: its own place in the grid, its tensor-parallel
+    mesh, and the processes it spawned."""
+
+    layout: ParallelLayout
     mesh: DeviceMesh
     workers: list[BaseProcess] = field(default_factory=list)
 
+    @property
+    def shard(self) -> TPShard:
+        return TPShard(self.layout.tensor_rank, self.layout.tensor_size)
+
     @classmethod
-    def start(cls, model_dir: Path, config: EngineConfig, entry: RankEntry) -> TensorParallelGroup:
+    def start(cls, model_dir: Path, config: EngineConfig, entry: RankEntry) -> RankGroup:
         """Rank 0's side: spawn the other ranks, each running `entry` (unless torchrun did),
         and join the group."""
-        size = config.tensor_parallel_size
+        size = config.world_size
         device = config.resolved_device()
+        timeout_s = config.distributed_timeout_s
         if under_torchrun():
             rank = int(os.environ["RANK"])
             if int(os.environ["WORLD_SIZE"]) != size:
                 raise ValueError(
-                    f"torchrun started {os.environ['WORLD_SIZE']} processes, --tensor-parallel-size is {size}"
+                    f"torchrun started {os.environ['WORLD_SIZE']} processes; --pipeline-parallel-size "
+                    f"{config.pipeline_parallel_size} x --tensor-parallel-size {config.tensor_parallel_size} is {size}"
                 )
-            return cls(
-                TPShard(rank, size), init_tensor_parallel(rank, size, "env://", device, config.distributed_timeout_s)
-            )
+            layout = layout_of(rank, config)
+            return cls(layout, init_ranks(layout, "env://", device, timeout_s))
         init_method = _loopback_init_method()
         context = multiprocessing.get_context("spawn")
         workers: list[BaseProcess] = []
         for rank in range(1, size):
             worker = context.Process(
                 target=entry,
-                args=(rank, size, init_method, str(model_dir), config),
-                name=f"tp-rank-{rank}",
+                args=(layout_of(rank, config), init_method, str(model_dir), config),
+                name=f"rank-{rank}",
                 daemon=True,
             )
             worker.start()
             workers.append(worker)
-        logger.info("tensor parallel: %d ranks on %s (%s)", size, device, "nccl" if device.type == "cuda" else "gloo")
-        mesh = init_tensor_parallel(0, size, init_method, device, config.distributed_timeout_s)
-        return cls(TPShard(0, size), mesh, workers)
+        logger.info(
+            "%d ranks (pipeline %d x tensor %d) on %s (%s)",
+            size,
+            config.pipeline_parallel_size,
+            config.tensor_parallel_size,
+            device,
+            "nccl" if device.type == "cuda" else "gloo",
+        )
+        layout = layout_of(0, config)
+        return cls(layout, init_ranks(layout, init_method, device, timeout_s), workers)
 
     def check_alive(self) -> None:
         for worker in self.workers:
             if not worker.is_alive():
-                raise EngineDeadError(f"tensor-parallel worker {worker.name} exited with code {worker.exitcode}")
+                raise EngineDeadError(f"engine rank {worker.name} exited with code {worker.exitcode}")
 
     def all_alive(self) -> bool:
         return all(worker.is_alive() for worker in self.workers)

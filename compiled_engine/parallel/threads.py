@@ -31,10 +31,10 @@ def threads_per_process(config: EngineConfig) -> int | None:
     process on the CPU, or any process that computes on a GPU)."""
     if config.cpu_threads is not None:
         return config.cpu_threads
-    if config.tensor_parallel_size == 1 or config.resolved_device().type != "cpu":
+    if config.world_size == 1 or config.resolved_device().type != "cpu":
         return None
     # Under torchrun only the ranks on this machine share its cores.
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", config.tensor_parallel_size))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size))
     return max(1, usable_cores() // local)
 
 

@@ -96,7 +96,7 @@ def run_server(
     )
     server = _DrainingServer(config_, async_engine.stop_accepting, shutdown_grace_s, async_engine.abort_all)
     single = async_engine.engine if isinstance(async_engine, AsyncEngine) else None
-    if single is None or single.tensor_parallel is not None:
+    if single is None or single.ranks is not None:
         threading.Thread(
             target=_exit_when_the_loop_dies, args=(async_engine, server), name="engine-watchdog", daemon=True
         ).start()
@@ -188,7 +188,7 @@ def _exit_when_the_loop_dies(
     worker is gone (checked every `poll_s`, even when idle) or the loop has died, report not
     ready for a moment (load balancers see it), then exit non-zero. With data-parallel replicas,
     the same once the last one is gone."""
-    group = async_engine.engine.tensor_parallel if isinstance(async_engine, AsyncEngine) else None
+    group = async_engine.engine.ranks if isinstance(async_engine, AsyncEngine) else None
     while True:
         if group is not None:
             try:
