@@ -124,6 +124,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # Stages the layers are split across, each a slice of them (parallel/pipeline.py); the engine
     # runs pipeline_parallel_size x tensor_parallel_size ranks.
     pipeline_parallel_size: int = 1
+    # Micro-batches a pipeline step is cut into, at most (None: one per stage).
+    pipeline_micro_batches: int | None = None
     # CPU threads for each of the engine's processes; None: torch's default for one process, and
     # each tensor-parallel rank its share of the cores (parallel/threads.py).
     cpu_threads: int | None = None
@@ -184,6 +186,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
             raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"num_pages must be at least 1, got {self.num_pages}")
+        if self.pipeline_micro_batches is not None and self.pipeline_micro_batches < 1:
+            raise ValueError(f"pipeline_micro_batches must be at least 1, got {self.pipeline_micro_batches}")
         if self.pipeline_parallel_size > 1 and (self.speculative is not None or self.enable_lora):
             raise ValueError("pipeline parallelism runs without speculative decoding and LoRA for now")
         if self.runner == "pooling" and self.speculative is not None:

@@ -149,6 +149,12 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
         "activations go stage to stage, see docs/parallel.md",
     ),
     EngineOption(
+        "pipeline_micro_batches",
+        "--pipeline-micro-batches",
+        "with --pipeline-parallel-size, cut each step into at most this many micro-batches of whole "
+        "sequences, so that the stages work at once (default: one per stage)",
+    ),
+    EngineOption(
         "data_parallel_size",
         "--data-parallel-size",
         "serve: run this many engine replicas behind one front end, each on its share of the cores or its "

@@ -81,6 +81,7 @@ class ModelRunner:
         self.shard = shard
         self.layout = layout or ParallelLayout(shard.rank, 1, shard.size)
         self.links: StageLinks | None = None  # a pipeline stage's sends and receives (linked last)
+        self.micro_batches = config.pipeline_micro_batches or self.layout.pipeline_size
         self.shared_pool = shared_pool or SharedPool()
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
@@ -383,14 +384,14 @@ class ModelRunner:
             return self.forward.logits(hidden).float()
 
     def _pipeline_hidden(self, inputs: StepInputs) -> torch.Tensor | None:
-        """A pipeline stage's part of a step: the step in micro-batches of whole sequences, one
-        per stage at most, each run through this stage's layers (receiving from the stage before,
+        """A pipeline stage's part of a step: the step in micro-batches of whole sequences (one
+        per stage, unless --pipeline-micro-batches says otherwise), each run through this stage's layers (receiving from the stage before,
         sending to the one after) as soon as the last is sent on, so that the stages work on
         different micro-batches at once. On rank 0, the final hidden states of every token, as
         the last stage sent them back; None elsewhere."""
         assert self.links is not None
         sent = []
-        for part in inputs.micro_batches(self.layout.pipeline_size):
+        for part in inputs.micro_batches(self.micro_batches):
             input_ids, positions, metadata = self._tensors(part)
             hidden = self._hidden(input_ids, positions, self.kv_cache, metadata, part.lora_slots)
             self.links.send_final(hidden)
