@@ -36,6 +36,11 @@ class RequestError(CompiledEngineError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self) -> tuple[type["RequestError"], tuple[str, str | None]]:
+        # Pickled whole (a data-parallel replica hands it to the front end): the default reduce
+        # would rebuild it from the message alone and lose `param`.
+        return type(self), (str(self), self.param)
+
 
 class PromptProblem(enum.StrEnum):
     """What is wrong with a prompt, for callers that answer differently per kind (the server

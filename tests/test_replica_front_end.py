@@ -1,0 +1,94 @@
+"""The data-parallel front end in this process over two replicas of a tiny model: requests and
+their errors cross the pipes whole, a call reaches every replica, the stats add up, and a
+replica that cannot start stops the start with its own reason."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from compiled_engine.config import EngineConfig
+from compiled_engine.engine.llm_engine import LLMEngine
+from compiled_engine.engine.outputs import RequestOutput
+from compiled_engine.engine.sampling_params import SamplingParams
+from compiled_engine.errors import EngineDeadError, PromptError, PromptProblem
+from compiled_engine.replicas.front_end import DataParallelEngine
+
+
+def _pages_plus(extra: int, engine: LLMEngine) -> int:
+    """A call for every replica (module-level: it is pickled to them)."""
+    return engine.block_manager.num_pages + extra
+
+
+def _refuse(engine: LLMEngine) -> None:
+    raise ValueError("refused on purpose")
+
+
+@pytest.fixture(scope="module")
+def front_end(tiny_model_factory: Callable[..., Path]) -> Iterator[DataParallelEngine]:
+    config = EngineConfig(
+        model=str(tiny_model_factory("llama")), enforce_eager=True, page_size=4, num_pages=32, data_parallel_size=2
+    )
+    engine = DataParallelEngine(config)
+    engine.start()
+    yield engine
+    engine.shutdown(grace_s=5)
+
+
+async def _last(engine: DataParallelEngine, prompt: list[int], params: SamplingParams) -> RequestOutput:
+    final = None
+    async for output in engine.generate(prompt, params):
+        final = output
+    assert final is not None and final.finished
+    return final
+
+
+def test_requests_spread_and_match_one_engine(front_end: DataParallelEngine) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    prompts = [[5, 17, 42, 99, 7 + i] for i in range(6)]
+
+    async def run() -> list[RequestOutput]:
+        return await asyncio.gather(*(_last(front_end, prompt, params) for prompt in prompts))
+
+    outputs = asyncio.run(run())
+    assert {output.engine_index for output in outputs} == {0, 1}
+    alone = LLMEngine(msgspec.structs.replace(front_end.config, data_parallel_size=1))
+    try:
+        for prompt, output in zip(prompts, outputs, strict=True):
+            alone.add_request(prompt, params, request_id="one")
+            final = None
+            while alone.has_unfinished_requests():
+                final = next((o for o in alone.step() if o.finished), final)
+            assert final is not None and final.outputs[0].token_ids == output.outputs[0].token_ids
+    finally:
+        alone.shutdown()
+    stats = front_end.engine_stats()
+    assert set(stats) == {0, 1}
+    assert front_end.stats().kv_pages_total == 64 == sum(s.kv_pages_total for s in stats.values())
+    assert [replica.alive for replica in front_end.health()] == [True, True]
+
+
+def test_an_invalid_request_fails_with_the_replicas_error_whole(front_end: DataParallelEngine) -> None:
+    with pytest.raises(PromptError) as refused:
+        asyncio.run(_last(front_end, [10**6], SamplingParams(max_tokens=2)))
+    assert refused.value.problem is PromptProblem.OUT_OF_VOCABULARY and refused.value.param == "prompt"
+    assert front_end.num_waiting() == 0  # nothing left queued
+
+
+def test_a_call_runs_on_every_replica(front_end: DataParallelEngine) -> None:
+    assert asyncio.run(front_end.call(functools.partial(_pages_plus, 1))) == 33
+    with pytest.raises(ValueError, match="refused on purpose"):
+        asyncio.run(front_end.call(_refuse))
+
+
+def test_a_replica_that_cannot_start_stops_the_start_with_its_reason(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    engine = DataParallelEngine(EngineConfig(model=str(missing), enforce_eager=True, data_parallel_size=2))
+    with pytest.raises(EngineDeadError, match="replica 0 failed to start") as failed:
+        engine.start()
+    assert "no-such-model" in str(failed.value)
