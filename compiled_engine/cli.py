@@ -35,6 +35,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_options(generate, exclude={"seed", "data_parallel_size"})
 
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _add_serve_options(serve)
+    add_engine_options(serve)
+
+    verify = commands.add_parser("verify", help="compare greedy output with the transformers reference")
+    verify.add_argument("--prompts", type=Path, default=None, help=".json list or one prompt per line")
+    verify.add_argument("--chat", action="store_true", help="treat the prompts of a text file as chat messages")
+    verify.add_argument("--max-tokens", type=int, default=64)
+    add_engine_options(verify, exclude={"data_parallel_size"})
+    return parser
+
+
+def _add_serve_options(serve: argparse.ArgumentParser) -> None:
+    """`serve`'s own options (the engine's are added beside them)."""
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
@@ -91,14 +104,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key)",
     )
-    add_engine_options(serve)
-
-    verify = commands.add_parser("verify", help="compare greedy output with the transformers reference")
-    verify.add_argument("--prompts", type=Path, default=None, help=".json list or one prompt per line")
-    verify.add_argument("--chat", action="store_true", help="treat the prompts of a text file as chat messages")
-    verify.add_argument("--max-tokens", type=int, default=64)
-    add_engine_options(verify, exclude={"data_parallel_size"})
-    return parser
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:

@@ -1,6 +1,7 @@
 """Typed errors. Each names the file, field or tensor at fault so the message alone says what to fix."""
 
 import enum
+from typing import Any
 
 
 class CompiledEngineError(Exception):
@@ -36,7 +37,7 @@ class RequestError(CompiledEngineError):
         super().__init__(message)
         self.param = param
 
-    def __reduce__(self) -> tuple[type["RequestError"], tuple[str, str | None]]:
+    def __reduce__(self) -> tuple[type["RequestError"], tuple[Any, ...]]:
         # Pickled whole (a data-parallel replica hands it to the front end): the default reduce
         # would rebuild it from the message alone and lose `param`.
         return type(self), (str(self), self.param)

@@ -237,13 +237,13 @@ def _fields(config: EngineConfig) -> dict[str, Any]:
 def test_uneven_head_counts_are_refused_before_anything_starts(
     tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from compiled_engine.engine import llm_engine
+    from compiled_engine.engine import tp_worker
 
     def must_not_run(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("a rank was started or a weight read before the head counts were checked")
 
-    monkeypatch.setattr(llm_engine.RankGroup, "start", must_not_run)
-    monkeypatch.setattr(llm_engine, "ModelRunner", must_not_run)
+    monkeypatch.setattr(tp_worker.RankGroup, "start", must_not_run)
+    monkeypatch.setattr(tp_worker, "ModelRunner", must_not_run)
     model_dir = str(tiny_model_factory("llama"))  # 4 query heads, 2 KV heads, intermediate 128
     with pytest.raises(
         ModelConfigError, match=r"--tensor-parallel-size 3 must divide num_attention_heads=4, num_key_value_heads=2"

@@ -111,21 +111,24 @@ def summed_stats(snapshots: list[EngineStats]) -> EngineStats:
 
     if len(snapshots) == 1:
         return snapshots[0]
-    values: dict[str, Any] = {}
-    for field in fields(EngineStats):
-        found = [getattr(snapshot, field.name) for snapshot in snapshots]
-        if field.name in ("lora_running", "lora_waiting"):
-            values[field.name] = tuple(sorted({name for names in found for name in names}))
-        elif field.name == "lora_max":
-            values[field.name] = None if found[0] is None else sum(found)
-        elif field.name == "speculative":
-            values[field.name] = _summed_drafts([stats for stats in found if stats is not None])
-        else:
-            values[field.name] = sum(found)
+    values = {
+        field.name: _COMBINED.get(field.name, sum)([getattr(snapshot, field.name) for snapshot in snapshots])
+        for field in fields(EngineStats)
+    }
     return EngineStats(**values)
 
 
-def _summed_drafts(found: list[Any]) -> SummedDraftStats | None:
+def _union(found: list[tuple[str, ...]]) -> tuple[str, ...]:
+    return tuple(sorted({name for names in found for name in names}))
+
+
+def _sum_of_known(found: list[int | None]) -> int | None:
+    known = [value for value in found if value is not None]
+    return sum(known) if known else None
+
+
+def _summed_drafts(snapshots: list[Any]) -> SummedDraftStats | None:
+    found = [stats for stats in snapshots if stats is not None]
     if not found:
         return None
     width = max(len(stats.accepted_at) for stats in found)
@@ -135,3 +138,12 @@ def _summed_drafts(found: list[Any]) -> SummedDraftStats | None:
         sum(stats.accepted_tokens for stats in found),
         [sum(stats.accepted_at[i] for stats in found if i < len(stats.accepted_at)) for i in range(width)],
     )
+
+
+# How each field of EngineStats adds up over replicas, where not by `sum`.
+_COMBINED: dict[str, Callable[[list[Any]], Any]] = {
+    "lora_running": _union,
+    "lora_waiting": _union,
+    "lora_max": _sum_of_known,
+    "speculative": _summed_drafts,
+}

@@ -18,11 +18,10 @@ import uuid
 from compiled_engine.cache.block_manager import BlockManager
 from compiled_engine.cache.events import CacheEvent
 from compiled_engine.config import EngineConfig
-from compiled_engine.engine.adapters import AdapterInstall, AdapterRequest
+from compiled_engine.engine.adapters import AdapterRequest
 from compiled_engine.engine.drafting import DraftStats
 from compiled_engine.engine.features import plan_features
 from compiled_engine.engine.memory_budget import return_freed_heap
-from compiled_engine.engine.model_runner import ModelRunner, SharedPool
 from compiled_engine.engine.output_text import SequenceText
 from compiled_engine.engine.outputs import RequestMetrics, RequestOutput
 from compiled_engine.engine.pooling import PoolingConfig, PoolingState, pooling_config
@@ -33,15 +32,11 @@ from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.engine.scheduler import Scheduler, SchedulerOutput
 from compiled_engine.engine.sequence import FinishReason, Sequence
 from compiled_engine.engine.step_inputs import logit_count
-from compiled_engine.engine.tp_worker import run_worker
+from compiled_engine.engine.tp_worker import start_runner
 from compiled_engine.engine.verifier import Verifier
 from compiled_engine.errors import RequestError
-from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.packed_linear import packed_bytes
-from compiled_engine.model.shard import TPShard
 from compiled_engine.model.source import resolve_model_dir
-from compiled_engine.parallel.launch import RankGroup
-from compiled_engine.parallel.pipeline import stage_layers
 from compiled_engine.parallel.threads import set_threads
 from compiled_engine.profiling import nvtx_range
 from compiled_engine.tokenizer import Tokenizer
@@ -62,8 +57,9 @@ class LLMEngine:
         set_threads(config)  # before any weight is read or kernel compiled
         self.model_dir = resolve_model_dir(config.model)
         features = plan_features(config, self.model_dir)
-        self.ranks: RankGroup | None = None
-        self.runner = self._start_runner(features.drafter.shared_pool, features.adapters.install)
+        self.runner, self.ranks = start_runner(
+            config, self.model_dir, features.drafter.shared_pool, features.adapters.install
+        )
         self.drafter = features.drafter.start(self.runner)
         self.adapters = features.adapters.start(self.runner.adapter_slots, self.runner.model_config)
         return_freed_heap()
@@ -88,21 +84,6 @@ class LLMEngine:
         self.num_aborted_requests = 0  # requests `abort_request` ended before they finished
         self._seq_ids = itertools.count()
         self.pooling = pooling_config(self.model_dir) if config.runner == "pooling" else None
-
-    def _start_runner(self, shared_pool: SharedPool | None, install_adapters: AdapterInstall) -> ModelRunner:
-        """This process's model runner; with tensor or pipeline parallelism, the other ranks'
-        processes first."""
-        config, model_dir = self.config, self.model_dir
-        if config.world_size == 1:
-            return ModelRunner(model_dir, config, shared_pool=shared_pool, install_adapters=install_adapters)
-        # Uneven head counts, or more stages than layers, fail here, before any process starts
-        # or weight is read.
-        model_config = ModelConfig.from_model_dir(model_dir)
-        TPShard(0, config.tensor_parallel_size).check(model_config)
-        stage_layers(model_config.num_layers, config.pipeline_parallel_size, 0)
-        self.ranks = RankGroup.start(model_dir, config, run_worker)
-        shard, mesh = self.ranks.shard, self.ranks.mesh
-        return ModelRunner(model_dir, config, shard, mesh, shared_pool, install_adapters, self.ranks.layout)
 
     @property
     def max_model_len(self) -> int:
@@ -224,16 +205,10 @@ class LLMEngine:
     # -- the loop -------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel ranks, if any (the engine is unusable afterwards). With a rank
-        lost, the others are not told to stop: that broadcast would wait for the lost one until
-        the collective timeout."""
+        """Stop the other ranks, if any (the engine is unusable afterwards)."""
         if self.ranks is not None:
-            try:
-                if self.ranks.all_alive():
-                    self.runner.stop_workers()
-            finally:
-                self.ranks.stop()
-                self.ranks = None
+            ranks, self.ranks = self.ranks, None
+            ranks.shutdown(self.runner.stop_workers)
 
     def step(self) -> list[RequestOutput]:
         if self.ranks is not None:

@@ -77,8 +77,7 @@ class Sequence:
     def prefix_salt(self) -> int:
         """Its part of the prefix-cache key: pages are shared only under the same user salt and
         the same adapter (the same files). The same in every process (cache/events.py)."""
-        adapter = self.adapter
-        return salt_key(self.cache_salt, adapter.name if adapter else None, adapter.digest if adapter else None)
+        return salt_key(self.cache_salt, getattr(self.adapter, "name", None), getattr(self.adapter, "digest", None))
 
     @property
     def num_tokens(self) -> int:

@@ -60,7 +60,7 @@ class StepInputs:
                     self.query_lens[start:end],
                     self.seq_lens[start:end],
                     self.block_tables[start:end],
-                    None if self.lora_slots is None else self.lora_slots[start:end],
+                    _part(self.lora_slots, start, end),
                 )
             )
             start, token = end, token + tokens
@@ -92,6 +92,10 @@ class StepInputs:
         counts = None if all(count == 1 for count in every) else every
         tables = [list(seq.block_table) for seq, _ in batch]
         return cls(token_ids, positions, query_lens, seq_lens, tables, lora_slots, counts, page_copies or None)
+
+
+def _part(values: list[int] | None, start: int, end: int) -> list[int] | None:
+    return None if values is None else values[start:end]
 
 
 def logit_count(seq: Sequence, num_new: int) -> int:

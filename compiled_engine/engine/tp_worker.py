@@ -1,5 +1,6 @@
-"""An engine rank other than 0 (a tensor-parallel rank, a pipeline stage, or both): load this
-rank's part of the model, then run each step rank 0 broadcasts, until it says stop. `run_worker` is the rank's entry point: rank 0 hands it to the
+"""An engine's ranks. Rank 0 starts the others and builds its own runner (`start_runner`); a rank
+other than 0 (a tensor-parallel rank, a pipeline stage, or both) loads its part of the model,
+then runs each step rank 0 broadcasts, until it says stop. `run_worker` is the rank's entry point: rank 0 hands it to the
 launcher (`parallel/launch.py`), which spawns it in each child process, and under torchrun the
 command line runs it on ranks 1..N-1."""
 
@@ -10,12 +11,32 @@ from pathlib import Path
 import torch.distributed as dist
 
 from compiled_engine.config import EngineConfig
-from compiled_engine.engine.model_runner import ModelRunner
+from compiled_engine.engine.adapters import AdapterInstall
+from compiled_engine.engine.model_runner import ModelRunner, SharedPool
 from compiled_engine.engine.step_inputs import StepInputs
+from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.shard import TPShard
 from compiled_engine.parallel.distributed import broadcast_step, init_ranks
-from compiled_engine.parallel.pipeline import ParallelLayout
+from compiled_engine.parallel.launch import RankGroup
+from compiled_engine.parallel.pipeline import ParallelLayout, stage_layers
 from compiled_engine.parallel.threads import set_threads
+
+
+def start_runner(
+    config: EngineConfig, model_dir: Path, shared_pool: SharedPool | None, install_adapters: AdapterInstall
+) -> tuple[ModelRunner, RankGroup | None]:
+    """Rank 0's model runner; with tensor or pipeline parallelism, the other ranks' processes
+    first (returned with it)."""
+    if config.world_size == 1:
+        return ModelRunner(model_dir, config, shared_pool=shared_pool, install_adapters=install_adapters), None
+    # Uneven head counts, or more stages than layers, fail here, before any process starts or
+    # weight is read.
+    model_config = ModelConfig.from_model_dir(model_dir)
+    TPShard(0, config.tensor_parallel_size).check(model_config)
+    stage_layers(model_config.num_layers, config.pipeline_parallel_size, 0)
+    ranks = RankGroup.start(model_dir, config, run_worker)
+    runner = ModelRunner(model_dir, config, ranks.shard, ranks.mesh, shared_pool, install_adapters, ranks.layout)
+    return runner, ranks
 
 
 def receive_step() -> StepInputs | None:

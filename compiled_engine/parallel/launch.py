@@ -114,6 +114,16 @@ class RankGroup:
     def all_alive(self) -> bool:
         return all(worker.is_alive() for worker in self.workers)
 
+    def shutdown(self, tell_them_to_stop: Callable[[], None]) -> None:
+        """Tell the other ranks to stop (rank 0's stop message, `tell_them_to_stop`), then stop
+        the group. With a rank lost, the others are not told: that broadcast would wait for the
+        lost one until the collective timeout."""
+        try:
+            if self.all_alive():
+                tell_them_to_stop()
+        finally:
+            self.stop()
+
     def stop(self, timeout_s: float = 10.0) -> None:
         """Wait up to `timeout_s` for each worker to leave (after rank 0 told them to), then kill
         it. Once a rank is lost the group is broken: the others can only be waiting in a

@@ -279,9 +279,10 @@ class DataParallelEngine:
             raise EngineOverloadedError(f"{self.max_waiting_requests} requests are already waiting")
         assert self.router is not None
         request_id = request_id or uuid.uuid4().hex
-        keys: list[int] = []
-        if isinstance(prompt, list) and lora_request is None:  # an adapter's salt is known to its replica only
-            keys = prompt_page_keys(prompt, salt_key(cache_salt, None, None), self.router.page_size)
+        # An adapter's part of the salt (a digest of its files) is known to its replica only: an
+        # adapter request's keys never match, and it goes by load.
+        salt = salt_key(cache_salt, getattr(lora_request, "name", None), None)
+        keys = prompt_page_keys(prompt, salt, self.router.page_size) if isinstance(prompt, list) else []
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         with self._lock:
             try:
