@@ -40,6 +40,20 @@ def front_end(tiny_model_factory: Callable[..., Path]) -> Iterator[DataParallelE
     engine.shutdown(grace_s=5)
 
 
+def _one_engines_ids(config: EngineConfig, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """Each prompt's ids from one engine in this process, one request at a time."""
+    engine = LLMEngine(config)
+    try:
+        found = []
+        for prompt in prompts:
+            engine.add_request(prompt, params)
+            while engine.has_unfinished_requests():
+                found += [o.outputs[0].token_ids for o in engine.step() if o.finished]
+        return found
+    finally:
+        engine.shutdown()
+
+
 async def _last(engine: DataParallelEngine, prompt: list[int], params: SamplingParams) -> RequestOutput:
     final = None
     async for output in engine.generate(prompt, params):
@@ -57,16 +71,8 @@ def test_requests_spread_and_match_one_engine(front_end: DataParallelEngine) -> 
 
     outputs = asyncio.run(run())
     assert {output.engine_index for output in outputs} == {0, 1}
-    alone = LLMEngine(msgspec.structs.replace(front_end.config, data_parallel_size=1))
-    try:
-        for prompt, output in zip(prompts, outputs, strict=True):
-            alone.add_request(prompt, params, request_id="one")
-            final = None
-            while alone.has_unfinished_requests():
-                final = next((o for o in alone.step() if o.finished), final)
-            assert final is not None and final.outputs[0].token_ids == output.outputs[0].token_ids
-    finally:
-        alone.shutdown()
+    one = msgspec.structs.replace(front_end.config, data_parallel_size=1)
+    assert [output.outputs[0].token_ids for output in outputs] == _one_engines_ids(one, prompts, params)
     stats = front_end.engine_stats()
     assert set(stats) == {0, 1}
     assert front_end.stats().kv_pages_total == 64 == sum(s.kv_pages_total for s in stats.values())
@@ -92,3 +98,30 @@ def test_a_replica_that_cannot_start_stops_the_start_with_its_reason(tmp_path: P
     with pytest.raises(EngineDeadError, match="replica 0 failed to start") as failed:
         engine.start()
     assert "no-such-model" in str(failed.value)
+
+
+def test_replicas_of_two_tensor_parallel_ranks_each(tiny_model_factory: Callable[..., Path]) -> None:
+    """DP = 2 x TP = 2: each replica starts its own ranks, and the text is one process's."""
+    config = EngineConfig(
+        model=str(tiny_model_factory("llama")),
+        enforce_eager=True,
+        page_size=4,
+        num_pages=32,
+        data_parallel_size=2,
+        tensor_parallel_size=2,
+    )
+    engine = DataParallelEngine(config)
+    engine.start()
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3]]
+
+        async def run() -> list[RequestOutput]:
+            return await asyncio.gather(*(_last(engine, prompt, params) for prompt in prompts))
+
+        outputs = asyncio.run(run())
+    finally:
+        engine.shutdown(grace_s=5)
+    assert {output.engine_index for output in outputs} == {0, 1}
+    one = msgspec.structs.replace(config, data_parallel_size=1, tensor_parallel_size=1)
+    assert [output.outputs[0].token_ids for output in outputs] == _one_engines_ids(one, prompts, params)
