@@ -81,3 +81,7 @@ class EngineDeadError(CompiledEngineError):
 
 class EngineShuttingDownError(CompiledEngineError):
     """The engine no longer admits requests because it is shutting down."""
+
+
+class PrefixCacheBusyError(CompiledEngineError):
+    """The prefix cache cannot be reset while requests hold pages."""

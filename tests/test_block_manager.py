@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from compiled_engine.cache.block_manager import BlockManager, TailHit
+from compiled_engine.cache.events import AllPagesCleared
 from compiled_engine.errors import OutOfPagesError
 
 
@@ -363,4 +364,19 @@ def test_the_same_last_page_twice_is_kept_once() -> None:
     manager.grow(taken, 4)  # the page not kept comes first, with no eviction
     assert taken == [pages[1]] and manager.stats.evictions == 0
     manager.free(taken)
+    manager.check_consistency([])
+
+
+def test_resetting_the_prefix_cache_forgets_every_page_unless_one_is_held() -> None:
+    manager = BlockManager(num_pages=4, page_size=2, record_events=True)
+    held = _computed(manager, [1, 2, 3, 4], salt=0)[0]  # two full pages, still referenced
+    assert manager.reset_prefix_cache() is False  # a sequence holds pages: nothing changes
+    assert manager.num_cached_pages == 2
+    manager.take_events()
+    manager.free(held)
+    assert manager.reset_prefix_cache() is True
+    assert manager.num_cached_pages == 0 and manager.num_free_pages == 4
+    assert manager.match_prefix([1, 2, 3, 4, 5], 0) == ([], [])
+    assert manager.match_tail([1, 2, 3], [], 0) is None
+    assert manager.take_events() == [AllPagesCleared()]
     manager.check_consistency([])

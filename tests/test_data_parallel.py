@@ -133,6 +133,23 @@ def test_each_replica_publishes_its_kv_events_on_its_own_port(dp_server: ServerP
             sub.close(linger=0)
 
 
+def test_reset_prefix_cache_clears_every_replica_and_waits_for_idle(dp_server: ServerProcess) -> None:
+    prompt = LONG[1] + " Reset."
+    _complete(dp_server.url, prompt, 2)
+    assert _complete(dp_server.url, prompt, 2).json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(_complete_all, dp_server.url, PROMPTS[0], 120)
+        wait_until(lambda: sum(_samples(dp_server, "vllm:num_requests_running").values()) > 0, "a request running")
+        busy = httpx.post(f"{dp_server.url}/reset_prefix_cache", timeout=30)
+        assert busy.status_code == 409, busy.text
+        assert busy.json()["error"]["code"] == "prefix_cache_in_use"
+        assert running.result().status_code == 200
+    reset = httpx.post(f"{dp_server.url}/reset_prefix_cache", timeout=30)
+    assert reset.status_code == 200, reset.text
+    after = _complete(dp_server.url, prompt, 2).json()
+    assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
 def test_a_killed_replica_fails_its_own_requests_and_the_other_serves_on(dp_server: ServerProcess) -> None:
     pids = _replica_pids(dp_server)
     assert set(pids) == {0, 1}

@@ -94,8 +94,11 @@ def test_a_run_of_pages_is_one_block_stored_in_vllms_wire_form() -> None:
     assert DECODER.decode(payload).events[0] == BlockStored([-5 & UINT64, 7], None, [1, 2, 3, 4], 2, None, "CPU")
 
 
-def _received(sub: Any, expected: set[int], timeout_s: float = 10.0) -> list[tuple[int, KVEventBatch]]:
-    """Every batch until the subscriber's mirror holds `expected` and nothing more comes."""
+def _received(
+    sub: Any, expected: set[int], timeout_s: float = 10.0, at_least: int = 1
+) -> list[tuple[int, KVEventBatch]]:
+    """Every batch until there are `at_least`, the subscriber's mirror of them holds `expected`,
+    and nothing more comes."""
     found: list[tuple[int, KVEventBatch]] = []
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -103,7 +106,7 @@ def _received(sub: Any, expected: set[int], timeout_s: float = 10.0) -> list[tup
             topic, seq, payload = sub.recv_multipart()
             assert topic == b"kv-events"
             found.append((int.from_bytes(seq, "big"), DECODER.decode(payload)))
-        elif _mirror(found) == expected:
+        elif len(found) >= at_least and _mirror(found) == expected:
             break
     return found
 
@@ -154,6 +157,7 @@ def test_a_subscriber_follows_the_prefix_cache_through_hits_and_evictions(
                 publisher.publish(engine.take_cache_events())
         expected = {key & UINT64 for key in engine.block_manager.cached_page_keys()}
         live = _received(sub, expected)
+        assert expected  # something is cached, to clear next
         assert cached["again"] == 16 and cached["first"] == 0
         assert engine.block_manager.stats.evictions > 0
         stored = [event for _, batch in live for event in batch.events if isinstance(event, BlockStored)]
@@ -180,6 +184,12 @@ def test_a_subscriber_follows_the_prefix_cache_through_hits_and_evictions(
         assert [seq for seq, _ in replayed] == list(range(1, len(live)))
         assert [batch.events for _, batch in replayed] == [batch.events for _, batch in live[1:]]
         dealer.close(linger=0)
+        # A reset reaches the subscriber as AllBlocksCleared, and its mirror empties with the cache.
+        assert engine.reset_prefix_cache()
+        publisher.publish(engine.take_cache_events())
+        cleared = _received(sub, set())
+        assert [type(event) for _, batch in cleared for event in batch.events] == [AllBlocksCleared]
+        assert engine.block_manager.cached_page_keys() == set()
     finally:
         sub.close(linger=0)
         publisher.close()

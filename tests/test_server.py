@@ -254,6 +254,21 @@ def test_bad_completion_input_gets_its_status_type_code_and_param(
     assert error["param"] == param or param is None
 
 
+def test_reset_prefix_cache_needs_the_key_and_clears_the_cache(server: ServerProcess) -> None:
+    assert httpx.post(f"{server.url}/reset_prefix_cache").status_code == 401
+    body = {"prompt": "A prompt long enough to fill a page or two of the cache. " * 4, "max_tokens": 1}
+    headers = {"Authorization": f"Bearer {KEY_A}"}
+
+    def cached() -> int:
+        reply = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=60)
+        return int(reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    cached()
+    assert cached() > 0
+    assert httpx.post(f"{server.url}/reset_prefix_cache", headers=headers, timeout=30).status_code == 200
+    assert cached() == 0
+
+
 def test_an_unknown_route_is_a_404_in_openai_shape(server: ServerProcess) -> None:
     response = httpx.get(f"{server.url}/v1/no-such-route")
     assert response.status_code == 404

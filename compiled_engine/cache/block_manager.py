@@ -24,7 +24,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from compiled_engine.cache.events import CacheEvent, PagesRemoved, PageStored, page_key
+from compiled_engine.cache.events import AllPagesCleared, CacheEvent, PagesRemoved, PageStored, page_key
 from compiled_engine.errors import OutOfPagesError
 
 
@@ -307,6 +307,22 @@ class BlockManager:
                 self._remember_tokens(page, _CachedTokens(parent, salt, tokens))
                 if self._events is not None:
                     self._events.append(PageStored(key, parent, tokens))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached page, so that no later prompt hits what came before; False (and
+        nothing changes) while a sequence holds pages, whose keys it still extends."""
+        if any(self._refcount):
+            return False
+        for page in self._evictable:
+            self._key_of_page[page] = None
+            self._tokens_of_page[page] = None
+            self._free.append(page)
+        self._evictable.clear()
+        self._page_of_key.clear()
+        self._pages_after.clear()
+        if self._events is not None:
+            self._events.append(AllPagesCleared())
+        return True
 
     def check_consistency(self, tables: Sequence[Sequence[int]]) -> None:
         """Assert that refcounts equal the references in `tables` (every live block table) and

@@ -332,6 +332,8 @@ class AsyncEngine:
             result, error = command.function(self.engine), None
         except Exception as exc:  # handed to the caller, the loop goes on
             result, error = None, exc
+        if self._cache_events is not None:  # what the call changed in the cache (a reset)
+            self._cache_events(self.engine.take_cache_events())
         self._publish()  # what the call changed (adapters) is in the stats before its caller resumes
 
         def settle() -> None:

@@ -198,6 +198,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached page (`POST /reset_prefix_cache`); False while requests hold pages."""
+        return self.block_manager.reset_prefix_cache()
+
     def take_cache_events(self) -> list[CacheEvent]:
         """The prefix cache's events since the last call (none unless `record_cache_events`)."""
         return self.block_manager.take_events()

@@ -16,6 +16,7 @@ from compiled_engine.engine.engine_client import EngineClient
 from compiled_engine.errors import RequestError
 from compiled_engine.server.docs_page import PlainDocsRenderPlugin
 from compiled_engine.server.errors import handle_exception, request_error_handler
+from compiled_engine.server.routes.cache import PrefixCacheController
 from compiled_engine.server.routes.chat import ChatController
 from compiled_engine.server.routes.chat_page import ChatPageController
 from compiled_engine.server.routes.completions import CompletionsController
@@ -56,6 +57,7 @@ def controllers(settings: ServerSettings) -> list[type[Controller]]:
         EmbeddingsController,
         TokenizeController,
         DetokenizeController,
+        PrefixCacheController,
     ]
     if settings.runtime_lora_updates:
         served.append(AdaptersController)
