@@ -18,6 +18,7 @@ from compiled_engine.engine.outputs import RequestOutput
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.errors import EngineDeadError, PromptError, PromptProblem
 from compiled_engine.replicas.front_end import DataParallelEngine
+from tests.waiting import wait_until
 
 
 def _pages_plus(extra: int, engine: LLMEngine) -> int:
@@ -125,3 +126,26 @@ def test_replicas_of_two_tensor_parallel_ranks_each(tiny_model_factory: Callable
     assert {output.engine_index for output in outputs} == {0, 1}
     one = msgspec.structs.replace(config, data_parallel_size=1, tensor_parallel_size=1)
     assert [output.outputs[0].token_ids for output in outputs] == _one_engines_ids(one, prompts, params)
+
+
+def test_with_every_replica_lost_the_engine_is_dead_and_says_why(tiny_model_factory: Callable[..., Path]) -> None:
+    config = EngineConfig(
+        model=str(tiny_model_factory("llama")), enforce_eager=True, page_size=4, num_pages=16, data_parallel_size=2
+    )
+    engine = DataParallelEngine(config)
+    engine.start()
+    try:
+        engine.kill_replica(0)
+        wait_until(lambda: [replica.alive for replica in engine.health()] == [False, True], "replica 0 seen dead")
+        assert engine.is_alive and engine.error is None  # one left serves
+        assert asyncio.run(_last(engine, [1, 2, 3], SamplingParams(max_tokens=2))).engine_index == 1
+        engine.kill_replica(1)
+        wait_until(lambda: not engine.is_alive, "every replica seen dead")
+        assert isinstance(engine.error, EngineDeadError) and "every data-parallel replica has stopped" in str(
+            engine.error
+        )
+        assert all("exited with code -9" in (replica.error or "") for replica in engine.health())
+        with pytest.raises(EngineDeadError):
+            asyncio.run(_last(engine, [1, 2, 3], SamplingParams(max_tokens=2)))
+    finally:
+        engine.shutdown(grace_s=0)
