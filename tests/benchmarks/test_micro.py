@@ -53,7 +53,7 @@ def test_prefix_lookup_of_a_2048_token_prompt(benchmark: BenchmarkFixture) -> No
     prompt = list(range(2048))
     table: list[int] = []
     manager.grow(table, len(prompt))
-    manager.register_full_pages(table, [], prompt, len(prompt), salt=None)
+    manager.register_full_pages(table, [], prompt, len(prompt), salt=0)
     pages, _ = benchmark(manager.match_prefix, prompt, 0)
     assert len(pages) == 127  # every full page but the one holding the last token
 
