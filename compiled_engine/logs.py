@@ -13,11 +13,17 @@ LOG_FORMATS = ("text", "json")
 
 
 class JsonFormatter(logging.Formatter):
+    def __init__(self, fields: dict[str, str] | None = None) -> None:
+        """`fields`: added to every line (a data-parallel replica's `engine`)."""
+        super().__init__()
+        self.fields = dict(fields or {})
+
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
             "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
             "level": record.levelname,
             "logger": record.name,
+            **self.fields,
             "message": record.getMessage(),
         }
         request = getattr(record, "request", None)
@@ -28,10 +34,12 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
-def configure_logging(log_format: str = "text") -> None:
+def configure_logging(log_format: str = "text", engine: str | None = None) -> None:
+    """`engine`: this process is that data-parallel replica, and every line says so."""
     handler = logging.StreamHandler(sys.stderr)
     if log_format == "json":
-        handler.setFormatter(JsonFormatter())
+        handler.setFormatter(JsonFormatter({"engine": engine} if engine is not None else None))
     else:
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        tag = f"[engine {engine}] " if engine is not None else ""
+        handler.setFormatter(logging.Formatter(f"%(levelname)s {tag}%(name)s: %(message)s"))
     logging.basicConfig(level=logging.INFO, handlers=[handler])  # a no-op where logging is set up already

@@ -93,6 +93,8 @@ def test_sixteen_concurrent_requests_give_one_engines_text_and_both_replicas_ser
     served = {engine: after[engine] - before.get(engine, 0.0) for engine in after}
     assert set(served) == {"0", "1"} and all(tokens > 0 for tokens in served.values()), served
     assert sum(served.values()) == sum(r.json()["usage"]["completion_tokens"] for r in ours)
+    log = dp_server.log_text()
+    assert "INFO [engine 0] " in log and "INFO [engine 1] " in log  # each replica's own lines, named
 
 
 def test_a_repeated_prompt_goes_back_to_the_replica_that_cached_it(dp_server: ServerProcess) -> None:

@@ -4,6 +4,7 @@ gets, and the replicas' stats added up."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -131,3 +132,19 @@ def test_the_replicas_stats_add_up() -> None:
     ).speculative
     assert spec == SummedDraftStats(3, 12, 6, [3, 2, 1])
     assert summed_stats([a]) is a
+
+
+def test_a_replicas_log_lines_name_it_in_text_and_in_json() -> None:
+    import logging
+
+    from compiled_engine.logs import JsonFormatter
+
+    record = logging.LogRecord("compiled_engine.x", logging.INFO, __file__, 1, "KV cache ready", None, None)
+    assert json.loads(JsonFormatter({"engine": "1"}).format(record))["engine"] == "1"
+    assert "engine" not in json.loads(JsonFormatter().format(record))
+    code = (
+        "import logging; from compiled_engine.logs import configure_logging;"
+        "configure_logging('text', engine='1'); logging.getLogger('compiled_engine.x').info('ready')"
+    )
+    line = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stderr.strip()
+    assert line == "INFO [engine 1] compiled_engine.x: ready"

@@ -111,6 +111,7 @@ class DataParallelEngine:
         cache_events: ReplicaEventSink | None = None,
         balance_slack: int = DEFAULT_BALANCE_SLACK,
         start_timeout_s: float = 1800.0,
+        log_format: str = "text",
     ) -> None:
         self.config = config
         self.size = config.data_parallel_size
@@ -119,6 +120,7 @@ class DataParallelEngine:
         self._cache_events = cache_events
         self._balance_slack = balance_slack
         self._start_timeout_s = start_timeout_s
+        self._log_format = log_format
         self._lock = threading.Lock()
         self._replicas: list[_Replica] = []
         self._streams: dict[str, _Stream] = {}
@@ -142,7 +144,7 @@ class DataParallelEngine:
         started: list[tuple[BaseProcess, Connection]] = []
         for index, placement in enumerate(where):
             ours, theirs = context.Pipe()
-            spec = ReplicaSpec(index, config, self.lora_modules, placement, logging.getLogger().getEffectiveLevel())
+            spec = ReplicaSpec(index, config, self.lora_modules, placement, self._log_format)
             process = context.Process(target=run_replica, args=(spec, theirs), name=f"dp-replica-{index}")
             process.start()
             theirs.close()

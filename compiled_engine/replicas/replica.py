@@ -22,6 +22,7 @@ import msgspec
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine.async_engine import EngineStats
 from compiled_engine.engine.llm_engine import LLMEngine
+from compiled_engine.logs import configure_logging
 from compiled_engine.lora.manager import LoRAManager, LoRARequest
 from compiled_engine.replicas import placement as placing
 from compiled_engine.replicas.messages import (
@@ -59,12 +60,12 @@ class ReplicaSpec:
     config: EngineConfig
     lora_modules: dict[str, str]
     placement: placing.Placement
-    log_level: int = logging.INFO
+    log_format: str = "text"  # the server's --log-format
 
 
 def run_replica(spec: ReplicaSpec, conn: Connection) -> None:
     """The replica process's entry point."""
-    logging.basicConfig(level=spec.log_level, format=f"%(asctime)s replica {spec.index} %(levelname)s %(message)s")
+    configure_logging(spec.log_format, engine=str(spec.index))
     placing.apply(spec.placement)
     config = spec.config
     threads = placing.threads_for(spec.placement, config.tensor_parallel_size)

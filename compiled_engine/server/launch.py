@@ -57,7 +57,9 @@ def run_server(
     publishers = _EventPublishers(kv_events, config)
     async_engine: EngineClient
     if config.data_parallel_size > 1:
-        front_end = DataParallelEngine(config, lora_modules, max_waiting_requests, publishers.publish)
+        front_end = DataParallelEngine(
+            config, lora_modules, max_waiting_requests, publishers.publish, log_format=log_format
+        )
         front_end.start()
         async_engine = front_end
     else:
