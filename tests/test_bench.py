@@ -328,6 +328,7 @@ def test_serve_to_an_unreachable_url_is_a_clear_error(capsys: pytest.CaptureFixt
         (["latency", "--plot", "out.svg"], "ends in .png"),
         (["offline", "--max-num-seqs", "0"], "max_num_seqs must be at least 1"),  # EngineConfig's check
         (["serve", "--num-pages", "0"], "num_pages must be at least 1"),
+        (["serve", "--baseline", "one-engine"], "--baseline one-engine compares data-parallel replicas"),
     ],
 )
 def test_bad_arguments_are_clear_errors_before_any_work(

@@ -178,7 +178,11 @@ def _check_args(args: argparse.Namespace) -> None:
         low, high = bounds
         if not 1 <= low <= high:
             raise ValueError(f"--{name.replace('_', '-')} MIN MAX needs 1 <= MIN <= MAX, got {low} {high}")
-    engine_config_from_args(args)  # EngineConfig's own checks, before any work
+    config = engine_config_from_args(args)  # EngineConfig's own checks, before any work
+    if getattr(args, "baseline", None) == "one-engine" and config.data_parallel_size == 1:
+        raise ValueError(
+            "--baseline one-engine compares data-parallel replicas with one engine: give --data-parallel-size"
+        )
     for name in ("num_seqs", "num_prompts", "prompt_len", "output_len", "repeats", "hf_batch_size", "num_requests"):
         value = getattr(args, name, 1)
         if isinstance(value, int) and value < 1:
@@ -514,10 +518,6 @@ def bench_serve(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     )
     plan = _serve_points(args, vocab, loads)
     config = engine_config_from_args(args)
-    if args.baseline == "one-engine" and config.data_parallel_size == 1:
-        raise SystemExit(
-            "--baseline one-engine compares data-parallel replicas with one engine: give --data-parallel-size"
-        )
     client: EngineClient | None = None
     engine = None
     if not args.base_url and config.data_parallel_size > 1:
