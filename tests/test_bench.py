@@ -241,6 +241,23 @@ def test_serve_concurrency_sweep_with_hf_baseline_json_and_plot(tmp_path: Path) 
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.full
+def test_serve_data_parallel_replicas_beside_one_engine(tmp_path: Path) -> None:
+    """`--data-parallel-size 2 --baseline one-engine`: the replicas, then one engine on the same
+    workload in the same run, every request served by both."""
+    out = tmp_path / "dp.json"
+    argv = ["serve", "--num-prompts", "4", "--input-len", "6", "20", "--output-len", "3", "6", "--concurrency", "4"]
+    flags = ["--data-parallel-size", "2", "--baseline", "one-engine", "--kv-cache-memory-gib", "0.05"]
+    assert bench.main([*argv, *flags, "--json", str(out)]) == 0
+    report = _strict_load(out)
+    assert report["workload"]["data_parallel_size"] == 2
+    point = report["results"][0]
+    assert point["ours"]["completed"] == 4 and point["one_engine"]["completed"] == 4
+    assert point["ratio_vs_one_engine"]["output_tokens_per_s"] == pytest.approx(
+        point["ours"]["output_tokens_per_s"] / point["one_engine"]["output_tokens_per_s"]
+    )
+
+
 def test_serve_poisson_rate_against_another_server(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--base-url drives any OpenAI-compatible server (here a separate `serve` process with an API
     key); an unbounded rate is written as "inf"; the hf baseline says why it cannot run."""
