@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import msgspec
+import openai
 import pytest
 import zmq
 
@@ -25,6 +26,7 @@ from tests.server_process import ServerProcess, free_port, running_server
 from tests.test_kv_events import DECODER, BlockStored
 from tests.waiting import wait_until
 
+MODEL = "SmolLM2-135M-Instruct"  # the served name by default
 PROMPTS = [f"Question {i}: what is {i} plus {i + 3}? Answer:" for i in range(16)]
 LONG = [f"Story {k}. " + "The river ran past the old mill, and the miller counted the sacks. " * 8 for k in range(4)]
 
@@ -95,6 +97,15 @@ def test_sixteen_concurrent_requests_give_one_engines_text_and_both_replicas_ser
     assert sum(served.values()) == sum(r.json()["usage"]["completion_tokens"] for r in ours)
     log = dp_server.log_text()
     assert "INFO [engine 0] " in log and "INFO [engine 1] " in log  # each replica's own lines, named
+
+
+def test_a_stream_through_a_replica_gives_the_whole_replys_text(dp_server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=f"{dp_server.url}/v1", api_key="unused", max_retries=0)
+    messages: list[Any] = [{"role": "user", "content": "Name three colours."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True)
+    pieces = [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
+    assert len(pieces) > 2 and "".join(pieces) == whole.choices[0].message.content
 
 
 def test_a_repeated_prompt_goes_back_to_the_replica_that_cached_it(dp_server: ServerProcess) -> None:
