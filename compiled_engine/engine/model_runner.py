@@ -366,6 +366,9 @@ class ModelRunner:
                 if staged is None or not logits:  # a rank other than 0
                     return None
                 hidden = staged
+                metadata = AttentionMetadata.build(  # the whole step's, for the rows to sample
+                    inputs.query_lens, inputs.seq_lens, inputs.block_tables, self.page_size, self.device
+                )
             else:
                 input_ids, positions, metadata = self._tensors(inputs)
                 hidden = self._hidden(input_ids, positions, self.kv_cache, metadata, inputs.lora_slots)
@@ -373,22 +376,22 @@ class ModelRunner:
                     return None
             if hidden_states:
                 return hidden.float()
-            ends = list(itertools.accumulate(inputs.query_lens))
             if inputs.logit_counts is not None:  # each sequence's last tokens (drafts verified)
+                ends = metadata.query_start_loc_cpu[1:]
                 rows = [
                     row for end, count in zip(ends, inputs.logit_counts, strict=True) for row in range(end - count, end)
                 ]
                 hidden = hidden[torch.tensor(rows, device=hidden.device)]
-            elif not inputs.decode_only:  # each sequence's last new token
-                hidden = hidden[torch.tensor(ends, device=hidden.device) - 1]
+            elif not metadata.decode_only:  # each sequence's last new token
+                hidden = hidden[metadata.query_start_loc[1:].long() - 1]
             return self.forward.logits(hidden).float()
 
     def _pipeline_hidden(self, inputs: StepInputs) -> torch.Tensor | None:
         """A pipeline stage's part of a step: the step in micro-batches of whole sequences (one
-        per stage, unless --pipeline-micro-batches says otherwise), each run through this stage's layers (receiving from the stage before,
-        sending to the one after) as soon as the last is sent on, so that the stages work on
-        different micro-batches at once. On rank 0, the final hidden states of every token, as
-        the last stage sent them back; None elsewhere."""
+        per stage unless --pipeline-micro-batches says otherwise), each run through this stage's
+        layers (receiving from the stage before, sending to the one after) as soon as the last is
+        sent on, so that the stages work on different micro-batches at once. On rank 0, the
+        final hidden states of every token, as the last stage sent them back; None elsewhere."""
         assert self.links is not None
         sent = []
         for part in inputs.micro_batches(self.micro_batches):
