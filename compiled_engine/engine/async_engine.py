@@ -46,13 +46,23 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class _Add:
+class AddRequest:
+    """A request on its way to the engine's loop (this process's inbox, or a data-parallel
+    replica's pipe)."""
+
     request_id: str
     prompt: str | list[int]
     params: SamplingParams
     cache_salt: str | None
     lora_request: AdapterRequest | None = None
     pooling: bool = False  # a prompt to pool into an embedding (add_pooling_request)
+
+    def add_to(self, engine: LLMEngine) -> None:
+        """Queue it in `engine`; the engine's RequestError if it is invalid."""
+        if self.pooling:
+            engine.add_pooling_request(self.prompt, self.request_id, self.cache_salt, self.lora_request)
+        else:
+            engine.add_request(self.prompt, self.params, self.request_id, self.cache_salt, self.lora_request)
 
 
 @dataclass(frozen=True)
@@ -144,7 +154,7 @@ class AsyncEngine:
             self._build = engine
         self._built = threading.Event()
         self.max_waiting_requests = max_waiting_requests
-        self._inbox: queue.SimpleQueue[_Add | _Abort | _Call] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[AddRequest | _Abort | _Call] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | BaseException]]] = {}
         self._lock = threading.Lock()
@@ -253,7 +263,7 @@ class AsyncEngine:
         with self._lock:
             self._streams[request_id] = (asyncio.get_running_loop(), stream)
             self._pending_adds += 1
-        self._inbox.put(_Add(request_id, prompt, params, cache_salt, lora_request, pooling))
+        self._inbox.put(AddRequest(request_id, prompt, params, cache_salt, lora_request, pooling))
         self._wake.set()
         finished = False
         try:
@@ -365,14 +375,7 @@ class AsyncEngine:
             if not listening:
                 continue  # the caller left before the loop saw the request
             try:
-                if command.pooling:
-                    self.engine.add_pooling_request(
-                        command.prompt, command.request_id, command.cache_salt, command.lora_request
-                    )
-                else:
-                    self.engine.add_request(
-                        command.prompt, command.params, command.request_id, command.cache_salt, command.lora_request
-                    )
+                command.add_to(self.engine)
             except Exception as exc:  # invalid request: hand the error to its caller
                 self._deliver(command.request_id, exc)
 

@@ -8,27 +8,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from compiled_engine.cache.events import CacheEvent
-from compiled_engine.engine.adapters import AdapterRequest
+from compiled_engine.engine.async_engine import AddRequest, EngineStats
 from compiled_engine.engine.outputs import RequestOutput
 from compiled_engine.engine.pooling import PoolingConfig
-from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.model.config import ModelConfig
 
 if TYPE_CHECKING:
-    from compiled_engine.engine.async_engine import EngineStats
     from compiled_engine.engine.llm_engine import LLMEngine
 
-# -- front end -> replica ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class AddRequest:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    cache_salt: str | None
-    lora_request: AdapterRequest | None
-    pooling: bool
+# -- front end -> replica (and AddRequest, the same as in this process's engine loop) --------------
 
 
 @dataclass(frozen=True)

@@ -133,14 +133,7 @@ class _ReplicaLoop:
         if isinstance(command, AddRequest):
             self.adds_taken += 1
             try:
-                if command.pooling:
-                    self.engine.add_pooling_request(
-                        command.prompt, command.request_id, command.cache_salt, command.lora_request
-                    )
-                else:
-                    self.engine.add_request(
-                        command.prompt, command.params, command.request_id, command.cache_salt, command.lora_request
-                    )
+                command.add_to(self.engine)
             except Exception as exc:  # an invalid request: its caller gets the error
                 refused.append((command.request_id, exc))
         elif isinstance(command, AbortRequest):
