@@ -29,7 +29,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -134,6 +134,29 @@ def _adapter_fields(found: AdapterStats | None) -> dict[str, Any]:
 
 
 CacheEventSink = Callable[[list[CacheEvent]], None]
+
+
+async def request_outputs(
+    stream: asyncio.Queue[RequestOutput | BaseException], abort: Callable[[], None], forget: Callable[[], None]
+) -> AsyncGenerator[RequestOutput, None]:
+    """A request's outputs from the queue its engine delivers them to, up to the finished one. An
+    error in the queue is raised (the engine has already forgotten the request); a caller that
+    leaves first (the generator closed at a yield) aborts it. `forget` runs at the end either way."""
+    finished = False
+    try:
+        while True:
+            item = await stream.get()
+            if isinstance(item, BaseException):
+                finished = True
+                raise item
+            finished = item.finished
+            yield item
+            if finished:
+                return
+    finally:
+        if not finished:
+            abort()
+        forget()
 
 
 class AsyncEngine:
@@ -265,22 +288,16 @@ class AsyncEngine:
             self._pending_adds += 1
         self._inbox.put(AddRequest(request_id, prompt, params, cache_salt, lora_request, pooling))
         self._wake.set()
-        finished = False
-        try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    finished = True  # the loop has already forgotten the request
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.abort(request_id)
-            with self._lock:
-                self._streams.pop(request_id, None)
+        outputs = request_outputs(
+            stream, functools.partial(self.abort, request_id), functools.partial(self._forget, request_id)
+        )
+        async with contextlib.aclosing(outputs):
+            async for output in outputs:
+                yield output
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))

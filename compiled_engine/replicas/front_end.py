@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import functools
 import itertools
 import logging
 import multiprocessing
@@ -36,7 +37,7 @@ import msgspec
 from compiled_engine.cache.events import CacheEvent, prompt_page_keys, salt_key
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine.adapters import AdapterRequest
-from compiled_engine.engine.async_engine import EngineStats
+from compiled_engine.engine.async_engine import EngineStats, request_outputs
 from compiled_engine.engine.engine_client import ReplicaHealth, ServedModel, summed_stats
 from compiled_engine.engine.features import plan_features
 from compiled_engine.engine.llm_engine import LLMEngine
@@ -295,24 +296,22 @@ class DataParallelEngine:
             self.router.replicas[route.replica].in_flight += 1
             self._streams[request_id] = _Stream(asyncio.get_running_loop(), stream, route.replica)
             replica.adds_sent += 1
-        finished = False
+        forget = functools.partial(self._forget, request_id, route.replica)
         try:
             replica.send(AddRequest(request_id, prompt, params, cache_salt, lora_request, pooling))
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    finished = True  # the replica has already forgotten the request
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.abort(request_id)
-            with self._lock:
-                if self._streams.pop(request_id, None) is not None:
-                    self.router.replicas[route.replica].in_flight -= 1
+        except EngineDeadError:
+            forget()
+            raise
+        outputs = request_outputs(stream, functools.partial(self.abort, request_id), forget)
+        async with contextlib.aclosing(outputs):
+            async for output in outputs:
+                yield output
+
+    def _forget(self, request_id: str, replica: int) -> None:
+        assert self.router is not None
+        with self._lock:
+            if self._streams.pop(request_id, None) is not None:
+                self.router.replicas[replica].in_flight -= 1
 
     def abort(self, request_id: str) -> None:
         with self._lock:
