@@ -115,37 +115,26 @@ def run_server(
 
 class _EventPublishers:
     """The KV-event publishers of `--kv-events-config`: one per engine (a replica's on its
-    endpoints' ports plus its index), started on its first events."""
+    endpoints' ports plus its index), bound at start, so that a taken port fails the start."""
 
     def __init__(self, config: KVEventsConfig | None, engine_config: EngineConfig) -> None:
-        self.config = config if config is not None and config.publishes else None
         if config is not None and config.enable_kv_cache_events and not engine_config.enable_prefix_caching:
             logger.warning("--kv-events-config: the prefix cache is off (--no-prefix-caching), so no event comes")
-        self.page_size = engine_config.page_size
-        self.medium = "GPU" if engine_config.resolved_device().type == "cuda" else "CPU"
+        medium = "GPU" if engine_config.resolved_device().type == "cuda" else "CPU"
         self._publishers: dict[int, ZmqEventPublisher] = {}
-        self._lock = threading.Lock()
-        if self.config is not None:  # bound now: a taken port fails the start, not the first event
+        if config is not None and config.publishes:
             for index in range(engine_config.data_parallel_size):
-                self._publisher(index)
+                publisher = ZmqEventPublisher(config.for_replica(index), engine_config.page_size, medium, index)
+                logger.info("kv events of engine %d: %s", index, publisher.endpoint)
+                self._publishers[index] = publisher
 
     @property
     def enabled(self) -> bool:
-        return self.config is not None
-
-    def _publisher(self, index: int) -> ZmqEventPublisher:
-        assert self.config is not None
-        with self._lock:
-            if index not in self._publishers:
-                self._publishers[index] = ZmqEventPublisher(
-                    self.config.for_replica(index), self.page_size, self.medium, index
-                )
-                logger.info("kv events of engine %d: %s", index, self._publishers[index].endpoint)
-            return self._publishers[index]
+        return bool(self._publishers)
 
     def publish(self, index: int, events: list[CacheEvent]) -> None:
-        if self.config is not None and events:
-            self._publisher(index).publish(events)
+        if events and index in self._publishers:
+            self._publishers[index].publish(events)
 
     def close(self) -> None:
         for publisher in self._publishers.values():
