@@ -8,7 +8,6 @@ tests/test_tensor_parallel.py."""
 
 from __future__ import annotations
 
-import multiprocessing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.engine.step_inputs import StepInputs
 from compiled_engine.parallel.pipeline import ParallelLayout, stage_layers
 from tests.test_model_families import VARIANTS
-from tests.test_tensor_parallel import PROMPTS, _assert_same, _dead_worker_child, _fields, _generate, _in_child
+from tests.test_tensor_parallel import PROMPTS, _assert_same, _fields, _generate, _in_child, dead_worker_message
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -128,17 +127,7 @@ def test_default_model_pp_gives_pp1s_ids_batched_and_alone_with_chunks_and_preem
 
 
 def test_a_killed_stage_fails_the_engine_instead_of_hanging(tiny_model_factory: Callable[..., Path]) -> None:
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    model_dir = str(tiny_model_factory("qwen3"))
-    child = context.Process(target=_dead_worker_child, args=(queue, model_dir, "killed", {"pipeline_parallel_size": 2}))
-    child.start()
-    try:
-        message = queue.get(timeout=180)  # not forever: the collective timeout is 5 s
-    finally:
-        child.join(timeout=30)
-        if child.is_alive():
-            child.kill()
+    message = dead_worker_message(str(tiny_model_factory("qwen3")), "killed", {"pipeline_parallel_size": 2})
     assert "EngineDeadError" in message and "rank-1" in message, message
 
 

@@ -330,20 +330,26 @@ def _dead_worker_child(queue: Any, model_dir: str, how: str, parallel: dict[str,
             os.kill(worker.pid, signal.SIGKILL)
 
 
-@pytest.mark.parametrize("how", ["killed", pytest.param("hung", marks=pytest.mark.full)])
-def test_a_dead_or_hung_worker_fails_the_engine_instead_of_hanging(
-    how: str, tiny_model_factory: Callable[..., Path]
-) -> None:
+def dead_worker_message(model_dir: str, how: str, parallel: dict[str, int] | None = None) -> str:
+    """What an engine (in a child process) raised after one of its workers was killed or hung."""
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    child = context.Process(target=_dead_worker_child, args=(queue, str(tiny_model_factory("qwen3")), how))
+    child = context.Process(target=_dead_worker_child, args=(queue, model_dir, how, parallel))
     child.start()
     try:
-        message = queue.get(timeout=180)  # not forever: the collective timeout is 5 s
+        message: str = queue.get(timeout=180)  # not forever: the collective timeout is 5 s
     finally:
         child.join(timeout=30)
         if child.is_alive():
             child.kill()
+    return message
+
+
+@pytest.mark.parametrize("how", ["killed", pytest.param("hung", marks=pytest.mark.full)])
+def test_a_dead_or_hung_worker_fails_the_engine_instead_of_hanging(
+    how: str, tiny_model_factory: Callable[..., Path]
+) -> None:
+    message = dead_worker_message(str(tiny_model_factory("qwen3")), how)
     assert message != "no error"
     if how == "killed":
         assert "EngineDeadError" in message and "rank-1" in message
