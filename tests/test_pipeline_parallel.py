@@ -1,24 +1,31 @@
 """Pipeline parallelism on CPU with gloo: PP = N (and PP x TP) against PP = 1, the same greedy ids
 and close logprobs, on tiny models and on the default model, batched and alone, with chunked
 prefill and preemption; a Gemma 3 stage that starts mid-model picks its layers' rotary; the
-micro-batches a step is cut into; and a killed stage failing the engine instead of hanging it.
+micro-batches a step is cut into; a stage's loader reading only its layers; and a killed stage
+failing the engine instead of hanging it.
 
 Engines with more than one rank run in a spawned child process (rank 0), as in
 tests/test_tensor_parallel.py."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.engine.step_inputs import StepInputs
+from compiled_engine.engine.weight_loading import load_weights
+from compiled_engine.model.checkpoint import CheckpointTensor
+from compiled_engine.model.config import ModelConfig
 from compiled_engine.parallel.pipeline import ParallelLayout, stage_layers
+from compiled_engine.quantization import gguf as gguf_loading
 from tests.test_model_families import VARIANTS
 from tests.test_tensor_parallel import PROMPTS, _assert_same, _fields, _generate, _in_child, dead_worker_message
 
@@ -34,6 +41,55 @@ def test_stages_take_contiguous_even_slices_of_the_layers() -> None:
     grid = [ParallelLayout(rank, 2, 3) for rank in range(6)]
     assert [(layout.stage, layout.tensor_rank) for layout in grid] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
     assert [layout.is_last_stage for layout in grid] == [False] * 3 + [True] * 3
+
+
+@pytest.mark.parametrize("source", ["safetensors", "gguf"])
+def test_a_stage_reads_and_holds_only_its_layers(
+    source: str,
+    tiny_model_factory: Callable[..., Path],
+    default_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stage's loader reads its decoder layers (and the embedding, norm and head), not the
+    others, and holds them with the values a whole load gives them."""
+    model_dir = tiny_model_factory("llama") if source == "safetensors" else default_model_dir
+    config = ModelConfig.from_model_dir(model_dir)
+    engine_config = EngineConfig(model=str(model_dir), device="cpu")
+    cpu = torch.device("cpu")
+    read: list[str] = []
+    if source == "safetensors":
+        original = CheckpointTensor.read
+
+        def recording(self: CheckpointTensor, tensor_slice: Any) -> torch.Tensor:
+            read.append(self.param)
+            return original(self, tensor_slice)
+
+        monkeypatch.setattr(CheckpointTensor, "read", recording)
+    else:
+        original_read = gguf_loading._read
+
+        def recording_read(f: Any, header: Any, part: Any) -> Any:
+            read.append(part.name)
+            return original_read(f, header, part)
+
+        monkeypatch.setattr(gguf_loading, "_read", recording_read)
+    whole = load_weights(model_dir, config, engine_config, torch.float32, cpu).model
+    whole_reads, read[:] = set(read), []
+    kept = stage_layers(config.num_layers, 2, 1)
+    stage = load_weights(model_dir, config, engine_config, torch.float32, cpu, layers=kept).model
+
+    layer_of = re.compile(r"(?:layers|blk)\.(\d+)\.")
+    read_layers = {int(m.group(1)) for name in read if (m := layer_of.match(name))}
+    assert read_layers == set(kept)
+    assert {name for name in whole_reads if not layer_of.match(name)} <= set(read)  # embedding, norm, head
+    assert len(stage.layers) == len(kept) and stage.first_layer == kept.start
+    whole_state, stage_state = whole.state_dict(), stage.state_dict()
+    for name, tensor in stage_state.items():
+        found = layer_of.match(name)
+        whole_name = (
+            name if found is None else name.replace(found.group(0), f"layers.{int(found.group(1)) + kept.start}.", 1)
+        )
+        assert torch.equal(tensor, whole_state[whole_name]), name
 
 
 def test_a_step_is_cut_into_micro_batches_of_whole_sequences() -> None:

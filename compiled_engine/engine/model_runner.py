@@ -42,7 +42,7 @@ from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.layers import DecoderModel
 from compiled_engine.model.shard import NO_SHARD, TPShard
 from compiled_engine.parallel.distributed import broadcast_step
-from compiled_engine.parallel.pipeline import ParallelLayout, StageLinks, keep_stage_layers, link_stage, stage_layers
+from compiled_engine.parallel.pipeline import ParallelLayout, StageLinks, link_stage, stage_layers
 from compiled_engine.parallel.plan import parallelize
 from compiled_engine.products.walk import install_products
 from compiled_engine.profiling import nvtx_range
@@ -144,7 +144,8 @@ class ModelRunner:
         return get_backend(config.attention_backend, shape)
 
     def _load(self, model_dir: Path, config: EngineConfig, mesh: DeviceMesh | None) -> DecoderModel:
-        loaded = load_weights(model_dir, self.model_config, config, self.dtype, self.device, self.shard)
+        layers = self.stage_layers if self.layout.pipeline_size > 1 else None  # read and hold no others
+        loaded = load_weights(model_dir, self.model_config, config, self.dtype, self.device, self.shard, layers)
         logger.info("weights: %s", loaded.description)
         self.weights_description = loaded.description
         model = loaded.model
@@ -152,8 +153,6 @@ class ModelRunner:
             if mesh is None:
                 raise ValueError("a tensor-parallel shard needs its device mesh")
             parallelize(model, mesh)
-        if self.layout.pipeline_size > 1:
-            keep_stage_layers(model, self.layout)
         return model
 
     def _compile_and_warm_up(self, config: EngineConfig) -> tuple[ModelForward, float]:

@@ -42,7 +42,10 @@ def load_weights(
     dtype: torch.dtype,
     device: torch.device,
     shard: TPShard = NO_SHARD,
+    layers: range | None = None,
 ) -> LoadedWeights:
+    """The model's weights as `config` asks, on `device`: `shard`'s slices of them (tensor
+    parallelism) and, with `layers`, only those decoder layers (a pipeline stage's)."""
     gguf = gguf_file(model_dir)
     quantization = config.quantization
     if shard.size > 1 and quantization in ("int8", "int4"):
@@ -63,13 +66,13 @@ def load_weights(
             device.type,
         )
     if gguf is not None and quantization is None:
-        model = load_gguf_model(gguf, model_config, dtype, device, shard=shard)
+        model = load_gguf_model(gguf, model_config, dtype, device, shard=shard, layers=layers)
         return LoadedWeights(model, f"GGUF {gguf.name}, its quantized tensors as they are")
     if gguf is not None and not has_dense:
-        model = load_gguf_model(gguf, model_config, dtype, device, dequantize=True, shard=shard)
+        model = load_gguf_model(gguf, model_config, dtype, device, dequantize=True, shard=shard, layers=layers)
         source = f"GGUF {gguf.name} dequantized to {str(dtype).removeprefix('torch.')}"
     else:
-        model = load_model(model_dir, model_config, dtype, device, shard)
+        model = load_model(model_dir, model_config, dtype, device, shard, layers)
         source = f"dense {str(dtype).removeprefix('torch.')}"
     if quantization in ("int8", "int4"):
         scheme = QuantizationScheme(quantization, config.quantization_group_size, config.quantize_head)

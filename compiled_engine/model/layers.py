@@ -10,6 +10,7 @@ Each family file (model/llama.py, model/gemma.py) assembles these top to bottom.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 
 import torch
@@ -222,3 +223,19 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return soft_cap(self.lm_head(hidden), self.final_soft_cap)
+
+    def keep_layers(self, kept: range) -> None:
+        """Hold only the layers `kept` (a pipeline stage's contiguous slice), dropping the rest."""
+        self.layers = nn.ModuleList(self.layers[i] for i in kept)
+        self.first_layer = kept.start
+
+
+LAYER_PARAM = re.compile(r"layers\.(\d+)\.")
+
+
+def in_layers(param_name: str, layers: range | None) -> bool:
+    """Whether a rank holding the decoder layers `layers` (None: all of them) holds the parameter
+    named `param_name` (a name of the whole model: "layers.7.mlp.down_proj.weight"). Parameters
+    outside the layers (embedding, final norm, head) are held by every rank."""
+    found = LAYER_PARAM.match(param_name)
+    return layers is None or found is None or int(found.group(1)) in layers

@@ -14,7 +14,7 @@ from torch import nn
 from compiled_engine.errors import ModelLoadError
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.families import build_model, check_shard, family
-from compiled_engine.model.layers import DecoderModel, RotaryEmbedding
+from compiled_engine.model.layers import DecoderModel, RotaryEmbedding, in_layers
 from compiled_engine.model.shard import NO_SHARD, TPShard
 
 SINGLE_FILE = "model.safetensors"
@@ -75,9 +75,12 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     shard: TPShard = NO_SHARD,
+    layers: range | None = None,
 ) -> DecoderModel:
     """Build the model on the meta device and fill it from the checkpoint, cast to `dtype`.
-    With tensor parallelism, only `shard`'s parts of the sharded tensors are read."""
+    With tensor parallelism, only `shard`'s parts of the sharded tensors are read; with `layers`
+    (a pipeline stage's), only those decoder layers are read and held. The whole checkpoint's
+    names, shapes and types are checked either way."""
     model_dir = Path(model_dir)
     check_shard(config, shard)
     with torch.device("meta"):
@@ -86,7 +89,7 @@ def load_model(
     params = {
         name: torch.empty(param.shape, dtype=dtype, device=device)
         for name, param in model.named_parameters()
-        if not (config.tie_word_embeddings and name == "lm_head.weight")
+        if not (config.tie_word_embeddings and name == "lm_head.weight") and in_layers(name, layers)
     }
     seen: set[str] = set()
     for path, names in weight_files(model_dir).items():
@@ -122,7 +125,8 @@ def load_model(
                         f"tensor '{tensor_name}' in {path.name} has dtype {found_dtype}; "
                         f"supported: {', '.join(sorted(FLOAT_DTYPES))}"
                     )
-                part.view(params[part.param]).copy_(part.read(tensor_slice))
+                if in_layers(part.param, layers):
+                    part.view(params[part.param]).copy_(part.read(tensor_slice))
                 seen.add(tensor_name)
     missing = [name for name in layout if name not in seen]
     if missing:
@@ -132,6 +136,8 @@ def load_model(
     model.load_state_dict(params, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = cast(nn.Parameter, model.embed_tokens.weight)  # one tensor, as in the checkpoint
+    if layers is not None:
+        model.keep_layers(layers)
     rebuild_rotaries(model, device)
     return model.eval()
 

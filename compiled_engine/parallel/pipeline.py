@@ -4,8 +4,8 @@ stage to stage.
 The ranks of an engine form a `pp x tp` grid: global rank `r` is stage `r // tp`, tensor-parallel
 rank `r % tp` within it (`ParallelLayout`). Rank 0 (stage 0) owns the scheduler. Every rank gets
 the step from rank 0 (parallel/distributed.py) and runs the family's own forward over its stage:
-the model keeps only the stage's layers (`keep_stage_layers`, its `first_layer` says where they
-start), and two wrappers put in place of the boundary layers move the activations, so the model
+the model holds only the stage's layers (the loader reads no others; `first_layer` says where
+they start), and two wrappers put in place of the boundary layers move the activations, so the model
 file knows nothing of stages:
 - `ReceivingLayer` (first layer of every stage but the first) runs its layer on the hidden states
   the previous stage sent, in place of what the stage's own embedding produced;
@@ -140,14 +140,6 @@ class SendingLayer(nn.Module):
         out: torch.Tensor = self.layer(x, cos, sin, kv_cache)
         self.links.send(out, self.links.next)
         return out
-
-
-def keep_stage_layers(model: DecoderModel, layout: ParallelLayout) -> range:
-    """Drop every layer outside `layout`'s stage (before the model is compiled); the layers kept."""
-    kept = stage_layers(model.config.num_layers, layout.pipeline_size, layout.stage)
-    model.layers = nn.ModuleList(model.layers[i] for i in kept)
-    model.first_layer = kept.start
-    return kept
 
 
 def link_stage(model: DecoderModel, links: StageLinks) -> None:

@@ -105,7 +105,7 @@ ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
 def tensor_parallel_plan(model: DecoderModel) -> dict[str, ParallelStyle]:
     """DTensor's styles for the dense products; the quantized ones are left to `parallelize`."""
     plan: dict[str, ParallelStyle] = {}
-    for i in range(model.config.num_layers):
+    for i in range(len(model.layers)):  # a pipeline stage holds a slice of them
         for names, style in ((COLUMN_PARALLEL, ColwiseLinear), (ROW_PARALLEL, RowwiseLinear)):
             for name in names:
                 path = f"layers.{i}.{name}"
@@ -116,7 +116,7 @@ def tensor_parallel_plan(model: DecoderModel) -> dict[str, ParallelStyle]:
 
 def parallelize(model: DecoderModel, mesh: DeviceMesh) -> DecoderModel:
     parallelize_module(model, mesh, tensor_parallel_plan(model))
-    for i in range(model.config.num_layers):
+    for i in range(len(model.layers)):  # a pipeline stage holds a slice of them
         for name in ROW_PARALLEL:
             path = f"layers.{i}.{name}"
             module = model.get_submodule(path)

@@ -31,7 +31,7 @@ from compiled_engine.model.gguf import (
     read_tensor,
 )
 from compiled_engine.model.gguf_families import LAYOUTS, LONG_FACTORS, ROPE_FREQS, SHORT_FACTORS, GGUFLayout
-from compiled_engine.model.layers import DecoderModel
+from compiled_engine.model.layers import DecoderModel, in_layers
 from compiled_engine.model.loader import rebuild_rotaries
 from compiled_engine.model.shard import NO_SHARD, TPShard
 from compiled_engine.quantization.apply import install_embedding, install_linear
@@ -253,13 +253,15 @@ def load_gguf_model(
     device: torch.device,
     dequantize: bool = False,
     shard: TPShard = NO_SHARD,
+    layers: range | None = None,
 ) -> DecoderModel:
     """Build the model on the meta device and fill it from a GGUF file: quantized tensors stay
     quantized (QuantizedLinear, and QuantizedEmbedding for the embedding, which a tied
     head shares), F32/F16/BF16 become dense parameters of `dtype`. With `dequantize`, every
     weight is dense, dequantized exactly as QuantizedWeight.dequantize() does. Names, shapes, types
     and offsets are all checked before any tensor is read. With `shard`, this tensor-parallel
-    rank's slices of the sharded products (the rest replicated)."""
+    rank's slices of the sharded products (the rest replicated); with `layers` (a pipeline
+    stage's), only those decoder layers are read and held."""
     path = Path(gguf_path)
     check_shard(config, shard)
     header = read_gguf_header(path)
@@ -271,6 +273,8 @@ def load_gguf_model(
     quantized: dict[str, QuantizedWeight] = {}
     with path.open("rb") as f:
         for target in targets:
+            if not in_layers(target.param or target.module + ".weight", layers):
+                continue
             weight = _fuse([_read(f, header, part) for part in target.parts], dtype, dequantize)
             if target.param is not None:
                 params[target.param] = _dense(weight, dtype).to(device)
@@ -291,6 +295,8 @@ def load_gguf_model(
             model.lm_head.weight = cast(nn.Parameter, model.embed_tokens.weight)  # one tensor, as in the file
         else:
             install_linear(model, "lm_head", model.embed_tokens.weight)  # the same quantized table
+    if layers is not None:
+        model.keep_layers(layers)
     _check_rope_factors(config, factors, path)
     rebuild_rotaries(model, device)
     if rope_freqs is not None:
