@@ -22,9 +22,8 @@ from compiled_engine.engine.adapters import AdapterRequest
 from compiled_engine.engine.drafting import DraftStats
 from compiled_engine.engine.features import plan_features
 from compiled_engine.engine.memory_budget import return_freed_heap
-from compiled_engine.engine.output_text import SequenceText
-from compiled_engine.engine.outputs import RequestMetrics, RequestOutput
-from compiled_engine.engine.pooling import PoolingConfig, PoolingState, pooling_config
+from compiled_engine.engine.outputs import RequestOutput
+from compiled_engine.engine.pooling import PoolingConfig, pooling_config
 from compiled_engine.engine.request_state import RequestState
 from compiled_engine.engine.request_validation import check_request, prompt_token_ids
 from compiled_engine.engine.sampler import TokenLogprobs, make_sampler
@@ -40,8 +39,6 @@ from compiled_engine.model.source import resolve_model_dir
 from compiled_engine.parallel.threads import set_threads
 from compiled_engine.profiling import nvtx_range
 from compiled_engine.tokenizer import Tokenizer
-
-SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads the seeds of a request's n completions
 
 
 class LLMEngine:
@@ -154,38 +151,13 @@ class LLMEngine:
         spec = params.structured_outputs
         constraints = self.grammars.states(spec, params.n) if spec is not None else [None] * params.n
         adapter = self.adapters.admit(lora_request)  # held from here until the request finishes
-        now = time.perf_counter()
-        seqs: list[Sequence] = []
-        for index, constraint in enumerate(constraints):
-            base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-            seqs.append(
-                Sequence(
-                    next(self._seq_ids),
-                    list(prompt_ids),
-                    params,
-                    self.eos_token_ids,
-                    request_id=request_id,
-                    index=index,
-                    seed=(base_seed + index * SEED_STRIDE) % (1 << 63),
-                    cache_salt=cache_salt,
-                    adapter=adapter,
-                    arrival_time=now,
-                    fork_of=seqs[0] if index else None,
-                    grammar=constraint,
-                    pooling=PoolingState(pooling) if pooling is not None else None,
-                )
-            )
-        self._requests[request_id] = RequestState(
-            request_id,
-            prompt if isinstance(prompt, str) else None,
-            prompt_ids,
-            seqs,
-            [SequenceText(self.tokenizer, prompt_ids, params) for _ in seqs],
-            [[] for _ in seqs] if params.logprobs is not None else None,
-            RequestMetrics(arrival_time=now),
-            adapter,
-        )
-        for seq in seqs:
+        request = RequestState.start(
+            request_id, prompt, prompt_ids, params, self.tokenizer,
+            seq_ids=self._seq_ids, rng=self._rng, eos_token_ids=self.eos_token_ids, cache_salt=cache_salt,
+            adapter=adapter, grammars=constraints, pooling=pooling,
+        )  # fmt: skip
+        self._requests[request_id] = request
+        for seq in request.seqs:
             self.scheduler.add(seq)
         return request_id
 
@@ -228,13 +200,8 @@ class LLMEngine:
                 # A failed forward or sampling step (an error in a kernel, a lost rank) ends the
                 # step's requests with `abort` and returns every page they held before the error
                 # goes on up; the rest of the queue is untouched.
-                for item in out.scheduled:
-                    request = self._requests.get(item.seq.request_id)
-                    for seq in request.seqs if request is not None else [item.seq]:
-                        if not seq.is_finished:
-                            self.scheduler.finish(seq, FinishReason.ABORT, pages_written=False)
-                    if request is not None:
-                        request.changed = True
+                for request_id in {item.seq.request_id for item in out.scheduled}:
+                    self._abort(self._requests[request_id], pages_written=False)
                 raise
         with nvtx_range("detokenize"):
             return self._collect_outputs()
@@ -293,50 +260,28 @@ class LLMEngine:
     def _apply_aborts(self) -> None:
         for request_id in self._pending_aborts:
             request = self._requests.get(request_id)
-            if request is None:
-                continue
-            unfinished = [seq for seq in request.seqs if not seq.is_finished]
-            for seq in unfinished:
-                self.scheduler.finish(seq, FinishReason.ABORT)
-            if unfinished:  # counted once its pages are back
+            if request is not None and self._abort(request):  # counted once its pages are back
                 self.num_aborted_requests += 1
-            request.changed = True
         self._pending_aborts.clear()
+
+    def _abort(self, request: RequestState, pages_written: bool = True) -> bool:
+        """End the request's unfinished sequences with `abort` (see Scheduler.finish for
+        `pages_written`); whether it had any."""
+        unfinished = [seq for seq in request.seqs if not seq.is_finished]
+        for seq in unfinished:
+            self.scheduler.finish(seq, FinishReason.ABORT, pages_written=pages_written)
+        request.changed = True
+        return bool(unfinished)
 
     def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprobs | None], now: float) -> int:
         """Append `tokens` to `seq` in turn until one ends it; how many were appended."""
+        request = self._requests[seq.request_id]
         for count, (token, token_logprobs) in enumerate(zip(tokens, logprobs, strict=True), start=1):
-            if self._emit_one(seq, token, token_logprobs, now):
+            reason = request.append_token(seq, token, token_logprobs, now, self.grammars)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
                 return count
         return len(tokens)
-
-    def _emit_one(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, now: float) -> bool:
-        """Append one sampled token to `seq`; True when that ended it (a stop token or string,
-        max_tokens, a complete or refusing grammar)."""
-        request = self._requests[seq.request_id]
-        request.changed = True
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        if request.logprobs is not None and logprobs is not None:
-            request.logprobs[seq.index].append(logprobs)
-        reason = seq.append_token(token)  # a stop token, or max_tokens
-        verdict = None if reason is FinishReason.STOP else self.grammars.advance(seq, token)
-        if verdict is FinishReason.ABORT:
-            self.scheduler.finish(seq, FinishReason.ABORT)
-            return True
-        text = request.texts[seq.index]
-        stop_string = None if reason is FinishReason.STOP else text.add(token)
-        if stop_string is not None:
-            seq.stop_reason = stop_string
-            reason = FinishReason.STOP
-        elif reason is None:  # a complete grammar: nothing but the end may follow
-            reason = verdict
-        if reason is None:
-            return False
-        if stop_string is None:
-            text.flush()
-        self.scheduler.finish(seq, reason)
-        return True
 
     def _collect_outputs(self) -> list[RequestOutput]:
         outputs = []

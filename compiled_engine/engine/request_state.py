@@ -1,17 +1,27 @@
 """RequestState: what the engine keeps of one request between steps (its sequences, their text,
-logprobs and metrics) and how it turns them into a RequestOutput."""
+logprobs and metrics): how a request starts (its n sequences and their seeds), what each sampled
+token does to it (text, logprobs, stop strings, grammar) and how it turns into a RequestOutput."""
 
 from __future__ import annotations
 
+import random
+import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from compiled_engine.engine.adapters import AdapterKey
+from compiled_engine.engine.grammars import GrammarSet, GrammarState
 from compiled_engine.engine.output_text import SequenceText
 from compiled_engine.engine.outputs import CompletionOutput, PromptTokenLogprobs, RequestMetrics, RequestOutput
+from compiled_engine.engine.pooling import PoolingConfig, PoolingState
 from compiled_engine.engine.sampler import TokenLogprobs
-from compiled_engine.engine.sequence import Sequence
+from compiled_engine.engine.sampling_params import SamplingParams
+from compiled_engine.engine.sequence import FinishReason, Sequence
+from compiled_engine.tokenizer import Tokenizer
+
+SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads the seeds of a request's n completions
 
 
 @dataclass
@@ -27,6 +37,57 @@ class RequestState:
     changed: bool = field(default=False)
     prompt_logprobs: list[PromptTokenLogprobs | None] | None = None  # with SamplingParams.prompt_logprobs
     embedding: list[float] | None = None  # a pooling request's, once its prompt has run
+
+    @classmethod
+    def start(
+        cls,
+        request_id: str,
+        prompt: str | list[int],
+        prompt_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer | None,
+        *,
+        seq_ids: Iterator[int],
+        rng: random.Random,
+        eos_token_ids: frozenset[int],
+        cache_salt: str | None,
+        adapter: AdapterKey | None,
+        grammars: Iterable[GrammarState | None],
+        pooling: PoolingConfig | None,
+    ) -> RequestState:
+        """A new request's state: its `params.n` completions (one a grammar state of `grammars`,
+        each its own seed: `params.seed` spread apart, else drawn from `rng`), no text yet."""
+        now = time.perf_counter()
+        seqs: list[Sequence] = []
+        for index, grammar in enumerate(grammars):
+            base_seed = params.seed if params.seed is not None else rng.getrandbits(63)
+            seqs.append(
+                Sequence(
+                    next(seq_ids),
+                    list(prompt_ids),
+                    params,
+                    eos_token_ids,
+                    request_id=request_id,
+                    index=index,
+                    seed=(base_seed + index * SEED_STRIDE) % (1 << 63),
+                    cache_salt=cache_salt,
+                    adapter=adapter,
+                    arrival_time=now,
+                    fork_of=seqs[0] if index else None,
+                    grammar=grammar,
+                    pooling=PoolingState(pooling) if pooling is not None else None,
+                )
+            )
+        return cls(
+            request_id,
+            prompt if isinstance(prompt, str) else None,
+            prompt_ids,
+            seqs,
+            [SequenceText(tokenizer, prompt_ids, params) for _ in seqs],
+            [[] for _ in seqs] if params.logprobs is not None else None,
+            RequestMetrics(arrival_time=now),
+            adapter,
+        )
 
     @property
     def finished(self) -> bool:
@@ -52,6 +113,31 @@ class RequestState:
             zip(targets, picked[:, 0].tolist(), ranks, top_ids.tolist(), top_values.tolist(), strict=True)
         ):
             self.prompt_logprobs[start + 1 + j] = PromptTokenLogprobs(token, value, rank, ids, values)
+
+    def append_token(
+        self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, now: float, grammars: GrammarSet
+    ) -> FinishReason | None:
+        """Append one sampled token to `seq`, its text and its logprobs; the reason it ends `seq`,
+        if it does (a stop token or string, max_tokens, a complete or refusing grammar), for the
+        caller to finish it with."""
+        self.changed = True
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs[seq.index].append(logprobs)
+        reason = seq.append_token(token)  # a stop token, or max_tokens
+        verdict = None if reason is FinishReason.STOP else grammars.advance(seq, token)
+        if verdict is FinishReason.ABORT:
+            return verdict
+        text = self.texts[seq.index]
+        stop_string = None if reason is FinishReason.STOP else text.add(token)
+        if stop_string is not None:
+            seq.stop_reason = stop_string  # the text ends before it
+            return FinishReason.STOP
+        reason = reason if reason is not None else verdict  # a complete grammar: only the end may follow
+        if reason is not None:
+            text.flush()
+        return reason
 
     def output(self) -> RequestOutput:
         completions = []
