@@ -1,6 +1,7 @@
 """The data-parallel front end in this process over two replicas of a tiny model: requests and
-their errors cross the pipes whole, a call reaches every replica, the stats add up, and a
-replica that cannot start stops the start with its own reason."""
+their errors cross the pipes whole, an adapter's repeated prompt goes back to the replica that
+cached it, a call reaches every replica, the stats add up, and a replica that cannot start stops
+the start with its own reason."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.outputs import RequestOutput
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.errors import EngineDeadError, PromptError, PromptProblem
+from compiled_engine.lora.adapter import LoRAError
+from compiled_engine.lora.manager import LoRARequest
 from compiled_engine.replicas.front_end import DataParallelEngine
+from tests.test_lora import _peft_adapter
 from tests.waiting import wait_until
 
 
@@ -33,7 +37,12 @@ def _refuse(engine: LLMEngine) -> None:
 @pytest.fixture(scope="module")
 def front_end(tiny_model_factory: Callable[..., Path]) -> Iterator[DataParallelEngine]:
     config = EngineConfig(
-        model=str(tiny_model_factory("llama")), enforce_eager=True, page_size=4, num_pages=32, data_parallel_size=2
+        model=str(tiny_model_factory("llama")),
+        enforce_eager=True,
+        page_size=4,
+        num_pages=32,
+        data_parallel_size=2,
+        enable_lora=True,
     )
     engine = DataParallelEngine(config)
     engine.start()
@@ -55,9 +64,11 @@ def _one_engines_ids(config: EngineConfig, prompts: list[list[int]], params: Sam
         engine.shutdown()
 
 
-async def _last(engine: DataParallelEngine, prompt: list[int], params: SamplingParams) -> RequestOutput:
+async def _last(
+    engine: DataParallelEngine, prompt: list[int], params: SamplingParams, adapter: LoRARequest | None = None
+) -> RequestOutput:
     final = None
-    async for output in engine.generate(prompt, params):
+    async for output in engine.generate(prompt, params, lora_request=adapter):
         final = output
     assert final is not None and final.finished
     return final
@@ -78,6 +89,27 @@ def test_requests_spread_and_match_one_engine(front_end: DataParallelEngine) -> 
     assert set(stats) == {0, 1}
     assert front_end.stats().kv_pages_total == 64 == sum(s.kv_pages_total for s in stats.values())
     assert [replica.alive for replica in front_end.health()] == [True, True]
+
+
+def test_an_adapters_repeated_prompt_goes_back_to_the_replica_that_cached_it(
+    front_end: DataParallelEngine, tmp_path: Path
+) -> None:
+    """The front end keys an adapter's pages as its replica does (name and a digest of the files),
+    so the second run of a prompt finds its pages; an adapter it cannot read still runs, by load."""
+    adapter = LoRARequest("tiny", str(_peft_adapter(Path(front_end.config.model), tmp_path / "tiny", seed=1)))
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    prompt = [(7 * i) % 200 + 3 for i in range(24)]  # 6 pages of 4
+
+    async def twice(source: LoRARequest) -> list[RequestOutput]:
+        first = await _last(front_end, prompt, params, source)
+        return [first, await _last(front_end, prompt, params, source)]
+
+    first, second = asyncio.run(twice(adapter))
+    assert second.engine_index == first.engine_index and second.num_cached_tokens >= 20
+    base = asyncio.run(_last(front_end, prompt, params))  # the base model's pages are others
+    assert base.num_cached_tokens == 0 and base.outputs[0].token_ids != first.outputs[0].token_ids
+    with pytest.raises(LoRAError, match="no such adapter directory"):
+        asyncio.run(_last(front_end, prompt, params, LoRARequest("gone", str(tmp_path / "gone"))))
 
 
 def test_an_invalid_request_fails_with_the_replicas_error_whole(front_end: DataParallelEngine) -> None:

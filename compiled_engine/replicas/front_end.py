@@ -44,6 +44,7 @@ from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.outputs import RequestOutput
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.errors import EngineDeadError, EngineOverloadedError, EngineShuttingDownError
+from compiled_engine.lora.adapter import LoRAError, adapter_dir, digest_of
 from compiled_engine.model.source import resolve_model_dir
 from compiled_engine.replicas import placement as placing
 from compiled_engine.replicas.messages import (
@@ -131,6 +132,7 @@ class DataParallelEngine:
         self._stopped = False
         self.router: PrefixRouter | None = None
         self._served: ServedModel | None = None
+        self._adapter_digests: dict[tuple[str, str], str] = {}  # by adapter name and path
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -282,9 +284,7 @@ class DataParallelEngine:
             raise EngineOverloadedError(f"{self.max_waiting_requests} requests are already waiting")
         assert self.router is not None
         request_id = request_id or uuid.uuid4().hex
-        # An adapter's part of the salt (a digest of its files) is known to its replica only: an
-        # adapter request's keys never match, and it goes by load.
-        salt = salt_key(cache_salt, getattr(lora_request, "name", None), None)
+        salt = await self._prefix_salt(cache_salt, lora_request)
         keys = prompt_page_keys(prompt, salt, self.router.page_size) if isinstance(prompt, list) else []
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         with self._lock:
@@ -306,6 +306,21 @@ class DataParallelEngine:
         async with contextlib.aclosing(outputs):
             async for output in outputs:
                 yield output
+
+    async def _prefix_salt(self, cache_salt: str | None, lora_request: AdapterRequest | None) -> int:
+        """The salt a replica's prefix cache keys the request's pages under (Sequence.prefix_salt):
+        with an adapter, its name and a digest of its files, read once per name and path off the
+        event loop. An adapter whose files cannot be read gets no digest here: its keys match
+        nothing, it goes by load, and its replica gives the error."""
+        if lora_request is None:
+            return salt_key(cache_salt, None, None)
+        source = (lora_request.name, lora_request.path)
+        digest = self._adapter_digests.get(source)
+        if digest is None:
+            with contextlib.suppress(OSError, LoRAError):
+                digest = await asyncio.to_thread(lambda: digest_of(adapter_dir(lora_request.path)))
+                self._adapter_digests[source] = digest
+        return salt_key(cache_salt, lora_request.name, digest)
 
     def _forget(self, request_id: str, replica: int) -> None:
         assert self.router is not None
