@@ -345,6 +345,42 @@ def dead_worker_message(model_dir: str, how: str, parallel: dict[str, int] | Non
     return message
 
 
+def _idle_child(queue: Any, config: EngineConfig, prompts: list[list[int]], max_tokens: int) -> None:
+    """Generate, idle for two collective timeouts, generate again."""
+    try:
+        engine = LLMEngine(config)
+        try:
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            runs = []
+            for pause_s in (0.0, 2 * config.distributed_timeout_s):
+                time.sleep(pause_s)
+                engine.add_request(prompts[0], params)
+                outputs = []
+                while engine.has_unfinished_requests():
+                    outputs += [out.outputs[0].token_ids for out in engine.step() if out.finished]
+                runs.append(outputs)
+            queue.put(("ok", runs))
+        finally:
+            engine.shutdown()
+    except BaseException as exc:  # hand any failure to the test
+        queue.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+@pytest.mark.parametrize(
+    "parallel", [{"tensor_parallel_size": 2}, pytest.param({"pipeline_parallel_size": 2}, marks=pytest.mark.full)]
+)
+def test_an_engine_that_idles_past_the_collective_timeout_keeps_its_ranks(
+    parallel: dict[str, int], tiny_model_factory: Callable[..., Path]
+) -> None:
+    """The other ranks wait for the next step inside a collective: rank 0 keeps them from
+    reaching its timeout while no step comes."""
+    config = EngineConfig(
+        model=str(tiny_model_factory("llama")), enforce_eager=True, distributed_timeout_s=6.0, **parallel
+    )
+    first, second = _in_child(config, [PROMPTS[0]], 4, timeout_s=120, target=_idle_child)
+    assert len(first[0]) == 4 and second == first
+
+
 @pytest.mark.parametrize("how", ["killed", pytest.param("hung", marks=pytest.mark.full)])
 def test_a_dead_or_hung_worker_fails_the_engine_instead_of_hanging(
     how: str, tiny_model_factory: Callable[..., Path]
@@ -387,10 +423,10 @@ def test_stopping_a_group_waits_for_its_workers_unless_one_is_lost(lost: bool) -
     stopped: list[bool] = []
     engine = LLMEngine.__new__(LLMEngine)  # only what shutdown touches
     engine.ranks = group
-    engine.runner = type("Runner", (), {"stop_workers": lambda self: stopped.append(True)})()  # type: ignore[assignment]
+    engine.runner = type("Runner", (), {"stop_workers": lambda self, stop_ranks: stopped.append(stop_ranks)})()  # type: ignore[assignment]
     engine.shutdown()
     assert engine.ranks is None
-    assert stopped == ([] if lost else [True])
+    assert stopped == [not lost]
     survivor = workers[1]
     assert survivor.joined[0] == (0.0 if lost else 10.0)
     assert survivor.killed  # the stand-in never leaves by itself

@@ -10,6 +10,7 @@ pool, capture the decode CUDA graphs.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -41,7 +42,7 @@ from compiled_engine.errors import ModelConfigError
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.layers import DecoderModel
 from compiled_engine.model.shard import NO_SHARD, TPShard
-from compiled_engine.parallel.distributed import broadcast_step
+from compiled_engine.parallel.distributed import StepSender
 from compiled_engine.parallel.pipeline import ParallelLayout, StageLinks, link_stage, stage_layers
 from compiled_engine.parallel.plan import parallelize
 from compiled_engine.products.walk import install_products
@@ -120,6 +121,9 @@ class ModelRunner:
         if self.layout.pipeline_size > 1:  # each stage compiled and warmed up alone; now linked
             self.links = StageLinks(self.layout)
             link_stage(self.model, self.links)
+        self.steps: StepSender | None = None  # rank 0 of several: its steps go to the other ranks
+        if self.layout.world_size > 1 and self.layout.rank == 0:
+            self.steps = StepSender(config.distributed_timeout_s)
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -340,9 +344,8 @@ class ModelRunner:
         one way to run a scheduled batch; tensor-parallel ranks receive the same step (`execute`)."""
         with nvtx_range("prepare inputs"):
             inputs = StepInputs.from_batch(batch, lora_slots, page_copies)
-            if self.layout.world_size > 1:
-                broadcast_step(inputs)
-        out = self.execute(inputs, hidden_states=hidden)
+        with self.steps.step(inputs) if self.steps is not None else contextlib.nullcontext():
+            out = self.execute(inputs, hidden_states=hidden)
         assert out is not None
         return out
 
@@ -410,6 +413,7 @@ class ModelRunner:
         for copy in copies:
             self.kv_cache[:, copy.dst, :, : copy.num_tokens] = self.kv_cache[:, copy.src, :, : copy.num_tokens]
 
-    def stop_workers(self) -> None:
-        if self.layout.world_size > 1 and self.layout.rank == 0:
-            broadcast_step(None)
+    def stop_workers(self, stop_ranks: bool = True) -> None:
+        """No more steps; with `stop_ranks`, the other ranks are told to leave."""
+        if self.steps is not None:
+            self.steps.close(stop_ranks)

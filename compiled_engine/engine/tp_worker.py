@@ -16,7 +16,7 @@ from compiled_engine.engine.model_runner import ModelRunner, SharedPool
 from compiled_engine.engine.step_inputs import StepInputs
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.shard import TPShard
-from compiled_engine.parallel.distributed import broadcast_step, init_ranks
+from compiled_engine.parallel.distributed import Idle, broadcast_step, init_ranks
 from compiled_engine.parallel.launch import RankGroup
 from compiled_engine.parallel.pipeline import ParallelLayout, stage_layers
 from compiled_engine.parallel.threads import set_threads
@@ -39,15 +39,16 @@ def start_runner(
     return runner, ranks
 
 
-def receive_step() -> StepInputs | None:
-    """The step rank 0 broadcasts next; None: stop."""
-    step: StepInputs | None = broadcast_step(None)
+def receive_step() -> StepInputs | Idle | None:
+    """What rank 0 broadcasts next: a step, Idle (no step yet), or None (stop)."""
+    step: StepInputs | Idle | None = broadcast_step(None)
     return step
 
 
 def serve_as_worker(runner: ModelRunner) -> None:
     while (inputs := receive_step()) is not None:
-        runner.execute(inputs, logits=False)
+        if not isinstance(inputs, Idle):
+            runner.execute(inputs, logits=False)
 
 
 def run_worker(layout: ParallelLayout, init_method: str, model_dir: str, config: EngineConfig) -> None:

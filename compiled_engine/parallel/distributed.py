@@ -5,11 +5,20 @@ runs (the engine's `StepInputs`: plain lists; any picklable object goes); every 
 same tensors and runs the forward, whose row-parallel layers all-reduce; rank 0 alone computes
 logits and samples. gloo on CPU, NCCL on CUDA; every collective has a timeout, so a dead or hung
 rank is an error, never a hang.
+
+The other ranks wait for the next step inside that broadcast, a collective like any other: an
+engine with nothing to do would reach the timeout there and lose its ranks. So rank 0 sends
+`Idle` while no step comes (`StepSender`), often enough that no wait for a step is ever that long.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import threading
+import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import TypeVar
 
@@ -18,6 +27,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from compiled_engine.parallel.pipeline import ParallelLayout
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -52,3 +63,59 @@ def broadcast_step(step: Step | None) -> Step | None:
     box: list[Step | None] = [step]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+class Idle:
+    """What rank 0 broadcasts while no step comes: the other ranks wait for the next one."""
+
+
+class StepSender:
+    """Rank 0's end of the per-step broadcast. A step's broadcast and everything the ranks then do
+    together for it (the forward's all-reduces, a pipeline's sends) run under one lock; while no
+    step comes, a daemon thread broadcasts `Idle` whenever a quarter of the collective timeout
+    has passed since the last broadcast or step ended, so that the other ranks' wait for the next
+    step never reaches the timeout, however long the engine idles."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.interval_s = timeout_s / 4
+        self._lock = threading.Lock()
+        self._last = time.monotonic()
+        self._closed = threading.Event()
+        # The device of this thread's collectives, for the sender thread's (NCCL's object
+        # broadcast stages through the current device, which is per thread).
+        cuda = dist.get_backend() == "nccl"
+        self._cuda_device = torch.cuda.current_device() if cuda else None
+        self._thread = threading.Thread(target=self._send_idle, name="rank-0-idle", daemon=True)
+        self._thread.start()
+
+    @contextlib.contextmanager
+    def step(self, inputs: object) -> Iterator[None]:
+        """Broadcast `inputs`, then hold the ranks for this step until the block ends."""
+        with self._lock:
+            try:
+                broadcast_step(inputs)
+                yield
+            finally:
+                self._last = time.monotonic()
+
+    def close(self, stop_ranks: bool) -> None:
+        """No more steps. With `stop_ranks`, tell the other ranks to leave (a broadcast that
+        waits for every rank: not with one lost)."""
+        self._closed.set()
+        if stop_ranks:
+            with self._lock:
+                broadcast_step(None)
+
+    def _send_idle(self) -> None:
+        if self._cuda_device is not None:
+            torch.cuda.set_device(self._cuda_device)
+        while not self._closed.wait(self.interval_s / 4):
+            with self._lock:
+                if self._closed.is_set() or time.monotonic() - self._last < self.interval_s:
+                    continue
+                try:
+                    broadcast_step(Idle())
+                except Exception as error:  # a lost rank: rank 0's next step reports it
+                    logger.debug("rank 0 stops sending idle broadcasts: %s", error)
+                    return
+                self._last = time.monotonic()

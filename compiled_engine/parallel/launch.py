@@ -114,13 +114,12 @@ class RankGroup:
     def all_alive(self) -> bool:
         return all(worker.is_alive() for worker in self.workers)
 
-    def shutdown(self, tell_them_to_stop: Callable[[], None]) -> None:
-        """Tell the other ranks to stop (rank 0's stop message, `tell_them_to_stop`), then stop
-        the group. With a rank lost, the others are not told: that broadcast would wait for the
-        lost one until the collective timeout."""
+    def shutdown(self, end_steps: Callable[[bool], None]) -> None:
+        """End rank 0's steps (`end_steps`) telling the other ranks to stop if all are alive,
+        then stop the group. With a rank lost, the others are not told: that broadcast would
+        wait for the lost one until the collective timeout."""
         try:
-            if self.all_alive():
-                tell_them_to_stop()
+            end_steps(self.all_alive())
         finally:
             self.stop()
 
