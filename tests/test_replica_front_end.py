@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -158,6 +160,43 @@ def test_replicas_of_two_tensor_parallel_ranks_each(tiny_model_factory: Callable
     assert {output.engine_index for output in outputs} == {0, 1}
     one = msgspec.structs.replace(config, data_parallel_size=1, tensor_parallel_size=1)
     assert [output.outputs[0].token_ids for output in outputs] == _one_engines_ids(one, prompts, params)
+
+
+def _fail_slowly(pid: int, engine: LLMEngine) -> int:
+    """On the replica in process `pid`: its engine loop dies (not an Exception, which a call
+    would return), and its engine's shutdown then takes two minutes."""
+    if os.getpid() != pid:
+        return 0
+    engine.shutdown = lambda: time.sleep(120)  # type: ignore[method-assign]
+    raise KeyboardInterrupt
+
+
+def test_a_replica_whose_loop_fails_leaves_at_once_and_its_counters_stay_in_the_totals(
+    tiny_model_factory: Callable[..., Path],
+) -> None:
+    config = EngineConfig(
+        model=str(tiny_model_factory("llama")), enforce_eager=True, page_size=4, num_pages=16, data_parallel_size=2
+    )
+    engine = DataParallelEngine(config)
+    engine.start()
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
+        async def both() -> list[RequestOutput]:
+            return await asyncio.gather(*(_last(engine, [9, 8, 7, 6, 5 + i, 4, 3, 2], params) for i in range(2)))
+
+        assert {output.engine_index for output in asyncio.run(both())} == {0, 1}
+        queried = engine.stats().prefix_queried_tokens
+        assert queried >= 16
+        with pytest.raises(EngineDeadError, match="engine loop died"):
+            asyncio.run(engine.call(functools.partial(_fail_slowly, engine._replicas[0].process.pid)))
+        # Seen dead on its report, while its shutdown still runs: routing and /health know it.
+        assert engine._replicas[0].process.is_alive()
+        assert [replica.alive for replica in engine.health()] == [False, True]
+        assert asyncio.run(_last(engine, [1, 2, 3], params)).engine_index == 1
+        assert engine.stats().prefix_queried_tokens >= queried + 3  # replica 0's count is not lost
+    finally:
+        engine.shutdown(grace_s=5)
 
 
 def test_with_every_replica_lost_the_engine_is_dead_and_says_why(tiny_model_factory: Callable[..., Path]) -> None:

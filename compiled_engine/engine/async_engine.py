@@ -100,6 +100,22 @@ class EngineStats:
     weight_bytes: int = 0  # the models' tensors, each held once (packed on the compiled CPU path)
     kv_cache_bytes: int = 0  # the page pool (a draft model's included)
 
+    def counters_only(self) -> EngineStats:
+        """This snapshot's counters (tokens looked up and hit in the prefix cache, drafts,
+        preemptions, aborts) with every gauge at zero: what a lost engine still adds to the
+        totals of several."""
+        return EngineStats(
+            running_requests=0,
+            waiting_requests=0,
+            kv_pages_total=0,
+            kv_pages_free=0,
+            prefix_queried_tokens=self.prefix_queried_tokens,
+            prefix_hit_tokens=self.prefix_hit_tokens,
+            speculative=self.speculative,
+            num_preemptions=self.num_preemptions,
+            aborted_requests=self.aborted_requests,
+        )
+
     @classmethod
     def read(cls, engine: LLMEngine) -> EngineStats:
         """The snapshot of `engine`, only on the thread that steps it. `waiting_requests` counts

@@ -379,10 +379,14 @@ class DataParallelEngine:
             }
 
     def stats(self) -> EngineStats:
+        """The live replicas' snapshots added up, and the counters of those lost (so that no
+        total counted so far goes down when a replica dies)."""
         found = list(self.engine_stats().values())
         if not found:
             raise EngineDeadError("no data-parallel replica is alive")
-        return summed_stats(found)
+        with self._lock:
+            lost = [replica.stats.counters_only() for replica in self._replicas if not replica.alive]
+        return summed_stats(found + lost)
 
     def num_waiting(self) -> int:
         return sum(stats.waiting_requests for stats in self.engine_stats().values())
@@ -403,11 +407,13 @@ class DataParallelEngine:
                 self._take_report(replica, message)
             elif isinstance(message, CallDone):
                 self._settle(message)
-            elif isinstance(message, ReplicaFailed):
-                replica.error = message.error
-        if not self._stopped:
+            elif isinstance(message, ReplicaFailed) and not self._stopped:
+                # Lost now, not when its pipe closes: its engine's shutdown may take a while (a
+                # lost rank of its own), and no request may be routed to it meanwhile.
+                self._lose(replica, message.error)
+        if not self._stopped and replica.alive:
             replica.process.join(timeout=5.0)
-            self._lose(replica, replica.error or f"its process exited with code {replica.process.exitcode}")
+            self._lose(replica, f"its process exited with code {replica.process.exitcode}")
 
     def _take_report(self, replica: _Replica, report: StepReport) -> None:
         assert self.router is not None
@@ -439,14 +445,16 @@ class DataParallelEngine:
     def _lose(self, replica: _Replica, reason: str) -> None:
         """A replica died: its requests and calls fail, it leaves the routing."""
         assert self.router is not None
-        logger.error("data-parallel replica %d died (%s); the others go on serving", replica.index, reason)
         with self._lock:
+            if not replica.alive:
+                return
             replica.alive = False
             replica.error = reason
             self.router.mark_dead(replica.index)
             streams = [rid for rid, stream in self._streams.items() if stream.replica == replica.index]
             calls = [cid for cid, call in self._calls.items() if call.replica == replica.index]
             lost_calls = [self._calls.pop(cid) for cid in calls]
+        logger.error("data-parallel replica %d died (%s); the others go on serving", replica.index, reason)
         error = f"data-parallel replica {replica.index} died: {reason}"
         for request_id in streams:
             self._deliver(request_id, EngineDeadError(error))
