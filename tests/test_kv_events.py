@@ -4,6 +4,7 @@ exactly the pages its block manager holds, live and by replay."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +19,7 @@ from compiled_engine.config import EngineConfig
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.replicas.kv_events import UINT64, KVEventsConfig, ZmqEventPublisher, wire_events
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -191,5 +193,51 @@ def test_a_subscriber_follows_the_prefix_cache_through_hits_and_evictions(
         assert [type(event) for _, batch in cleared for event in batch.events] == [AllBlocksCleared]
         assert engine.block_manager.cached_page_keys() == set()
     finally:
+        sub.close(linger=0)
+        publisher.close()
+
+
+class _HeldSocket:
+    """A PUB socket whose first send waits until `release` is set (the sender thread held)."""
+
+    def __init__(self, socket: Any) -> None:
+        self.socket = socket
+        self.sending = threading.Event()
+        self.release = threading.Event()
+
+    def send_multipart(self, frames: Any) -> None:
+        self.sending.set()
+        assert self.release.wait(30)
+        self.socket.send_multipart(frames)
+
+    def close(self, linger: int) -> None:
+        self.socket.close(linger=linger)
+
+
+def test_a_batch_dropped_on_a_full_queue_leaves_a_gap_in_the_sequence_numbers() -> None:
+    """A subscriber sees that it missed a batch (and can ask for a replay or resync)."""
+    config = KVEventsConfig(True, "zmq", "tcp://*:0", topic="kv-events", max_queue_size=1)
+    publisher = ZmqEventPublisher(config, page_size=4, medium="CPU")
+    port = publisher.endpoint.rsplit(":", 1)[1]
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    sub.setsockopt_string(zmq.SUBSCRIBE, "kv-events")
+    time.sleep(0.5)  # a PUB drops what it sends before the subscription arrives
+    held = _HeldSocket(publisher._pub)
+    publisher._pub = held
+    try:
+        batches = [[PageStored(1000 + i, None, (1, 2, 3, 4))] for i in range(4)]
+        publisher.publish(batches[0])  # taken by the sender thread, which is held in its send
+        assert held.sending.wait(10)
+        publisher.publish(batches[1])  # fills the queue
+        publisher.publish(batches[2])  # dropped
+        assert publisher.dropped == 1
+        held.release.set()
+        wait_until(publisher._queue.empty, "the queued batch taken by the sender")
+        publisher.publish(batches[3])
+        received = _received(sub, {1000, 1001, 1003}, at_least=3)
+        assert [seq for seq, _ in received] == [0, 1, 3]
+    finally:
+        held.release.set()
         sub.close(linger=0)
         publisher.close()

@@ -23,7 +23,8 @@ plus i (port 0 is left alone) with `data_parallel_rank` i.
 
 Sending runs on a thread of its own that owns the sockets (ZMQ sockets are not thread-safe): the
 engine loop only converts its events and queues them, and a full queue drops the batch with a
-warning rather than slow the engine.
+warning rather than slow the engine. Batches are numbered as they are queued, so a dropped one
+leaves a gap in the sequence numbers that a subscriber can see (and then resynchronize).
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ class ZmqEventPublisher:
         self.data_parallel_rank = data_parallel_rank
         self.dropped = 0  # batches dropped because the queue was full
         self._encoder = msgspec.msgpack.Encoder()
-        self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=config.max_queue_size)
+        self._queue: queue.Queue[tuple[int, bytes] | None] = queue.Queue(maxsize=config.max_queue_size)
         self._context: Any = zmq.Context.instance()
         self._pub = self._context.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
@@ -181,7 +182,7 @@ class ZmqEventPublisher:
             self._replay.bind(config.replay_endpoint)
             self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
-        self._seq = 0
+        self._next_seq = 0  # numbered as published: a batch dropped leaves a gap subscribers see
         self._thread = threading.Thread(target=self._send_loop, name="kv-events", daemon=True)
         self._thread.start()
 
@@ -189,8 +190,9 @@ class ZmqEventPublisher:
         if not events:
             return
         batch = EventBatch(time.time(), wire_events(events, self.page_size, self.medium), self.data_parallel_rank)
+        seq, self._next_seq = self._next_seq, self._next_seq + 1
         try:
-            self._queue.put_nowait(self._encoder.encode(batch))
+            self._queue.put_nowait((seq, self._encoder.encode(batch)))
         except queue.Full:
             self.dropped += 1
             if self.dropped == 1 or self.dropped % 1000 == 0:
@@ -210,15 +212,14 @@ class ZmqEventPublisher:
             while True:
                 self._answer_replays()
                 try:
-                    payload = self._queue.get(timeout=0.05)
+                    item = self._queue.get(timeout=0.05)
                 except queue.Empty:
                     continue
-                if payload is None:
+                if item is None:
                     return
-                seq = self._seq.to_bytes(8, "big")
-                self._pub.send_multipart((topic, seq, payload))
-                self._buffer.append((self._seq, payload))
-                self._seq += 1
+                seq, payload = item
+                self._pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
+                self._buffer.append((seq, payload))
         except zmq.ZMQError:
             logger.exception("kv events: the publisher stopped")
         finally:
