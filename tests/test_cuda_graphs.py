@@ -1,6 +1,7 @@
 """The CUDA-graph decode runner's bookkeeping, checked without a GPU: which sizes are captured,
-which size a batch pads to, and that a padded batch in the static buffers computes the same
-logits as the batch alone. The capture and replay themselves run on CUDA only (marked gpu)."""
+which size a batch pads to, that a padded batch in the static buffers computes the same
+logits as the batch alone, and that a pooling step never replays a graph on any rank. The capture
+and replay themselves run on CUDA only (marked gpu)."""
 
 from __future__ import annotations
 
@@ -224,3 +225,26 @@ def test_every_captured_size_replays_like_eager_on_cuda(
         if n > 1:  # the bound still catches a mix-up between rows
             swapped = relative_row_error(want.roll(1, dims=0), want)
             assert (swapped > allowed).all(), f"batch {n}: rows too alike {swapped.tolist()}"
+
+
+class _GraphsThatMustNotReplay:
+    """In place of a runner's CUDA graphs: any replay fails the test."""
+
+    buffers = DecodeBuffers(max_size=8, max_pages=2, page_size=4, scratch_page=7, device=CPU)
+
+    def replay(self, *args: object) -> None:
+        raise AssertionError("a pooling step replayed a CUDA graph")
+
+
+def test_a_pooling_step_runs_eagerly_on_every_rank(tiny_model_factory: Callable[..., Path]) -> None:
+    """A one-token-per-sequence pooling step never replays a graph, on rank 0 (which asks for the
+    hidden states) or on any other rank (which asks for nothing): the step says it pools, so
+    tensor-parallel ranks all run the same eager forward and its all-reduces."""
+    model_dir = tiny_model_factory("llama")
+    runner = ModelRunner(model_dir, EngineConfig(model=str(model_dir), enforce_eager=True, num_pages=8, page_size=4))
+    runner.graphs = _GraphsThatMustNotReplay()  # type: ignore[assignment]
+    step = StepInputs([5, 9], [0, 0], [1, 1], [1, 1], [[0], [1]], hidden_states=True)
+    assert step.decode_only
+    hidden = runner.execute(step)
+    assert hidden is not None and hidden.shape == (2, runner.model_config.hidden_size)
+    assert runner.execute(step, logits=False) is None  # another rank's part

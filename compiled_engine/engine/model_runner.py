@@ -343,21 +343,22 @@ class ModelRunner:
         (pooling): every new token's final hidden state instead, fp32 [num_tokens, hidden]. The
         one way to run a scheduled batch; tensor-parallel ranks receive the same step (`execute`)."""
         with nvtx_range("prepare inputs"):
-            inputs = StepInputs.from_batch(batch, lora_slots, page_copies)
+            inputs = StepInputs.from_batch(batch, lora_slots, page_copies, hidden_states=hidden)
         with self.steps.step(inputs) if self.steps is not None else contextlib.nullcontext():
-            out = self.execute(inputs, hidden_states=hidden)
+            out = self.execute(inputs)
         assert out is not None
         return out
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs, logits: bool = True, hidden_states: bool = False) -> torch.Tensor | None:
+    def execute(self, inputs: StepInputs, logits: bool = True) -> torch.Tensor | None:
         """Every rank runs each step here, the same way: a decode batch that fits a captured
         size replays its CUDA graph (so tensor-parallel ranks issue the same all-reduces), any
-        other batch runs the model. Only rank 0 asks for the logits of eager steps."""
+        other batch (and any pooling step, `inputs.hidden_states`) runs the model. Only rank 0
+        asks for the logits of eager steps, or the hidden states of a pooling one."""
         if inputs.page_copies:
             self.copy_pages(inputs.page_copies)
         with nvtx_range("forward"):
-            if self.graphs is not None and inputs.decode_only and not hidden_states:
+            if self.graphs is not None and inputs.decode_only and not inputs.hidden_states:
                 # The graphs read each row's adapter slot from the slots' buffer.
                 self.adapter_slots.set_tokens(inputs.query_lens, inputs.lora_slots, self.graphs.buffers.max_size)
                 replayed = self.graphs.replay(inputs.token_ids, inputs.positions, inputs.block_tables)
@@ -376,7 +377,7 @@ class ModelRunner:
                 hidden = self._hidden(input_ids, positions, self.kv_cache, metadata, inputs.lora_slots)
                 if not logits:
                     return None
-            if hidden_states:
+            if inputs.hidden_states:
                 return hidden.float()
             if inputs.logit_counts is not None:  # each sequence's last tokens (drafts verified)
                 ends = metadata.query_start_loc_cpu[1:]

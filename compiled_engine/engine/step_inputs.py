@@ -26,6 +26,9 @@ class StepInputs:
     logit_counts: list[int] | None = None
     # K/V copied between pages before the forward (prefix-cache hits inside a page)
     page_copies: list[PageCopy] | None = None
+    # The step's output is every token's final hidden state (pooling), not logits: it runs the
+    # model eagerly, never a CUDA graph, on every rank alike.
+    hidden_states: bool = False
 
     @property
     def decode_only(self) -> bool:
@@ -68,10 +71,14 @@ class StepInputs:
 
     @classmethod
     def from_batch(
-        cls, batch: ScheduledBatch, lora_slots: list[int] | None = None, page_copies: list[PageCopy] | None = None
+        cls,
+        batch: ScheduledBatch,
+        lora_slots: list[int] | None = None,
+        page_copies: list[PageCopy] | None = None,
+        hidden_states: bool = False,
     ) -> StepInputs:
         """`lora_slots`: each sequence's adapter slot (engine/adapters.py; None: no adapters);
-        `page_copies`: the scheduler's, run before the forward."""
+        `page_copies`: the scheduler's, run before the forward; `hidden_states`: pooling's step."""
         token_ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens = [], []
@@ -91,7 +98,9 @@ class StepInputs:
         every = [logit_count(seq, num_new) for seq, num_new in batch]
         counts = None if all(count == 1 for count in every) else every
         tables = [list(seq.block_table) for seq, _ in batch]
-        return cls(token_ids, positions, query_lens, seq_lens, tables, lora_slots, counts, page_copies or None)
+        return cls(
+            token_ids, positions, query_lens, seq_lens, tables, lora_slots, counts, page_copies or None, hidden_states
+        )
 
 
 def _part(values: list[int] | None, start: int, end: int) -> list[int] | None:
