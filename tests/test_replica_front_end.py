@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ from compiled_engine.errors import EngineDeadError, PromptError, PromptProblem
 from compiled_engine.lora.adapter import LoRAError
 from compiled_engine.lora.manager import LoRARequest
 from compiled_engine.replicas.front_end import DataParallelEngine
+from compiled_engine.replicas.messages import AbortRequest
 from tests.test_lora import _peft_adapter
 from tests.waiting import wait_until
 
@@ -112,6 +114,38 @@ def test_an_adapters_repeated_prompt_goes_back_to_the_replica_that_cached_it(
     assert base.num_cached_tokens == 0 and base.outputs[0].token_ids != first.outputs[0].token_ids
     with pytest.raises(LoRAError, match="no such adapter directory"):
         asyncio.run(_last(front_end, prompt, params, LoRARequest("gone", str(tmp_path / "gone"))))
+
+
+def _hold_until(release: str, pid: int, engine: LLMEngine) -> int:
+    """On the replica in process `pid`: hold its loop (as a long step would) until `release`
+    exists; `release` + ".held" says it is held."""
+    if os.getpid() == pid:
+        Path(release + ".held").touch()
+        deadline = time.monotonic() + 120
+        while not Path(release).exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return 0
+
+
+def test_a_message_to_a_replica_busy_in_a_step_is_queued_not_waited_for(
+    front_end: DataParallelEngine, tmp_path: Path
+) -> None:
+    """A message larger than the pipe holds waits for the replica to read it, which it does only
+    between steps: the front end's send (on the server's event loop) must not wait with it."""
+    release = tmp_path / "release"
+    held = functools.partial(_hold_until, str(release), front_end._replicas[0].process.pid)
+    call = threading.Thread(target=lambda: asyncio.run(front_end.call(held)))
+    call.start()
+    try:
+        wait_until(Path(str(release) + ".held").exists, "replica 0 held")
+        send = threading.Thread(target=front_end._replicas[0].send, args=(AbortRequest("x" * 4_000_000),))
+        send.start()
+        send.join(timeout=30)  # a guard: a send that waits for the replica never ends while it is held
+        assert not send.is_alive(), "the send waited for the replica to read"
+    finally:
+        release.touch()
+        call.join(timeout=60)
+    assert asyncio.run(_last(front_end, [4, 5, 6], SamplingParams(max_tokens=2))).finished  # both serve on
 
 
 def test_an_invalid_request_fails_with_the_replicas_error_whole(front_end: DataParallelEngine) -> None:

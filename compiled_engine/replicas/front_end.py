@@ -4,7 +4,9 @@ own (replicas/replica.py) on its own share of the cores, or its own GPUs (replic
 The front end speaks the server's engine interface (engine/engine_client.py), so every route
 works unchanged. A request goes to the replica `PrefixRouter` picks (the one that caches most of
 its prompt unless it is overloaded, else the least loaded); its outputs come back over that
-replica's pipe, read by one thread per replica, and reach the request's asyncio stream.
+replica's pipe, read by one thread per replica, and reach the request's asyncio stream. What goes
+to a replica is queued for a writer thread of its own: a replica reads its pipe only between
+steps, and the server's event loop must never wait for that.
 
 A replica that dies (its process exits, its engine fails) is seen at once: its pipe closes. Its
 requests end with EngineDeadError (a 503 in OpenAI's shape), it leaves the routing, `/health`
@@ -22,6 +24,7 @@ import functools
 import itertools
 import logging
 import multiprocessing
+import queue
 import threading
 import time
 import uuid
@@ -75,19 +78,28 @@ class _Replica:
     process: BaseProcess
     conn: Connection
     stats: EngineStats
-    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    outbox: queue.SimpleQueue[ToReplica | None] = field(default_factory=queue.SimpleQueue)
     alive: bool = True
     error: str | None = None
     adds_sent: int = 0
     adds_taken: int = 0
 
     def send(self, message: ToReplica) -> None:
-        """Raises EngineDeadError when the replica is gone."""
-        try:
-            with self.send_lock:
+        """Queue `message` for the replica's writer thread, in order. It never blocks: a pipe
+        write waits while the replica is inside a step (it reads between steps), which must not
+        stall the event loop. Raises EngineDeadError when the replica is gone."""
+        if not self.alive:
+            raise EngineDeadError(f"data-parallel replica {self.index} is not running")
+        self.outbox.put(message)
+
+    def write(self) -> None:
+        """The writer thread: the queued messages into the pipe until None, or until the pipe
+        breaks (the reader then sees it close and loses the replica)."""
+        while (message := self.outbox.get()) is not None:
+            try:
                 self.conn.send(message)
-        except (OSError, ValueError) as exc:  # a broken or closed pipe
-            raise EngineDeadError(f"data-parallel replica {self.index} is not running") from exc
+            except (OSError, ValueError):  # a broken or closed pipe
+                return
 
 
 @dataclass
@@ -172,6 +184,7 @@ class DataParallelEngine:
             threading.Thread(
                 target=self._read, args=(replica,), name=f"dp-replica-{replica.index}-reader", daemon=True
             ).start()
+            threading.Thread(target=replica.write, name=f"dp-replica-{replica.index}-writer", daemon=True).start()
 
     def _wait_ready(self, index: int, process: BaseProcess, conn: Connection) -> ReplicaReady:
         deadline = time.monotonic() + self._start_timeout_s
@@ -254,6 +267,7 @@ class DataParallelEngine:
             if replica.process.is_alive():
                 replica.process.kill()
                 replica.process.join()
+            replica.outbox.put(None)
             replica.conn.close()
 
     def _in_flight(self) -> bool:
@@ -454,6 +468,7 @@ class DataParallelEngine:
             streams = [rid for rid, stream in self._streams.items() if stream.replica == replica.index]
             calls = [cid for cid, call in self._calls.items() if call.replica == replica.index]
             lost_calls = [self._calls.pop(cid) for cid in calls]
+        replica.outbox.put(None)  # its writer thread ends
         logger.error("data-parallel replica %d died (%s); the others go on serving", replica.index, reason)
         error = f"data-parallel replica {replica.index} died: {reason}"
         for request_id in streams:
