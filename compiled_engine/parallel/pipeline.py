@@ -71,10 +71,23 @@ def stage_layers(num_layers: int, stages: int, stage: int) -> range:
 
 @dataclass
 class StageLinks:
-    """One rank's sends and receives to its neighbouring stages and to rank 0."""
+    """One rank's sends and receives to its neighbouring stages and to rank 0. Made on every rank
+    at once (the group of the final hidden states is made collectively).
+
+    The final hidden states go back to rank 0 in a process group of their own. With two stages
+    rank 0 and the last stage also exchange the micro-batches' activations, the other way; on
+    NCCL one pair of ranks in one group shares one stream, in which rank 0's send of the second
+    micro-batch would queue behind its receive of the first one's result, and the last stage's
+    send of that result behind its receive of the second micro-batch. A group of their own gives
+    the final hidden states a stream of their own. (Reasoned from NCCL's ordering, not run: the
+    GPU paths of pipeline parallelism have not run yet.)"""
 
     layout: ParallelLayout
     pending: list[tuple[Any, torch.Tensor]] = field(default_factory=list)  # isends in flight, their tensors
+    final_group: Any = None
+
+    def __post_init__(self) -> None:
+        self.final_group = dist.new_group([0, self.last_stage_rank])
 
     @property
     def previous(self) -> int:
@@ -84,13 +97,18 @@ class StageLinks:
     def next(self) -> int:
         return self.layout.rank + self.layout.tensor_size
 
-    def send(self, tensor: torch.Tensor, to: int) -> None:
-        tensor = tensor.contiguous()
-        self.pending.append((dist.isend(tensor, to), tensor))
+    @property
+    def last_stage_rank(self) -> int:
+        """The rank that sends the final hidden states back: the last stage's TP rank 0."""
+        return (self.layout.pipeline_size - 1) * self.layout.tensor_size
 
-    def receive(self, like: torch.Tensor, source: int) -> torch.Tensor:
+    def send(self, tensor: torch.Tensor, to: int, group: Any = None) -> None:
+        tensor = tensor.contiguous()
+        self.pending.append((dist.isend(tensor, to, group=group), tensor))
+
+    def receive(self, like: torch.Tensor, source: int, group: Any = None) -> torch.Tensor:
         buffer = torch.empty_like(like)
-        dist.recv(buffer, source)
+        dist.recv(buffer, source, group=group)
         return buffer
 
     def finish(self) -> None:
@@ -99,19 +117,13 @@ class StageLinks:
             work.wait()
         self.pending.clear()
 
-    @property
-    def answers_rank_zero(self) -> bool:
-        """The rank that sends the final hidden states back: the last stage's TP rank 0."""
-        return self.layout.is_last_stage and self.layout.tensor_rank == 0
-
     def send_final(self, hidden: torch.Tensor) -> None:
-        if self.answers_rank_zero:
-            self.send(hidden, 0)
+        if self.layout.rank == self.last_stage_rank:
+            self.send(hidden, 0, self.final_group)
 
     def receive_final(self, like: torch.Tensor) -> torch.Tensor:
         """On rank 0: the last stage's final hidden states for a micro-batch of `like`'s shape."""
-        last = (self.layout.pipeline_size - 1) * self.layout.tensor_size
-        return self.receive(like, last)
+        return self.receive(like, self.last_stage_rank, self.final_group)
 
 
 class ReceivingLayer(nn.Module):
