@@ -81,6 +81,8 @@ class LLMEngine:
         self.num_aborted_requests = 0  # requests `abort_request` ended before they finished
         self._seq_ids = itertools.count()
         self.pooling = pooling_config(self.model_dir) if config.runner == "pooling" else None
+        if self.ranks is not None:  # all built: rank 0's idle broadcasts may start
+            self.runner.send_while_idle(self.ranks.all_alive)
 
     @property
     def max_model_len(self) -> int:

@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,7 +120,7 @@ class ModelRunner:
         self.kv_cache = self._allocate_kv_pool()
         self.graphs = self._capture_graphs(config) if self.use_cuda_graphs else None
         if self.layout.pipeline_size > 1:  # each stage compiled and warmed up alone; now linked
-            self.links = StageLinks(self.layout)
+            self.links = StageLinks(self.layout, config.distributed_timeout_s)
             link_stage(self.model, self.links)
         self.steps: StepSender | None = None  # rank 0 of several: its steps go to the other ranks
         if self.layout.world_size > 1 and self.layout.rank == 0:
@@ -413,6 +414,12 @@ class ModelRunner:
         order: a page may be read by one copy and written by a later one."""
         for copy in copies:
             self.kv_cache[:, copy.dst, :, : copy.num_tokens] = self.kv_cache[:, copy.src, :, : copy.num_tokens]
+
+    def send_while_idle(self, ranks_alive: Callable[[], bool]) -> None:
+        """Rank 0 of several: keep the other ranks from timing out while no step comes
+        (parallel/distributed.py's StepSender)."""
+        assert self.steps is not None, "only rank 0 of several ranks sends steps"
+        self.steps.send_while_idle(ranks_alive)
 
     def stop_workers(self, stop_ranks: bool = True) -> None:
         """No more steps; with `stop_ranks`, the other ranks are told to leave."""

@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import TypeVar
 
@@ -71,21 +71,27 @@ class Idle:
 
 class StepSender:
     """Rank 0's end of the per-step broadcast. A step's broadcast and everything the ranks then do
-    together for it (the forward's all-reduces, a pipeline's sends) run under one lock; while no
-    step comes, a daemon thread broadcasts `Idle` whenever a quarter of the collective timeout
-    has passed since the last broadcast or step ended, so that the other ranks' wait for the next
-    step never reaches the timeout, however long the engine idles."""
+    together for it (the forward's all-reduces, a pipeline's sends) run under one lock. Once the
+    engine is built (`send_while_idle`), a daemon thread broadcasts `Idle` whenever a quarter of
+    the collective timeout has passed since the last broadcast or step ended, so that the other
+    ranks' wait for the next step never reaches the timeout, however long the engine idles."""
 
     def __init__(self, timeout_s: float) -> None:
         self.interval_s = timeout_s / 4
         self._lock = threading.Lock()
         self._last = time.monotonic()
         self._closed = threading.Event()
-        # The device of this thread's collectives, for the sender thread's (NCCL's object
-        # broadcast stages through the current device, which is per thread).
-        cuda = dist.get_backend() == "nccl"
-        self._cuda_device = torch.cuda.current_device() if cuda else None
-        self._thread = threading.Thread(target=self._send_idle, name="rank-0-idle", daemon=True)
+        self._thread: threading.Thread | None = None
+        self._ranks_alive: Callable[[], bool] = lambda: True
+
+    def send_while_idle(self, ranks_alive: Callable[[], bool]) -> None:
+        """Start the idle broadcasts: after everything rank 0 builds (a draft model's CUDA graphs
+        are captured in a mode that another thread's work would break). `ranks_alive`: False once
+        a rank is known lost (a broadcast to it would only wait for the timeout)."""
+        self._ranks_alive = ranks_alive
+        # NCCL's object broadcast stages through the current device, which is per thread.
+        cuda_device = torch.cuda.current_device() if dist.get_backend() == "nccl" else None
+        self._thread = threading.Thread(target=self._send_idle, args=(cuda_device,), name="rank-0-idle", daemon=True)
         self._thread.start()
 
     @contextlib.contextmanager
@@ -100,22 +106,27 @@ class StepSender:
 
     def close(self, stop_ranks: bool) -> None:
         """No more steps. With `stop_ranks`, tell the other ranks to leave (a broadcast that
-        waits for every rank: not with one lost)."""
+        waits for every rank: not with one lost). Waits a while for the idle thread to end, so
+        that the group is not torn down under its broadcast."""
         self._closed.set()
         if stop_ranks:
             with self._lock:
                 broadcast_step(None)
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval_s)
 
-    def _send_idle(self) -> None:
-        if self._cuda_device is not None:
-            torch.cuda.set_device(self._cuda_device)
+    def _send_idle(self, cuda_device: int | None) -> None:
+        if cuda_device is not None:
+            torch.cuda.set_device(cuda_device)
         while not self._closed.wait(self.interval_s / 4):
             with self._lock:
                 if self._closed.is_set() or time.monotonic() - self._last < self.interval_s:
                     continue
+                if not self._ranks_alive():
+                    return  # rank 0's next step reports the lost rank
                 try:
                     broadcast_step(Idle())
-                except Exception as error:  # a lost rank: rank 0's next step reports it
-                    logger.debug("rank 0 stops sending idle broadcasts: %s", error)
+                except Exception as error:
+                    logger.warning("rank 0's idle broadcast failed (%s); the ranks' next step reports why", error)
                     return
                 self._last = time.monotonic()

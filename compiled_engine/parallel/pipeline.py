@@ -22,6 +22,7 @@ keeps the stages busy in a batched step (the runner splits it, engine/model_runn
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -83,11 +84,12 @@ class StageLinks:
     GPU paths of pipeline parallelism have not run yet.)"""
 
     layout: ParallelLayout
+    timeout_s: float  # the engine's collective timeout, the final hidden states' group's too
     pending: list[tuple[Any, torch.Tensor]] = field(default_factory=list)  # isends in flight, their tensors
     final_group: Any = None
 
     def __post_init__(self) -> None:
-        self.final_group = dist.new_group([0, self.last_stage_rank])
+        self.final_group = dist.new_group([0, self.last_stage_rank], timeout=timedelta(seconds=self.timeout_s))
 
     @property
     def previous(self) -> int:

@@ -367,7 +367,12 @@ class DataParallelEngine:
             call_id = next(self._call_ids)
             with self._lock:
                 self._calls[call_id] = _PendingCall(loop, future, replica.index)
-            replica.send(CallEngine(call_id, function))
+            try:
+                replica.send(CallEngine(call_id, function))
+            except EngineDeadError:  # lost since the check: the others still answer
+                with self._lock:
+                    self._calls.pop(call_id, None)
+                continue
             futures.append(future)
         if not futures:
             raise EngineDeadError("no data-parallel replica is alive")
@@ -383,23 +388,26 @@ class DataParallelEngine:
         """Each live replica's latest snapshot, counting the requests sent to it and not yet
         taken in as waiting."""
         with self._lock:
-            return {
-                replica.index: replace(
-                    replica.stats,
-                    waiting_requests=replica.stats.waiting_requests + max(0, replica.adds_sent - replica.adds_taken),
-                )
-                for replica in self._replicas
-                if replica.alive
-            }
+            return self._live_stats()
+
+    def _live_stats(self) -> dict[int, EngineStats]:
+        return {
+            replica.index: replace(
+                replica.stats,
+                waiting_requests=replica.stats.waiting_requests + max(0, replica.adds_sent - replica.adds_taken),
+            )
+            for replica in self._replicas
+            if replica.alive
+        }
 
     def stats(self) -> EngineStats:
         """The live replicas' snapshots added up, and the counters of those lost (so that no
         total counted so far goes down when a replica dies)."""
-        found = list(self.engine_stats().values())
+        with self._lock:  # one reading: a replica lost meanwhile is counted once
+            found = list(self._live_stats().values())
+            lost = [replica.stats.counters_only() for replica in self._replicas if not replica.alive]
         if not found:
             raise EngineDeadError("no data-parallel replica is alive")
-        with self._lock:
-            lost = [replica.stats.counters_only() for replica in self._replicas if not replica.alive]
         return summed_stats(found + lost)
 
     def num_waiting(self) -> int:
