@@ -154,7 +154,8 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
 
 
 # Which tests run: "quick" (`make test`, the default) leaves out those marked `full`, the wider
-# matrices of paths the quick tier already covers; "full" (`make test-full`) runs only those;
+# matrices of paths the quick tier already covers and the slowest checks of rare failures (they
+# wait out a timeout); "full" (`make test-full`) runs only those;
 # "all" runs everything. CI runs both tiers.
 TEST_TIER_ENV = "COMPILED_ENGINE_TEST_TIER"
 TEST_TIERS = ("quick", "full", "all")

@@ -109,7 +109,7 @@ def test_a_step_is_cut_into_micro_batches_of_whole_sequences() -> None:
     ("variant", "pipeline", "tensor"),
     [
         ("llama", 2, 1),
-        ("llama", 2, 2),  # a 2 x 2 grid: each stage's layers split again
+        pytest.param("llama", 2, 2, marks=pytest.mark.full),  # a 2 x 2 grid: each stage's layers split again
         pytest.param("gemma3", 3, 1, marks=pytest.mark.full),  # stage 1 is layer 1 alone: a full-attention layer
         pytest.param("qwen3", 2, 1, marks=pytest.mark.full),
     ],
@@ -159,7 +159,7 @@ def _batched_and_alone(queue: Any, config: EngineConfig, prompts: list[list[int]
 
 @pytest.mark.parametrize(
     ("pipeline", "tensor"),
-    [(2, 1), pytest.param(2, 3, marks=pytest.mark.full)],  # 2 x 3: six processes on two cores
+    [pytest.param(2, 1, marks=pytest.mark.full), pytest.param(2, 3, marks=pytest.mark.full)],  # 2 x 3: six processes
 )
 def test_default_model_pp_gives_pp1s_ids_batched_and_alone_with_chunks_and_preemption(
     pipeline: int, tensor: int, default_model_dir: Path

@@ -205,6 +205,7 @@ def _fail_slowly(pid: int, engine: LLMEngine) -> int:
     raise KeyboardInterrupt
 
 
+@pytest.mark.full
 def test_a_replica_whose_loop_fails_leaves_at_once_and_its_counters_stay_in_the_totals(
     tiny_model_factory: Callable[..., Path],
 ) -> None:

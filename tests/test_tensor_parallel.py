@@ -366,9 +366,8 @@ def _idle_child(queue: Any, config: EngineConfig, prompts: list[list[int]], max_
         queue.put(("error", f"{type(exc).__name__}: {exc}"))
 
 
-@pytest.mark.parametrize(
-    "parallel", [{"tensor_parallel_size": 2}, pytest.param({"pipeline_parallel_size": 2}, marks=pytest.mark.full)]
-)
+@pytest.mark.full
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
 def test_an_engine_that_idles_past_the_collective_timeout_keeps_its_ranks(
     parallel: dict[str, int], tiny_model_factory: Callable[..., Path]
 ) -> None:
