@@ -182,6 +182,7 @@ def test_default_model_pp_gives_pp1s_ids_batched_and_alone_with_chunks_and_preem
     assert alone == want_alone
 
 
+@pytest.mark.full  # the quick tier kills a tensor-parallel worker (tests/test_tensor_parallel.py)
 def test_a_killed_stage_fails_the_engine_instead_of_hanging(tiny_model_factory: Callable[..., Path]) -> None:
     message = dead_worker_message(str(tiny_model_factory("qwen3")), "killed", {"pipeline_parallel_size": 2})
     assert "EngineDeadError" in message and "rank-1" in message, message

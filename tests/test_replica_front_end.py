@@ -169,6 +169,7 @@ def test_a_replica_that_cannot_start_stops_the_start_with_its_reason(tmp_path: P
     assert "no-such-model" in str(failed.value)
 
 
+@pytest.mark.full
 def test_replicas_of_two_tensor_parallel_ranks_each(tiny_model_factory: Callable[..., Path]) -> None:
     """DP = 2 x TP = 2: each replica starts its own ranks, and the text is one process's."""
     config = EngineConfig(

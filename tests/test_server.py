@@ -790,6 +790,7 @@ def _scrape_while_streaming(server: ServerProcess) -> None:
     wait_until_idle(server)
 
 
+@pytest.mark.full
 def test_a_port_taken_before_the_server_binds_it_is_replaced(
     tmp_path: Path, default_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

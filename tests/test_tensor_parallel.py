@@ -143,7 +143,8 @@ def test_compiled_tp_matches_eager_single_process(tiny_model_factory: Callable[.
     _assert_same(compiled, _generate(base, PROMPTS, 6))
 
 
-@pytest.mark.parametrize("method", ["ngram", pytest.param("draft_model", marks=pytest.mark.full)])
+@pytest.mark.full
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_speculative_decoding_under_tp_keeps_the_single_process_greedy_ids(
     method: str, tiny_model_factory: Callable[..., Path]
 ) -> None:
@@ -431,6 +432,7 @@ def test_stopping_a_group_waits_for_its_workers_unless_one_is_lost(lost: bool) -
     assert survivor.killed  # the stand-in never leaves by itself
 
 
+@pytest.mark.full
 def test_server_with_a_lost_worker_reports_not_ready_and_exits_non_zero(tmp_path: Path) -> None:
     import httpx
 
