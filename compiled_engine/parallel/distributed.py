@@ -82,16 +82,16 @@ class StepSender:
         self._last = time.monotonic()
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
-        self._ranks_alive: Callable[[], bool] = lambda: True
 
     def send_while_idle(self, ranks_alive: Callable[[], bool]) -> None:
         """Start the idle broadcasts: after everything rank 0 builds (a draft model's CUDA graphs
         are captured in a mode that another thread's work would break). `ranks_alive`: False once
         a rank is known lost (a broadcast to it would only wait for the timeout)."""
-        self._ranks_alive = ranks_alive
         # NCCL's object broadcast stages through the current device, which is per thread.
         cuda_device = torch.cuda.current_device() if dist.get_backend() == "nccl" else None
-        self._thread = threading.Thread(target=self._send_idle, args=(cuda_device,), name="rank-0-idle", daemon=True)
+        self._thread = threading.Thread(
+            target=self._send_idle, args=(ranks_alive, cuda_device), name="rank-0-idle", daemon=True
+        )
         self._thread.start()
 
     @contextlib.contextmanager
@@ -115,14 +115,14 @@ class StepSender:
         if self._thread is not None:
             self._thread.join(timeout=self.interval_s)
 
-    def _send_idle(self, cuda_device: int | None) -> None:
+    def _send_idle(self, ranks_alive: Callable[[], bool], cuda_device: int | None) -> None:
         if cuda_device is not None:
             torch.cuda.set_device(cuda_device)
         while not self._closed.wait(self.interval_s / 4):
             with self._lock:
                 if self._closed.is_set() or time.monotonic() - self._last < self.interval_s:
                     continue
-                if not self._ranks_alive():
+                if not ranks_alive():
                     return  # rank 0's next step reports the lost rank
                 try:
                     broadcast_step(Idle())

@@ -86,7 +86,7 @@ class StageLinks:
     layout: ParallelLayout
     timeout_s: float  # the engine's collective timeout, the final hidden states' group's too
     pending: list[tuple[Any, torch.Tensor]] = field(default_factory=list)  # isends in flight, their tensors
-    final_group: Any = None
+    final_group: Any = field(init=False)  # made in __post_init__
 
     def __post_init__(self) -> None:
         self.final_group = dist.new_group([0, self.last_stage_rank], timeout=timedelta(seconds=self.timeout_s))

@@ -8,9 +8,9 @@ replica's pipe, read by one thread per replica, and reach the request's asyncio 
 to a replica is queued for a writer thread of its own: a replica reads its pipe only between
 steps, and the server's event loop must never wait for that.
 
-A replica that dies (its process exits, its engine fails) is seen at once: its pipe closes. Its
-requests end with EngineDeadError (a 503 in OpenAI's shape), it leaves the routing, `/health`
-and `/metrics` report it down, and the other replicas go on serving. Shutdown drains all of them:
+A replica that dies is seen at once: its engine's failure when it reports it, its process's exit
+when its pipe closes. Its requests end with EngineDeadError (a 503 in OpenAI's shape), it leaves
+the routing, `/health` and `/metrics` report it down, and the other replicas go on serving. Shutdown drains all of them:
 no new requests, in-flight ones finish for the grace period, then the rest are aborted and the
 replicas are stopped.
 """
