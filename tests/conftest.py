@@ -166,14 +166,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if tier not in TEST_TIERS:
         raise pytest.UsageError(f"{TEST_TIER_ENV}={tier!r}: choose one of {', '.join(TEST_TIERS)}")
     if tier != "all":
-        wanted = {id(item) for item in items if ("full" in item.keywords) == (tier == "full")}
+        # By marker, not keyword: a parameter id or a folder named "full" must not move a test.
+        wanted = {id(item) for item in items if (item.get_closest_marker("full") is not None) == (tier == "full")}
         config.hook.pytest_deselected(items=[item for item in items if id(item) not in wanted])
         items[:] = [item for item in items if id(item) in wanted]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
 
 
