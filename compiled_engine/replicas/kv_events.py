@@ -4,7 +4,7 @@ Dynamo's KV router, vLLM's own examples) can follow our prefix cache as they fol
 `serve --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint":
 "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv-events"}'` takes vLLM's schema.
 
-The wire is vLLM's (as of its 0.2x/0.3x releases):
+The wire is vLLM's, from 0.24.0 to 0.34.0 (`tests/test_kv_events_wire.py` pins v0.34.0):
 - each engine step that changed the cache sends one message of three frames on a PUB socket: the
   topic, the sequence number (8 bytes, big-endian, from 0), and a msgpack `EventBatch`;
 - an `EventBatch` is the array `[ts, [event, ...], data_parallel_rank]`;
