@@ -264,6 +264,8 @@ def gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
         raise meta.fail(f"GGUF metadata '{arch}.attention.head_count_kv' must be one int, got {kv_heads!r}")
     # As llama.cpp: the head size from key_length, else hidden / heads.
     head_dim = meta.arch("attention.key_length", int, hidden // max(heads, 1))
+    if heads < 1 or head_dim < 1:  # divided by below (rotary fraction, Gemma's query scale)
+        raise meta.fail(f"{heads} attention heads of {head_dim} dims each: both must be positive")
     value_dim = meta.arch("attention.value_length", int, head_dim)
     if value_dim != head_dim:
         raise meta.fail(f"value heads of {value_dim} differ from key heads of {head_dim}")

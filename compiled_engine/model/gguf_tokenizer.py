@@ -103,7 +103,7 @@ def build_gguf_tokenizer(header: GGUFHeader) -> GGUFTokenizer:
     names the file and what in it cannot be used."""
     kind = header.metadata.get("tokenizer.ggml.model")
     builders: dict[str, Callable[[_Vocabulary], Tokenizer]] = {"gpt2": _byte_level, "llama": _sentencepiece}
-    if kind not in builders:
+    if not isinstance(kind, str) or kind not in builders:  # (an array is no dictionary key)
         raise ModelSourceError(
             f"{header.path}: its tokenizer model {kind!r} (tokenizer.ggml.model) is not supported "
             f"(supported: {', '.join(builders)}); put the model's tokenizer.json beside the file"
@@ -222,7 +222,7 @@ def byte_alphabet() -> list[str]:
 
 def _byte_level(vocab: _Vocabulary) -> Tokenizer:
     option = vocab.header.metadata.get("tokenizer.ggml.pre", "default")
-    if option not in PRE_TOKENIZERS:
+    if not isinstance(option, str) or option not in PRE_TOKENIZERS:  # (an array is no dictionary key)
         raise ModelSourceError(
             f"{vocab.where()}: pre-tokenizer {option!r} (tokenizer.ggml.pre) is not supported "
             f"(supported: {', '.join(PRE_TOKENIZERS)}); put the model's tokenizer.json beside the file"
