@@ -78,7 +78,7 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._requests: dict[str, RequestState] = {}
         self._pending_aborts: set[str] = set()
-        self.num_aborted_requests = 0  # requests `abort_request` ended before they finished
+        self.num_aborted_requests = 0  # requests ended before they finished: aborted, or in a failed step
         self._seq_ids = itertools.count()
         self.pooling = pooling_config(self.model_dir) if config.runner == "pooling" else None
         if self.ranks is not None:  # all built: rank 0's idle broadcasts may start
@@ -203,7 +203,8 @@ class LLMEngine:
                 # step's requests with `abort` and returns every page they held before the error
                 # goes on up; the rest of the queue is untouched.
                 for request_id in {item.seq.request_id for item in out.scheduled}:
-                    self._abort(self._requests[request_id], pages_written=False)
+                    if self._abort(self._requests[request_id], pages_written=False):
+                        self.num_aborted_requests += 1
                 raise
         with nvtx_range("detokenize"):
             return self._collect_outputs()

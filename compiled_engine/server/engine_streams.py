@@ -1,10 +1,12 @@
 """An engine request's stream of outputs under an HTTP connection: a stream's first output before
-its 200, whole replies that a disconnect cancels, batches whose first failure cancels the rest.
-Cancelling an engine stream aborts its request, which returns its pages at the next step."""
+its 200, a failure after it as the API's own last event, whole replies that a disconnect cancels,
+batches whose first failure cancels the rest. Cancelling an engine stream aborts its request,
+which returns its pages at the next step."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -12,10 +14,16 @@ from litestar import Request
 from litestar.response import Stream
 
 from compiled_engine.engine.outputs import RequestOutput
-from compiled_engine.server.errors import ApiError
+from compiled_engine.server.errors import ApiError, ServerError, server_error
 from compiled_engine.server.replies.deltas import StepDeltas, choice_deltas
 
+logger = logging.getLogger(__name__)
+
 T = TypeVar("T")
+
+# A stream's last event when it fails after its 200: the failure, and how many events were sent
+# before it (the Responses API numbers its events).
+FailureEvent = Callable[[ServerError, int], bytes]
 
 
 class EventStream(Stream):
@@ -28,16 +36,36 @@ class EventStream(Stream):
 
 
 async def event_stream(
-    outputs: AsyncIterator[RequestOutput], events: Callable[[AsyncIterator[StepDeltas]], AsyncIterator[bytes]]
+    outputs: AsyncIterator[RequestOutput],
+    events: Callable[[AsyncIterator[StepDeltas]], AsyncIterator[bytes]],
+    failed: FailureEvent,
 ) -> Stream:
     """The SSE reply that `events` makes of the request's choice deltas. The first output is
     awaited here, so that a refused request fails with its status code before the stream (and
-    its 200) starts."""
+    its 200) starts; a failure after that (a lost replica, a dead engine loop) ends the stream
+    with the event `failed` makes of it, never with a cut connection."""
     try:
         first: RequestOutput | None = await outputs.__anext__()
     except StopAsyncIteration:
         first = None
-    return EventStream(events(choice_deltas(first, outputs)), media_type="text/event-stream")
+    return EventStream(
+        _ending_on_failure(events(choice_deltas(first, outputs)), failed), media_type="text/event-stream"
+    )
+
+
+async def _ending_on_failure(events: AsyncIterator[bytes], failed: FailureEvent) -> AsyncIterator[bytes]:
+    sent = 0
+    try:
+        async for event in events:
+            yield event
+            sent += 1
+    except Exception as exc:  # a cancelled stream (the client left) is not caught: nobody reads
+        error = server_error(exc)
+        if error.status == 500:
+            logger.exception("a stream failed after its first event")
+        else:
+            logger.warning("a stream failed after its first event: %s", error.message)
+        yield failed(error, sent)
 
 
 async def unless_disconnected(request: Request[Any, Any, Any], work: Coroutine[Any, Any, T]) -> T:

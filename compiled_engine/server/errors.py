@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from litestar import Request, Response
@@ -60,29 +61,47 @@ _HTTP_TYPES = {
 }
 
 
-def handle_exception(request: Request, exc: Exception) -> Response[ErrorResponse]:
+@dataclass(frozen=True)
+class ServerError:
+    """A failure as every API reports it: the status it has (before a stream's 200), OpenAI's
+    error type, the message."""
+
+    status: int
+    type: str
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+
+def server_error(exc: Exception) -> ServerError:
+    """The status, type and message of a failure raised by a route or by an engine stream."""
     if isinstance(exc, ApiError):
-        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+        return ServerError(exc.status, exc.type, exc.message, exc.param, exc.code)
     if isinstance(exc, ValidationException):
         extra = exc.extra if isinstance(exc.extra, list) else []
         details = "; ".join(str(e.get("message", e)) if isinstance(e, dict) else str(e) for e in extra)
-        return error_response(400, f"invalid request body: {details or exc.detail}", "invalid_request_error")
+        return ServerError(400, "invalid_request_error", f"invalid request body: {details or exc.detail}")
     if isinstance(exc, HTTPException):
         status = exc.status_code
         message = exc.detail or "error"
         if status == 413:
             message = f"request body too large: {message}"
-        return error_response(
-            status, message, _HTTP_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-        )
+        kind = _HTTP_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        return ServerError(status, kind, message)
     if isinstance(exc, EngineOverloadedError):
-        return error_response(429, f"the server is overloaded: {exc}; retry later", "rate_limit_error")
+        return ServerError(429, "rate_limit_error", f"the server is overloaded: {exc}; retry later")
     if isinstance(exc, EngineShuttingDownError | EngineDeadError):
-        return error_response(503, str(exc), "service_unavailable")
+        return ServerError(503, "service_unavailable", str(exc))
     if isinstance(exc, RequestError | TokenizerError | CompiledEngineError):
-        return error_response(400, str(exc), "invalid_request_error")
-    logger.exception("unhandled error on %s %s", request.method, request.url.path)
-    return error_response(500, f"internal error: {type(exc).__name__}", "server_error")
+        return ServerError(400, "invalid_request_error", str(exc))
+    return ServerError(500, "server_error", f"internal error: {type(exc).__name__}")
+
+
+def handle_exception(request: Request, exc: Exception) -> Response[ErrorResponse]:
+    error = server_error(exc)
+    if error.status == 500 and not isinstance(exc, ApiError | HTTPException):
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+    return error_response(error.status, error.message, error.type, error.param, error.code)
 
 
 RequestErrorHandler = Callable[[Request[Any, Any, Any], Exception], Response[ErrorResponse]]
@@ -116,12 +135,15 @@ _MESSAGES_TYPES = {
 }
 
 
+def messages_error_type(status: int) -> str:
+    return _MESSAGES_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+
+
 def messages_error_handler(request: Request[Any, Any, Any], exc: Exception) -> Response[MessagesError]:
     """The Messages routes' errors: the same statuses and messages as every other route, in
     Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`."""
     openai_shaped = request_error_handler()(request, exc)
     status = openai_shaped.status_code or 500
     assert isinstance(openai_shaped.content, ErrorResponse)
-    kind = _MESSAGES_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    body = MessagesError(MessagesErrorBody(kind, openai_shaped.content.error.message))
+    body = MessagesError(MessagesErrorBody(messages_error_type(status), openai_shaped.content.error.message))
     return Response(body, status_code=status, headers=openai_shaped.headers)

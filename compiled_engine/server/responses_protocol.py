@@ -75,6 +75,7 @@ OutputItem = ReasoningItem | OutputMessage | FunctionCallItem
 
 class InputTokensDetails(msgspec.Struct):
     cached_tokens: int
+    cache_write_tokens: int = 0  # OpenAI's field; pages this server caches are not counted apart
 
 
 class OutputTokensDetails(msgspec.Struct):
@@ -93,11 +94,18 @@ class IncompleteDetails(msgspec.Struct):
     reason: str
 
 
+class ResponseError(msgspec.Struct):
+    """Why a response failed (`status: failed`)."""
+
+    code: str  # server_error, rate_limit_exceeded, ...
+    message: str
+
+
 class ResponseObject(msgspec.Struct):
     id: str
     created_at: int
     model: str
-    status: str  # in_progress, completed, incomplete
+    status: str  # in_progress, completed, incomplete, failed
     output: list[OutputItem]
     usage: ResponseUsage | None
     instructions: str | None
@@ -113,7 +121,7 @@ class ResponseObject(msgspec.Struct):
     metadata: dict[str, str]
     user: str | None
     incomplete_details: IncompleteDetails | None = None
-    error: None = None
+    error: ResponseError | None = None
     truncation: str = "disabled"
     reasoning: dict[str, Any] = msgspec.field(default_factory=lambda: {"effort": None, "summary": None})
     object: Literal["response"] = "response"

@@ -155,6 +155,7 @@ async function send(event) {
         const data = line.slice(6);
         if (data === "[DONE]") continue;
         const chunk = JSON.parse(data);
+        if (chunk.error) showError("The reply stopped: " + chunk.error.message); // a failure after the first token
         if (chunk.usage) usage = chunk.usage;
         const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
         if (delta && delta.content) {

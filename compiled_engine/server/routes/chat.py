@@ -16,6 +16,7 @@ from compiled_engine.server.engine_streams import event_stream, final_output, un
 from compiled_engine.server.errors import ApiError, request_error_handler
 from compiled_engine.server.protocol import ChatCompletionRequest
 from compiled_engine.server.replies.chat import chat_events, chat_reply
+from compiled_engine.server.replies.failures import openai_failure
 from compiled_engine.server.replies.frame import ReplyFrame
 from compiled_engine.server.sampling import sampling_params
 from compiled_engine.server.serving import Serving
@@ -60,7 +61,9 @@ class ChatController(Controller):
         outputs = serving.generate(prompt, params, frame.id, salt, lora)
         if data.stream:
             return await event_stream(
-                outputs, lambda steps: chat_events(frame, steps, data.n, serving.tokenizer, plan, serving.reasoning)
+                outputs,
+                lambda steps: chat_events(frame, steps, data.n, serving.tokenizer, plan, serving.reasoning),
+                openai_failure,
             )
         final = await unless_disconnected(request, final_output(outputs))
         return chat_reply(frame, final, serving.tokenizer, plan, serving.reasoning)

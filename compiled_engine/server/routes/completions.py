@@ -13,6 +13,7 @@ from compiled_engine.server.engine_streams import event_stream, final_outputs, u
 from compiled_engine.server.errors import ApiError
 from compiled_engine.server.protocol import CompletionRequest
 from compiled_engine.server.replies.completions import completion_events, completion_reply
+from compiled_engine.server.replies.failures import openai_failure
 from compiled_engine.server.replies.frame import ReplyFrame
 from compiled_engine.server.sampling import sampling_params
 from compiled_engine.server.serving import Serving
@@ -43,6 +44,7 @@ class CompletionsController(Controller):
             return await event_stream(
                 serving.generate(prompts[0], params[0], frame.id, salt, lora),
                 lambda steps: completion_events(frame, steps, data.echo, serving.tokenizer),
+                openai_failure,
             )
         # A batch of prompts runs concurrently, like any other set of requests.
         streams = [

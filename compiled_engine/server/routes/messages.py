@@ -18,6 +18,7 @@ from compiled_engine.server.engine_streams import event_stream, final_output, un
 from compiled_engine.server.errors import ApiError, messages_error_handler
 from compiled_engine.server.messages_protocol import CountTokensRequest, CountTokensResponse, MessagesRequest
 from compiled_engine.server.messages_turns import message_tool_plan, message_turns
+from compiled_engine.server.replies.failures import messages_failure
 from compiled_engine.server.replies.messages import message_events, message_reply
 from compiled_engine.server.routes.chat import chat_prompt
 from compiled_engine.server.serving import Serving
@@ -59,7 +60,9 @@ class MessagesController(Controller):
         outputs = serving.generate(prompt, params, message_id, salt, lora)
         if data.stream:
             return await event_stream(
-                outputs, lambda steps: message_events(message_id, model, steps, plan, stop_sequences, serving.reasoning)
+                outputs,
+                lambda steps: message_events(message_id, model, steps, plan, stop_sequences, serving.reasoning),
+                messages_failure,
             )
         final = await unless_disconnected(request, final_output(outputs))
         return message_reply(message_id, model, final, plan, stop_sequences, serving.reasoning)

@@ -4,6 +4,7 @@ constraints), with conversations continued through `previous_response_id` from a
 
 from __future__ import annotations
 
+import functools
 import uuid
 from typing import Annotated, Any
 
@@ -14,6 +15,7 @@ from litestar.params import Body
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.server.engine_streams import event_stream, final_output, unless_disconnected
 from compiled_engine.server.errors import ApiError
+from compiled_engine.server.replies.failures import responses_failure
 from compiled_engine.server.replies.responses import ResponseFrame, response_events, response_reply
 from compiled_engine.server.responses_protocol import DeletedResponse, ResponseObject, ResponsesRequest
 from compiled_engine.server.responses_turns import input_turns, output_turn, responses_tool_plan, text_format
@@ -88,7 +90,9 @@ class ResponsesController(Controller):
         outputs = serving.generate(prompt, params, frame.id, salt, lora)
         if data.stream:
             return await event_stream(
-                outputs, lambda steps: response_events(frame, steps, plan, keep, serving.reasoning)
+                outputs,
+                lambda steps: response_events(frame, steps, plan, keep, serving.reasoning),
+                functools.partial(responses_failure, frame),
             )
         final = await unless_disconnected(request, final_output(outputs))
         response = response_reply(frame, final, plan, serving.reasoning)
