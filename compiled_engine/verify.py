@@ -13,6 +13,7 @@ from compiled_engine.model.source import resolve_model_dir
 from compiled_engine.prompts import DEFAULT_PROMPTS, PromptSpec, load_prompts
 from compiled_engine.tokenizer import Tokenizer
 from reference_oracle import GoldenResult, ReferenceOracle, first_divergence
+from reference_oracle.gguf_source import compare_tokenizers
 
 
 def _top5(tokenizer: Tokenizer, ids: list[int], values: list[float]) -> str:
@@ -44,12 +45,46 @@ def report_divergence(
     return "\n".join(lines)
 
 
+def check_gguf_reading(oracle: ReferenceOracle, tokenizer: Tokenizer) -> tuple[list[str], str]:
+    """Where our preparation of a GGUF (config.json from our metadata reader, the tokenizer from
+    our builder or the tokenizer.json beside the file, the stop ids) parts from transformers' own
+    reading of the file, and a summary of what was compared."""
+    assert oracle.gguf is not None and oracle.gguf.check is not None
+    reading, config = oracle.gguf, oracle.gguf.check
+    problems = [f"config {d}" for d in config.disagreements]
+    ours_stop, their_stop = tokenizer.eos_token_ids, oracle.eos_token_ids()
+    if ours_stop != their_stop:
+        problems.append(f"stop token ids: ours {sorted(ours_stop)}, transformers {sorted(their_stop)}")
+    encode_chat = tokenizer.encode_chat if tokenizer.chat_template_source is not None else None
+    tokens = compare_tokenizers(reading.tokenizer, tokenizer.encode, encode_chat)
+    problems += tokens.disagreements
+    lines = [
+        f"GGUF: our config and tokenizer agree with transformers' reading of {reading.path.resolve().name}: "
+        f"{len(config.checked)} config fields ({', '.join(config.checked)}), the stop ids, "
+        f"{len(tokens.compared)} probe texts{' and a conversation through the chat template' if tokens.chat_template else ''}"
+    ]
+    if tokens.unspellable:
+        lines.append(f"  {len(tokens.unspellable)} probe texts not compared: the vocabulary cannot spell them")
+    if config.taken:
+        lines.append("  transformers reads no GGUF key for these; the oracle takes ours, unchecked:")
+        lines += [f"    {taken}" for taken in config.taken]
+    return problems, "\n".join(lines)
+
+
 def verify(config: EngineConfig, prompts_file: Path | None, chat: bool, max_tokens: int) -> int:
     specs = list(DEFAULT_PROMPTS) if prompts_file is None else load_prompts(prompts_file, chat)
     model_dir = resolve_model_dir(config.model)
     tokenizer = Tokenizer(model_dir)
-    runner = ModelRunner(model_dir, config)
     oracle = ReferenceOracle(model_dir)
+    if oracle.gguf is not None and oracle.gguf.check is not None:
+        problems, summary = check_gguf_reading(oracle, tokenizer)
+        if problems:
+            print(f"GGUF CHECK FAILED: our reading of {oracle.gguf.path.resolve()} is not transformers' reading of it")
+            print("\n".join(f"  {problem}" for problem in problems))
+            print(f"{len(problems)} disagreements with transformers' reading of the GGUF", file=sys.stderr)
+            return 1
+        print(summary)
+    runner = ModelRunner(model_dir, config)
     prompt_ids = []
     for i, spec in enumerate(specs):
         encoded = tokenizer.encode_prompt(spec.text, spec.chat)

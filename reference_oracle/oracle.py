@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from reference_oracle.gguf_source import GGUFReading, read_gguf
+
 TOP_K = 5
 
 
@@ -21,6 +23,12 @@ class GoldenResult:
 
 
 class ReferenceOracle:
+    """transformers on a model directory, or on a GGUF file: `model_dir` a `.gguf` file, or a
+    directory prepared from one (its `model.gguf` and no dense weights). From a GGUF, the config,
+    tokenizer and weights are transformers' own reading of the file (gguf_source.py), never the
+    directory's config.json or tokenizer files; `gguf.check` says where the directory's config.json
+    disagrees with that reading."""
+
     def __init__(self, model_dir: str | Path) -> None:
         try:
             from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -29,18 +37,21 @@ class ReferenceOracle:
                 "the reference oracle needs transformers: pip install 'compiled_engine[convert]'"
             ) from exc
         self.model_dir = Path(model_dir)
-        # A directory prepared from a GGUF alone (model.gguf, no dense weights): transformers
-        # dequantizes the file itself (through gguf-py), under the directory's config.
-        source: dict[str, Any] = {}
-        dense = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
-        if (self.model_dir / "model.gguf").is_file() and not any((self.model_dir / n).is_file() for n in dense):
-            from transformers import AutoConfig
-
-            source = {"gguf_file": "model.gguf", "config": AutoConfig.from_pretrained(self.model_dir)}
-        self.model = AutoModelForCausalLM.from_pretrained(
-            self.model_dir, dtype=torch.float32, attn_implementation="eager", **source
-        ).eval()
+        self.gguf: GGUFReading | None = None
         self.tokenizer: Any = None
+        dense = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+        if self.model_dir.is_file() and self.model_dir.suffix.lower() == ".gguf":
+            self.gguf, self.model = read_gguf(self.model_dir, None)
+            self.tokenizer = self.gguf.tokenizer
+            return
+        if (self.model_dir / "model.gguf").is_file() and not any((self.model_dir / n).is_file() for n in dense):
+            ours = self.model_dir if (self.model_dir / "config.json").is_file() else None
+            self.gguf, self.model = read_gguf(self.model_dir / "model.gguf", ours)
+            self.tokenizer = self.gguf.tokenizer
+            return
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.model_dir, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
         if (self.model_dir / "tokenizer.json").is_file():
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
 
@@ -56,6 +67,8 @@ class ReferenceOracle:
         return [int(i) for i in self.tokenizer(prompt)["input_ids"]]
 
     def eos_token_ids(self) -> frozenset[int]:
+        if self.gguf is not None:
+            return self.gguf.eos_token_ids
         eos = self.model.generation_config.eos_token_id
         if eos is None:
             return frozenset()
