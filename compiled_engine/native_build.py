@@ -61,11 +61,14 @@ class NativeLibrary:
     source: Path
     what: str
     include_dirs: tuple[str, ...] = ()  # beyond the compiler's own (for example Python's headers)
+    # After FLAGS, so they can take back what -march=native gives: the tests build the kernels'
+    # other instruction-set paths this way (for example "-mno-avx2").
+    extra_flags: tuple[str, ...] = ()
 
     def path(self) -> Path:
         """Where the library for this source, compiler and CPU lives (built there if missing)."""
         cc = compiler()
-        flags = " ".join(FLAGS + OPENMP + LIBS + tuple(f"-I{d}" for d in self.include_dirs))
+        flags = " ".join(FLAGS + self.extra_flags + OPENMP + LIBS + tuple(f"-I{d}" for d in self.include_dirs))
         path = _cached_path(self.source.stem, [self.source.read_text(), cc, _version(cc), flags])
         if not path.exists():
             self.build(cc, path)
@@ -79,7 +82,7 @@ class NativeLibrary:
             with tempfile.NamedTemporaryFile(dir=output.parent, suffix=".so", delete=False) as tmp:
                 partial = Path(tmp.name)
             includes = [f"-I{d}" for d in self.include_dirs]
-            command = [cc, *FLAGS, *extra, *includes, "-o", str(partial), str(self.source), *LIBS]
+            command = [cc, *FLAGS, *self.extra_flags, *extra, *includes, "-o", str(partial), str(self.source), *LIBS]
             done = subprocess.run(command, capture_output=True, text=True, check=False)
             if done.returncode == 0:
                 partial.replace(output)

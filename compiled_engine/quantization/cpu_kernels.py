@@ -133,7 +133,12 @@ class QuantKernels:
 @cache
 def load_quant_kernels() -> QuantKernels:
     """Build (once per machine) and load the kernels; raises KernelBuildError when it cannot."""
-    library = LIBRARY.load()
+    return bind_quant_kernels(LIBRARY.load())
+
+
+def bind_quant_kernels(library: ctypes.CDLL) -> QuantKernels:
+    """The kernels of a loaded build of quant_matmul.c (the engine's, or one the tests build with
+    other instruction sets)."""
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     signatures = {
         "int4_matmul_f32": [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, f32],
