@@ -1,12 +1,16 @@
 """The frame-stack arena cache (engine/frame_arena.py): Python's frame-stack chunks come back
 from it instead of from mmap, the model runner installs it, and a failed build leaves Python's own
-allocator with a warning."""
+allocator with a warning (where Python's C headers are not installed, the engine runs so, and the
+tests of the cache skip)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import re
 import subprocess
 import sys
+import sysconfig
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +24,35 @@ from compiled_engine.engine.frame_arena import (
     install_frame_arena,
     set_frame_arena_enabled,
 )
+from compiled_engine.native_build import KernelBuildError
+
+# A header the compiler did not find, as GCC and Clang say it.
+MISSING_HEADER = re.compile(r"([\w./+-]+\.h)'?:? (?:No such file or directory|file not found)")
+
+
+def skip_without_pythons_headers() -> None:
+    """Skip the test where the cache cannot be built for want of Python's C headers (no Python.h
+    among its include directories, or a header it includes missing), as on a Python installed
+    without its development files: the engine runs there with Python's allocator and a warning,
+    which test_a_failing_build_keeps_pythons_allocator covers. Any other build failure fails."""
+    library = frame_arena.LIBRARY
+    if not any((Path(d) / "Python.h").is_file() for d in library.include_dirs):
+        pytest.skip(
+            f"Python's C headers are not installed (no Python.h in {', '.join(library.include_dirs)}): "
+            "the engine runs without the frame-stack arena cache"
+        )
+    try:
+        library.path()
+    except KernelBuildError as error:
+        missing = MISSING_HEADER.search(str(error))
+        if missing is None:
+            raise
+        pytest.skip(f"Python's C headers are incomplete ({missing.group(1)} not found): {error}")
+
+
+@pytest.fixture
+def arena_builds() -> None:
+    skip_without_pythons_headers()
 
 
 def _recurse(depth: int) -> int:
@@ -37,6 +70,7 @@ def _chunks_taken(calls: int) -> FrameArenaCounts:
     return FrameArenaCounts(after.reused - before.reused, after.passed - before.passed)
 
 
+@pytest.mark.usefixtures("arena_builds")
 def test_frame_stack_chunks_are_reused_not_mapped_again() -> None:
     assert install_frame_arena()
     try:
@@ -51,6 +85,7 @@ def test_frame_stack_chunks_are_reused_not_mapped_again() -> None:
         set_frame_arena_enabled(True)
 
 
+@pytest.mark.usefixtures("arena_builds")
 def test_the_model_runner_installs_it(tiny_model_factory: Callable[..., Path]) -> None:
     model_dir = tiny_model_factory("llama")
     script = textwrap.dedent(
@@ -84,3 +119,25 @@ def test_a_failing_build_keeps_pythons_allocator(
         assert _recurse(400) == 400  # Python runs on as before
     finally:
         frame_arena._library.cache_clear()
+
+
+def test_missing_headers_skip_the_tests_of_the_cache_and_other_build_failures_fail(
+    private_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    include = tmp_path / "include"
+    include.mkdir()
+    monkeypatch.setattr(frame_arena, "LIBRARY", dataclasses.replace(frame_arena.LIBRARY, include_dirs=(str(include),)))
+    with pytest.raises(pytest.skip.Exception, match=r"Python's C headers are not installed \(no Python\.h in"):
+        skip_without_pythons_headers()
+    # Python.h there, but not the configuration header it includes (a partial install)
+    (include / "Python.h").write_text('#include "pyconfig.h"\n')
+    with pytest.raises(pytest.skip.Exception, match=r"incomplete \(pyconfig\.h not found\)"):
+        skip_without_pythons_headers()
+    # the real headers, and a source that does not compile: not a reason to skip
+    broken = tmp_path / "frame_arena.c"
+    broken.write_text("#include <Python.h>\nint broken(void) { return undeclared; }\n")
+    real = dataclasses.replace(frame_arena.LIBRARY, source=broken, include_dirs=(sysconfig.get_paths()["include"],))
+    monkeypatch.setattr(frame_arena, "LIBRARY", real)
+    if (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file():
+        with pytest.raises(KernelBuildError, match="undeclared"):
+            skip_without_pythons_headers()
