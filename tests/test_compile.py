@@ -32,6 +32,7 @@ from compiled_engine.engine.precompiled import PrecompiledFunction, artifact_dir
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.engine.step_inputs import StepInputs
 from compiled_engine.model import packed_linear
+from compiled_engine.model.gguf import read_gguf_header, tensor_bytes
 from compiled_engine.model.packed_linear import CpuLinear
 from compiled_engine.prompts import DEFAULT_PROMPTS
 from tests.onednn_layout import packs_as_one_copy
@@ -378,6 +379,90 @@ def test_a_gguf_of_mixed_types_saves_one_trace_per_kind_of_layer_and_loads_them_
     for e, a, b in zip(eager, first_logits, second_logits, strict=True):
         assert torch.equal(a, b)
         torch.testing.assert_close(b, e, atol=2e-4, rtol=1e-4)
+
+
+def _assert_own_logits(
+    runner: ModelRunner, tokens: dict[int, list[int]], own: list[torch.Tensor], other: list[torch.Tensor]
+) -> None:
+    """The runner's logits on `_batches` are its own model's eager ones, far from the other model's."""
+    for got, want, elsewhere in zip(_run_steps(runner, tokens), own, other, strict=True):
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        assert (got - elsewhere).abs().max() > 0.1
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("beside_the_first", [False, True], ids=["a later start", "beside the first"])
+def test_a_checkpoint_of_the_same_shapes_gets_its_own_logits_from_the_first_ones_traces(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, beside_the_first: bool
+) -> None:
+    """Saved traces are keyed by the model's structure and configuration, not by its weights
+    (model_runner.py), so another checkpoint of the same shapes (another seed) loads the first
+    one's traces, at a later start or in the same process while the first still runs. Its
+    weights are the traces' inputs: it gives its own eager logits, not the first model's."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    first_dir, tokens, first_eager = _eager_run(tiny_model_factory, "llama", seed=5)
+    second_dir = tiny_model_factory("llama", seed=1, max_position_embeddings=64)
+    second_eager = _run_steps(_runner(second_dir, compiled=False), tokens)
+
+    torch._dynamo.reset()
+    first = _runner(first_dir, compiled=True, compile_cache=True)
+    assert set(_entry_sources(first).values()) == {"compiled and saved"}
+    saved = sorted((tmp_path / "compiled").rglob("*.bin"))
+
+    if not beside_the_first:
+        torch._dynamo.reset()
+    counters.clear()
+    second = _runner(second_dir, compiled=True, compile_cache=True)
+    # The same directory and files: what this test is about (were the key ever to take the
+    # weights, the second model would compile its own and this would no longer test reuse).
+    assert sorted((tmp_path / "compiled").rglob("*.bin")) == saved
+    assert set(_entry_sources(second).values()) == {"loaded"}
+    assert counters["stats"]["unique_graphs"] == 0, "a saved entry was traced again"
+    _assert_own_logits(second, tokens, second_eager, first_eager)
+    if beside_the_first:
+        _assert_own_logits(first, tokens, first_eager, second_eager)
+
+
+def _rows_reversed(source: Path, target: Path) -> Path:
+    """A copy of the GGUF file `source` whose matrices hold their rows in reverse order: the same
+    metadata, block types and shapes, other weights (a row is whole blocks, so still valid ones)."""
+    header = read_gguf_header(source)
+    data = bytearray(source.read_bytes())
+    for info in header.tensors.values():
+        if len(info.shape) == 2:
+            end = info.offset + tensor_bytes(info)
+            rows = torch.frombuffer(data[info.offset : end], dtype=torch.uint8).reshape(info.shape[0], -1)
+            data[info.offset : end] = rows.flip(0).numpy().tobytes()
+    target.write_bytes(data)
+    return target
+
+
+@pytest.mark.full
+def test_a_gguf_of_the_same_types_gets_its_own_logits_from_another_files_traces(
+    private_cache: Path, tmp_path: Path
+) -> None:
+    """Two Q4_K_M files of one model's shapes and block types (the second the first with every
+    matrix's rows reversed): the second loads the traces the first saved, and runs its own weights."""
+    from compiled_engine.model.gguf_dir import prepare_gguf_dir
+
+    source = Path(__file__).parent / "fixtures" / "gguf_kquants" / "model" / "model-Q4_K_M.gguf"
+    first_dir = prepare_gguf_dir(source)
+    second_dir = prepare_gguf_dir(_rows_reversed(source, tmp_path / "reversed-Q4_K_M.gguf"))
+    gen = torch.Generator().manual_seed(6)
+    tokens = {s: torch.randint(3, 96, (40,), generator=gen).tolist() for s in range(4)}
+    first_eager = _run_steps(_runner(first_dir, compiled=False), tokens)
+    second_eager = _run_steps(_runner(second_dir, compiled=False), tokens)
+
+    torch._dynamo.reset()
+    first = _runner(first_dir, compiled=True, compile_cache=True)
+    assert set(_entry_sources(first).values()) == {"compiled and saved"}
+    torch._dynamo.reset()
+    counters.clear()
+    second = _runner(second_dir, compiled=True, compile_cache=True)
+    assert set(_entry_sources(second).values()) == {"loaded"}
+    assert counters["stats"]["unique_graphs"] == 0, "a saved entry was traced again"
+    _assert_own_logits(second, tokens, second_eager, first_eager)
 
 
 def test_a_saved_trace_that_does_not_load_is_compiled_again(
