@@ -133,6 +133,9 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # (replicas/; `serve` only: an LLMEngine is one replica).
     data_parallel_size: int = 1
     distributed_timeout_s: float = 60.0  # a collective that waits longer fails (a rank died or hung)
+    # A data-parallel replica that sends nothing (no step report, no idle heartbeat) for longer is
+    # lost: stopped or hung. One step must not take longer.
+    replica_heartbeat_timeout_s: float = 120.0
     # One of QUANTIZATIONS: the layer products' weights quantized at load. None = the checkpoint's
     # own: a GGUF's quantized tensors stay as they are (the default model runs its Q4_1/Q8_0
     # weights), safetensors stay dense. "none" = dense weights, a GGUF dequantized.
@@ -192,6 +195,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
             raise ValueError("pipeline parallelism runs without speculative decoding and LoRA for now")
         if self.runner == "pooling" and self.speculative is not None:
             raise ValueError("speculative decoding generates text: it cannot run with runner pooling")
+        if self.replica_heartbeat_timeout_s <= 0:
+            raise ValueError(f"replica_heartbeat_timeout_s must be positive, got {self.replica_heartbeat_timeout_s}")
         if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory_gib must be positive, got {self.kv_cache_memory_gib}")
         if not 0 < self.gpu_memory_utilization <= 1:

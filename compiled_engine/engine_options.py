@@ -162,6 +162,13 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
         "(docs/parallel.md)",
     ),
     EngineOption(
+        "replica_heartbeat_timeout_s",
+        "--replica-heartbeat-timeout-s",
+        "with --data-parallel-size: a replica that reports nothing for this long (stopped, deadlocked, or "
+        "inside one step that long) is declared lost, its requests fail and its process is killed",
+        metavar="SECONDS",
+    ),
+    EngineOption(
         "distributed_timeout_s",
         "--distributed-timeout-s",
         "seconds a tensor-parallel collective may wait before it fails",

@@ -1,7 +1,7 @@
 """`serve --data-parallel-size 2` on the default model, one core each: the same greedy text as one
 engine, both replicas serving, a repeated prompt going back to the replica that cached it, each
-replica's KV events on its own port, a killed replica failing its own requests only, and SIGTERM
-draining the rest."""
+replica's KV events on its own port, a killed replica failing its own requests only (its streams
+with their API's error event), and SIGTERM draining the rest."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,10 +25,12 @@ import zmq
 from tests.conftest import API_KEY
 from tests.server_process import ServerProcess, free_port, running_server
 from tests.test_kv_events import DECODER, BlockStored
+from tests.test_stream_failures import sse_events
 from tests.waiting import wait_until
 
 MODEL = "SmolLM2-135M-Instruct"  # the served name by default
 PROMPTS = [f"Question {i}: what is {i} plus {i + 3}? Answer:" for i in range(16)]
+STREAMED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
 LONG = [f"Story {k}. " + "The river ran past the old mill, and the miller counted the sacks. " * 8 for k in range(4)]
 
 
@@ -163,9 +166,93 @@ def test_reset_prefix_cache_clears_every_replica_and_waits_for_idle(dp_server: S
     assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+COUNTING = "Write the numbers from one to five hundred in words, separated by commas."
+
+
+def _stream_body(route: str, k: int) -> dict[str, Any]:
+    """A long streamed request on `route` whose first page is its own (a system prompt of its
+    own), so that the router places it by load alone."""
+    system = f"Stream {k} of the replica test. You count slowly and never stop early."
+    turns = [{"role": "user", "content": COUNTING}]
+    return {
+        "/v1/chat/completions": {"messages": [{"role": "system", "content": system}, *turns], "ignore_eos": True},
+        "/v1/completions": {"prompt": f"{system} {COUNTING}", "ignore_eos": True},
+        "/v1/messages": {"model": MODEL, "system": system, "messages": turns},
+        "/v1/responses": {"model": MODEL, "instructions": system, "input": COUNTING},
+    }[route] | {
+        "stream": True,
+        "temperature": 0.0,
+        "max_tokens" if route != "/v1/responses" else "max_output_tokens": 200,
+    }
+
+
+class _OpenStream(threading.Thread):
+    """One streamed request, read to its end on a thread of its own; `started` is set once its
+    200 has come (the request then runs on a replica)."""
+
+    def __init__(self, url: str, route: str, body: dict[str, Any]) -> None:
+        super().__init__(daemon=True)
+        self.url, self.route, self.body = url, route, body
+        self.started = threading.Event()
+        self.events: list[tuple[str | None, str]] = []
+        self.status = 0
+
+    def run(self) -> None:
+        try:
+            with httpx.stream("POST", self.url + self.route, json=self.body, timeout=300) as reply:
+                self.status = reply.status_code
+                self.started.set()
+                self.events = sse_events(reply.read().decode())
+        finally:
+            self.started.set()
+
+
+def _stream_outcome(stream: _OpenStream) -> str:
+    """ "finished" or "failed" (with the API's own error event), after checking the stream's end
+    is one of the two the API defines."""
+    assert stream.status == 200, (stream.route, stream.status)
+    names = [name for name, _ in stream.events]
+    data = [payload for _, payload in stream.events]
+    if stream.route in ("/v1/chat/completions", "/v1/completions"):
+        assert data[-1] == "[DONE]", data[-3:]
+        last = json.loads(data[-2])
+        if "error" in last:
+            assert last["error"]["type"] == "service_unavailable"
+            assert "data-parallel replica 1 died" in last["error"]["message"]
+            return "failed"
+        finish = [c.get("finish_reason") for d in data[:-1] for c in json.loads(d)["choices"]]
+        assert "length" in finish, finish[-3:]
+        return "finished"
+    if stream.route == "/v1/messages":
+        if names[-1] == "error":
+            error = json.loads(data[-1])["error"]
+            assert error["type"] == "overloaded_error" and "data-parallel replica 1 died" in error["message"]
+            assert "message_stop" not in names
+            return "failed"
+        assert names[-1] == "message_stop", names[-3:]
+        return "finished"
+    last = json.loads(data[-1])
+    assert [json.loads(d)["sequence_number"] for d in data] == list(range(len(data)))
+    if names[-1] == "response.failed":
+        assert last["response"]["status"] == "failed"
+        assert "data-parallel replica 1 died" in last["response"]["error"]["message"]
+        return "failed"
+    assert names[-1] in ("response.completed", "response.incomplete"), names[-3:]
+    return "finished"
+
+
 def test_a_killed_replica_fails_its_own_requests_and_the_other_serves_on(dp_server: ServerProcess) -> None:
+    """Whole replies on the killed replica get their 503; streams there (two on each streamed
+    route, opened one after another so that each route has one on each replica) end with their
+    API's error event, and those on the other replica finish."""
     pids = _replica_pids(dp_server)
     assert set(pids) == {0, 1}
+    streams = []
+    for k, route in enumerate(r for r in STREAMED_ROUTES for _ in range(2)):
+        stream = _OpenStream(dp_server.url, route, _stream_body(route, k))
+        stream.start()
+        assert stream.started.wait(timeout=120), f"no 200 for {route}"
+        streams.append(stream)
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(_complete_all, dp_server.url, p, 200) for p in PROMPTS[:6]]
 
@@ -176,6 +263,10 @@ def test_a_killed_replica_fails_its_own_requests_and_the_other_serves_on(dp_serv
         wait_until(both_running, "both replicas running requests")
         os.kill(pids[1], signal.SIGKILL)
         replies = [future.result() for future in futures]
+    for stream in streams:
+        stream.join(timeout=300)
+    outcomes = {route: sorted(_stream_outcome(s) for s in streams if s.route == route) for route in STREAMED_ROUTES}
+    assert outcomes == {route: ["failed", "finished"] for route in STREAMED_ROUTES}
     statuses = [reply.status_code for reply in replies]
     assert set(statuses) == {200, 503}, statuses
     failed = [reply.json() for reply in replies if reply.status_code == 503]

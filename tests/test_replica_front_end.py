@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -256,3 +257,46 @@ def test_with_every_replica_lost_the_engine_is_dead_and_says_why(tiny_model_fact
             asyncio.run(_last(engine, [1, 2, 3], SamplingParams(max_tokens=2)))
     finally:
         engine.shutdown(grace_s=0)
+
+
+def test_a_stopped_replica_is_lost_after_its_heartbeat_timeout_and_the_other_serves_on(
+    tiny_model_factory: Callable[..., Path],
+) -> None:
+    """SIGSTOP: the process neither reports nor closes its pipe. Its request fails once it has
+    been silent for the timeout, its process is killed, and routing and health leave it."""
+    config = EngineConfig(
+        model=str(tiny_model_factory("llama")),
+        enforce_eager=True,
+        page_size=4,
+        num_pages=16,
+        data_parallel_size=2,
+        replica_heartbeat_timeout_s=3.0,
+    )
+    engine = DataParallelEngine(config)
+    engine.start()
+    stopped = engine._replicas[1].process
+    try:
+        time.sleep(4.0)  # idle for longer than the timeout: the heartbeats keep both alive
+        assert [replica.alive for replica in engine.health()] == [True, True]
+        assert stopped.pid is not None
+        os.kill(stopped.pid, signal.SIGSTOP)
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+        async def one_on_each() -> list[RequestOutput | BaseException]:
+            requests = [_last(engine, [9, 8, 7, 6, 5 + i], params) for i in range(2)]
+            return await asyncio.wait_for(asyncio.gather(*requests, return_exceptions=True), timeout=60)
+
+        started = time.monotonic()
+        served, lost = sorted(asyncio.run(one_on_each()), key=lambda result: isinstance(result, BaseException))
+        assert isinstance(served, RequestOutput) and served.engine_index == 0
+        assert isinstance(lost, EngineDeadError) and "replica 1 died: it reported nothing" in str(lost)
+        assert time.monotonic() - started >= 2.0  # not before the timeout
+        [_, health] = engine.health()
+        assert not health.alive and "stopped or hung" in (health.error or "")
+        stopped.join(timeout=10)
+        assert stopped.exitcode == -signal.SIGKILL
+        assert asyncio.run(_last(engine, [1, 2, 3], params)).engine_index == 0
+    finally:
+        if stopped.is_alive() and stopped.pid is not None:
+            os.kill(stopped.pid, signal.SIGCONT)
+        engine.shutdown(grace_s=1)

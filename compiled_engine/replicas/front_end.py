@@ -9,8 +9,10 @@ to a replica is queued for a writer thread of its own: a replica reads its pipe 
 steps, and the server's event loop must never wait for that.
 
 A replica that dies is seen at once: its engine's failure when it reports it, its process's exit
-when its pipe closes. Its requests end with EngineDeadError (a 503 in OpenAI's shape), it leaves
-the routing, `/health` and `/metrics` report it down, and the other replicas go on serving. Shutdown drains all of them:
+when its pipe closes. One that stops or hangs is seen when it has sent nothing (no step report, no
+idle heartbeat) for `replica_heartbeat_timeout_s`; its process is then killed. A lost replica's
+requests end with EngineDeadError (a 503 before a stream's 200, the API's error event after it),
+it leaves the routing, `/health` and `/metrics` report it down, and the other replicas go on serving. Shutdown drains all of them:
 no new requests, in-flight ones finish for the grace period, then the rest are aborted and the
 replicas are stopped.
 """
@@ -83,6 +85,7 @@ class _Replica:
     error: str | None = None
     adds_sent: int = 0
     adds_taken: int = 0
+    last_heard: float = field(default_factory=time.monotonic)  # when its last message came
 
     def send(self, message: ToReplica) -> None:
         """Queue `message` for the replica's writer thread, in order. It never blocks: a pipe
@@ -185,6 +188,7 @@ class DataParallelEngine:
                 target=self._read, args=(replica,), name=f"dp-replica-{replica.index}-reader", daemon=True
             ).start()
             threading.Thread(target=replica.write, name=f"dp-replica-{replica.index}-writer", daemon=True).start()
+        threading.Thread(target=self._watch, name="dp-replica-watchdog", daemon=True).start()
 
     def _wait_ready(self, index: int, process: BaseProcess, conn: Connection) -> ReplicaReady:
         deadline = time.monotonic() + self._start_timeout_s
@@ -425,6 +429,7 @@ class DataParallelEngine:
                 message: FromReplica = replica.conn.recv()
             except (EOFError, OSError):
                 break
+            replica.last_heard = time.monotonic()
             if isinstance(message, StepReport):
                 self._take_report(replica, message)
             elif isinstance(message, CallDone):
@@ -436,6 +441,20 @@ class DataParallelEngine:
         if not self._stopped and replica.alive:
             replica.process.join(timeout=5.0)
             self._lose(replica, f"its process exited with code {replica.process.exitcode}")
+
+    def _watch(self) -> None:
+        """Lose (and kill) each replica that has sent nothing for the heartbeat timeout: a stopped
+        or deadlocked process never closes its pipe, and would hold its requests forever."""
+        timeout = self.config.replica_heartbeat_timeout_s
+        while not self._stopped:
+            time.sleep(min(1.0, timeout / 4))
+            for replica in self._replicas:
+                silent = time.monotonic() - replica.last_heard
+                if replica.alive and not self._stopped and silent > timeout:
+                    self._lose(
+                        replica, f"it reported nothing for {silent:.1f} s (stopped or hung); its process was killed"
+                    )
+                    replica.process.kill()
 
     def _take_report(self, replica: _Replica, report: StepReport) -> None:
         assert self.router is not None

@@ -70,10 +70,15 @@ class CallDone:
 
 
 @dataclass(frozen=True)
+class Heartbeat:
+    """An idle replica's loop is alive (a busy one says so with its step reports)."""
+
+
+@dataclass(frozen=True)
 class ReplicaFailed:
     """The replica's engine failed to build or its loop died; the process exits after this."""
 
     error: str
 
 
-FromReplica = ReplicaReady | StepReport | CallDone | ReplicaFailed
+FromReplica = ReplicaReady | StepReport | CallDone | Heartbeat | ReplicaFailed

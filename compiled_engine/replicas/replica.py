@@ -4,7 +4,8 @@ pipe (replicas/messages.py).
 The process pins itself to its cores or GPUs, builds its engine (loading, compiling and warming up
 on its main thread, as the single-engine server does on its loop thread), says it is ready, then
 loops: take in the front end's commands, run a step when any request is unfinished, and report
-the step's outputs, its snapshot and its cache events. When idle it waits on the pipe. A pipe
+the step's outputs, its snapshot and its cache events. When idle it waits on the pipe, and says
+it is alive every HEARTBEAT_S (the front end loses a replica that stays silent). A pipe
 that closes (the front end died) ends it, as does `Stop`; an engine that fails reports why
 before the process exits, so the front end can fail that replica's requests at once.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -30,6 +32,7 @@ from compiled_engine.replicas.messages import (
     AddRequest,
     CallDone,
     CallEngine,
+    Heartbeat,
     ReplicaFailed,
     ReplicaReady,
     StepReport,
@@ -40,6 +43,7 @@ from compiled_engine.replicas.messages import (
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5
+HEARTBEAT_S = 1.0  # an idle loop's "still here", at most this far apart
 
 
 def build_engine(config: EngineConfig, lora_modules: dict[str, str], record_cache_events: bool = False) -> LLMEngine:
@@ -108,6 +112,11 @@ class _ReplicaLoop:
         self.conn = conn
         self.adds_taken = 0  # since the start: the front end counts the adds it sent beyond these as waiting
         self.stopping = False
+        self.last_sent = time.monotonic()
+
+    def send(self, message: StepReport | CallDone | Heartbeat) -> None:
+        self.conn.send(message)
+        self.last_sent = time.monotonic()
 
     def run(self) -> None:
         while True:
@@ -127,7 +136,9 @@ class _ReplicaLoop:
             outputs = self.engine.step() if ran else []
             events = self.engine.take_cache_events()
             if ran or received or events:
-                self.conn.send(StepReport(outputs, refused, EngineStats.read(self.engine), events, self.adds_taken))
+                self.send(StepReport(outputs, refused, EngineStats.read(self.engine), events, self.adds_taken))
+            elif time.monotonic() - self.last_sent >= HEARTBEAT_S:
+                self.send(Heartbeat())
 
     def _take(self, command: ToReplica, refused: list[tuple[str, BaseException]]) -> None:
         if isinstance(command, AddRequest):
@@ -143,6 +154,6 @@ class _ReplicaLoop:
                 done = CallDone(command.call_id, command.function(self.engine))
             except Exception as exc:
                 done = CallDone(command.call_id, error=exc)
-            self.conn.send(done)
+            self.send(done)
         elif isinstance(command, Stop):
             self.stopping = True
