@@ -130,7 +130,7 @@ ENGINE_METRICS: tuple[EngineMetric, ...] = (
         C,
         Name(
             "compiled_engine_aborted_requests",
-            "Requests the engine ended by an abort before they finished (client gone, grace period over)",
+            "Requests the engine ended before they finished: aborted (client gone, grace period over) or in a failed step",
         ),
         None,
         lambda s: s.aborted_requests,
