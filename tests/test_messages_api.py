@@ -3,13 +3,21 @@ by the official `anthropic` client, and by raw HTTP for the event stream and the
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import anthropic
 import httpx
+import msgspec
 import openai
 import pytest
 
+from compiled_engine.server.chat_messages import chat_turns
+from compiled_engine.server.messages_protocol import InputMessage
+from compiled_engine.server.messages_turns import message_turns
+from compiled_engine.server.protocol import ChatMessage
+from tests.admission import KEY as IN_PROCESS_KEY
+from tests.admission import REFUSALS, in_process_app
 from tests.conftest import API_KEY as KEY
 from tests.conftest import API_MODEL as MODEL
 from tests.server_process import ServerProcess, named_events
@@ -154,6 +162,79 @@ def test_the_event_stream_follows_anthropics_sequence(server: ServerProcess) -> 
     assert delta["usage"]["output_tokens"] == 5 and text
 
 
+ASK = {"role": "user", "content": "What is the weather in Paris?"}
+CALL = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
+
+
+def _tool_round(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """A question, the assistant's call, and `result` (a tool_result block) in a user turn."""
+    return [ASK, {"role": "assistant", "content": [CALL]}, {"role": "user", "content": [result]}]
+
+
+def _chat_tool_round(content: str) -> list[dict[str, Any]]:
+    """The same conversation as chat completions takes it: a tool call, then a `tool` message."""
+    call = {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    return [
+        ASK,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": content},
+    ]
+
+
+def _as_chat(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return chat_turns(msgspec.convert(messages, list[ChatMessage]))
+
+
+def _as_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return message_turns(None, msgspec.convert(messages, list[InputMessage]))
+
+
+@pytest.mark.parametrize(
+    ("result", "chat_content"),
+    [
+        ({"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny, 24 C"}, "Sunny, 24 C"),
+        (
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "Sunny, "}, {"type": "text", "text": "24 C"}]},
+            "Sunny, 24 C",
+        ),
+        ({"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny, 24 C", "is_error": False}, "Sunny, 24 C"),
+        # An error result is the tool's text after "Error: " (docs/api.md).
+        ({"type": "tool_result", "tool_use_id": "toolu_1", "content": "city not found", "is_error": True}, "Error: city not found"),
+        ({"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "timeout"}], "is_error": True}, "Error: timeout"),
+        ({"type": "tool_result", "tool_use_id": "toolu_1", "is_error": True}, "Error: "),
+    ],
+)  # fmt: skip
+def test_a_tool_result_becomes_the_tool_turn_chat_completions_would_render(
+    result: dict[str, Any], chat_content: str
+) -> None:
+    assert _as_messages(_tool_round(result)) == _as_chat(_chat_tool_round(chat_content))
+
+
+def test_tool_results_reach_the_prompt_as_chat_completions_renders_them(server: ServerProcess) -> None:
+    """Through the wire: the prompt /v1/messages counts is the one /tokenize renders for the chat
+    conversation, and it holds the tool's answer (an error result with its prefix)."""
+    headers = {"x-api-key": KEY}
+    results: list[tuple[dict[str, Any], str]] = [
+        ({"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny, 24 C"}, "Sunny, 24 C"),
+        ({"type": "tool_result", "tool_use_id": "toolu_1", "content": "city not found", "is_error": True}, "Error: city not found"),
+    ]  # fmt: skip
+    for result, content in results:
+        chat = {"model": MODEL, "messages": _chat_tool_round(content)}
+        tokenized = httpx.post(f"{server.url}/tokenize", json=chat, headers=headers, timeout=60).json()
+        prompt = httpx.post(
+            f"{server.url}/detokenize", json={"model": MODEL, "tokens": tokenized["tokens"]}, headers=headers
+        )
+        assert content in prompt.json()["prompt"]
+        body = {"model": MODEL, "messages": _tool_round(result)}
+        counted = httpx.post(f"{server.url}/v1/messages/count_tokens", json=body, headers=headers, timeout=60)
+        assert counted.status_code == 200 and counted.json() == {"input_tokens": tokenized["count"]}
+        run = httpx.post(
+            f"{server.url}/v1/messages", json={**body, "max_tokens": 1, **GREEDY}, headers=headers, timeout=60
+        )
+        usage = run.json()["usage"]
+        assert usage["input_tokens"] + usage["cache_read_input_tokens"] == tokenized["count"]
+
+
 GOOD = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
 
 
@@ -182,10 +263,16 @@ GOOD = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content"
         ("/v1/messages", {**GOOD, "tools": [{"name": "f"}]}, None, 400, "invalid_request_error", "input_schema"),
         ("/v1/messages", {**GOOD, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, None, 400, "invalid_request_error", "only custom tools"),
         ("/v1/messages", {**GOOD, "tool_choice": {"type": "any"}}, None, 400, "invalid_request_error", "needs tools"),
+        ("/v1/messages", {**GOOD, "tools": [{**WEATHER, "colour": "red"}]}, None, 400, "invalid_request_error", "tools.0: unknown fields ['colour']"),
+        ("/v1/messages", {**GOOD, "tools": [{"input_schema": WEATHER["input_schema"]}]}, None, 400, "invalid_request_error", "tools.0.name"),
+        ("/v1/messages", {**GOOD, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "get_time"}}, None, 400, "invalid_request_error", "'get_time', which is not among the tools"),
         ("/v1/messages", {**GOOD, "temperature": -1}, None, 400, "invalid_request_error", "temperature"),
         ("/v1/messages", {**GOOD, "model": "claude-opus"}, None, 404, "not_found_error", "does not exist"),
         ("/v1/messages", GOOD, {"x-api-key": "wrong"}, 401, "authentication_error", "API key"),
         ("/v1/messages", GOOD, {}, 401, "authentication_error", "API key"),
+        ("/v1/messages/count_tokens", {"model": MODEL, "messages": GOOD["messages"]}, {}, 401, "authentication_error", "API key"),
+        ("/v1/messages", {**GOOD, "system": "x" * (1 << 20)}, None, 413, "request_too_large", "too large"),
+        ("/v1/messages/count_tokens", {"model": MODEL, "messages": GOOD["messages"], "system": "x" * (1 << 20)}, None, 413, "request_too_large", "too large"),
         ("/v1/messages/count_tokens", {"model": MODEL, "messages": "Hi"}, None, 400, "invalid_request_error", "Expected `array`"),
         ("/v1/messages/count_tokens", {"model": MODEL, "messages": [], "max_tokens": 4}, None, 400, "invalid_request_error", "unknown field"),
         ("/v1/messages/count_tokens", {"model": MODEL, "messages": []}, None, 400, "invalid_request_error", "at least one message"),
@@ -231,3 +318,19 @@ def test_streams_are_served_as_event_streams(server: ServerProcess, path: str, b
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/event-stream")
     assert response.text.rstrip().split("\n")[-1].startswith("data: ")
+
+
+def test_a_full_or_draining_server_refuses_in_anthropics_shape(default_model_dir: Path) -> None:
+    """429 (no room to wait) and 503 (draining), each with Retry-After, for whole and streamed
+    messages alike: a streamed request is refused before its stream starts."""
+    with in_process_app(MODEL) as (engine, client):
+        for status, provoke in REFUSALS:
+            provoke(engine)
+            for stream in (False, True):
+                body = {**GOOD, "stream": stream}
+                response = client.post("/v1/messages", json=body, headers={"x-api-key": IN_PROCESS_KEY})
+                assert response.status_code == status and response.headers["Retry-After"] == "1", response.text
+                error = response.json()
+                assert set(error) == {"type", "error"} and error["type"] == "error"
+                assert error["error"]["type"] == {429: "rate_limit_error", 503: "overloaded_error"}[status]
+                assert ("overloaded" if status == 429 else "shutting down") in error["error"]["message"]

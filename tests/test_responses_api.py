@@ -5,15 +5,22 @@ client, and by raw HTTP for the event stream and the error cases; and the bounde
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
 import jsonschema
+import msgspec
 import openai
 import pytest
 
+from compiled_engine.server.chat_messages import chat_turns
+from compiled_engine.server.protocol import ChatMessage
 from compiled_engine.server.responses_protocol import ResponseObject
 from compiled_engine.server.responses_store import ResponseStore
+from compiled_engine.server.responses_turns import input_turns
+from tests.admission import KEY as IN_PROCESS_KEY
+from tests.admission import REFUSALS, in_process_app
 from tests.conftest import API_KEY, API_MODEL, OTHER_API_KEY
 from tests.server_process import ServerProcess, named_events
 
@@ -192,46 +199,127 @@ def test_the_event_stream_is_numbered_and_ends_incomplete_at_max_output_tokens(a
     assert stored.status_code == 200 and stored.json()["output"][0]["content"][0]["text"] == text
 
 
-GOOD = {"model": API_MODEL, "input": "Hi", "max_output_tokens": 2}
+ASK = {"role": "user", "content": "What is the weather in Paris?"}
+ARGUMENTS = '{"city": "Paris"}'
+# A call sent back and its output, as Responses items and as chat completions' messages.
+TOOL_ROUND_ITEMS = [
+    ASK,
+    {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": ARGUMENTS},
+    {"type": "function_call_output", "call_id": "call_1", "output": "Sunny, 24 C"},
+]
+TOOL_ROUND_CHAT = [
+    ASK,
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ARGUMENTS}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 C"},
+]
 
 
 @pytest.mark.parametrize(
-    ("method", "path", "body", "status", "message"),
+    "output", ["Sunny, 24 C", [{"type": "input_text", "text": "Sunny, "}, {"type": "output_text", "text": "24 C"}]]
+)
+def test_a_function_call_output_becomes_the_tool_turn_chat_completions_would_render(output: Any) -> None:
+    items = [*TOOL_ROUND_ITEMS[:2], {**TOOL_ROUND_ITEMS[2], "output": output}]
+    assert input_turns(items) == chat_turns(msgspec.convert(TOOL_ROUND_CHAT, list[ChatMessage]))
+
+
+def test_function_call_outputs_reach_the_prompt_as_chat_completions_renders_them(api_server: ServerProcess) -> None:
+    """Through the wire: the prompt a response runs is the one /tokenize renders for the chat
+    conversation, and it holds the function's output."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    chat = {"model": API_MODEL, "messages": TOOL_ROUND_CHAT}
+    tokenized = httpx.post(f"{api_server.url}/tokenize", json=chat, headers=headers, timeout=60).json()
+    tokens = {"model": API_MODEL, "tokens": tokenized["tokens"]}
+    assert "Sunny, 24 C" in httpx.post(f"{api_server.url}/detokenize", json=tokens, headers=headers).json()["prompt"]
+    body = {"model": API_MODEL, "input": TOOL_ROUND_ITEMS, "max_output_tokens": 1, "temperature": 0, "store": False}
+    response = httpx.post(f"{api_server.url}/v1/responses", json=body, headers=headers, timeout=60)
+    assert response.status_code == 200 and response.json()["usage"]["input_tokens"] == tokenized["count"]
+
+
+GOOD = {"model": API_MODEL, "input": "Hi", "max_output_tokens": 2}
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+}
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "headers", "status", "message"),
     [
-        ("POST", "/v1/responses", {**GOOD, "colour": "red"}, 400, "unknown field"),
-        ("POST", "/v1/responses", {**GOOD, "input": 7}, 400, "Expected `str | array`"),
-        ("POST", "/v1/responses", {**GOOD, "input": []}, 400, "input must not be empty"),
-        ("POST", "/v1/responses", {**GOOD, "input": [{"role": "robot", "content": "x"}]}, 400, "role must be one of"),
-        ("POST", "/v1/responses", {**GOOD, "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "only text is supported"),
-        ("POST", "/v1/responses", {**GOOD, "input": [{"type": "item_reference", "id": "x"}]}, 400, "'item_reference'"),
-        ("POST", "/v1/responses", {**GOOD, "input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "not json"}]}, 400, "JSON object"),
-        ("POST", "/v1/responses", {**GOOD, "tools": [{"type": "web_search"}]}, 400, "only function tools"),
-        ("POST", "/v1/responses", {**GOOD, "tools": [WEATHER], "tool_choice": {"type": "file_search"}}, 400, "tool_choice must be"),
-        ("POST", "/v1/responses", {**GOOD, "tool_choice": "required"}, 400, "needs tools"),
-        ("POST", "/v1/responses", {**GOOD, "text": {"format": {"type": "yaml"}}}, 400, "text.format.type"),
-        ("POST", "/v1/responses", {**GOOD, "text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "needs its \"schema\""),
-        ("POST", "/v1/responses", {**GOOD, "background": True}, 400, "background"),
-        ("POST", "/v1/responses", {**GOOD, "include": ["message.output_text.logprobs"]}, 400, "include"),
-        ("POST", "/v1/responses", {**GOOD, "truncation": "auto"}, 400, "truncation"),
-        ("POST", "/v1/responses", {**GOOD, "temperature": -1}, 400, "temperature"),
-        ("POST", "/v1/responses", {**GOOD, "max_output_tokens": 10**6}, 400, "context"),
-        ("POST", "/v1/responses", {**GOOD, "previous_response_id": "resp_nope"}, 404, "was not found"),
-        ("POST", "/v1/responses", {**GOOD, "model": "gpt-5"}, 404, "does not exist"),
-        ("GET", "/v1/responses/resp_nope", None, 404, "no stored response"),
-        ("DELETE", "/v1/responses/resp_nope", None, 404, "no stored response"),
+        ("POST", "/v1/responses", {**GOOD, "colour": "red"}, AUTH, 400, "unknown field"),
+        ("POST", "/v1/responses", {**GOOD, "input": 7}, AUTH, 400, "Expected `str | array`"),
+        ("POST", "/v1/responses", {**GOOD, "input": []}, AUTH, 400, "input must not be empty"),
+        ("POST", "/v1/responses", {**GOOD, "input": [{"role": "robot", "content": "x"}]}, AUTH, 400, "role must be one of"),
+        ("POST", "/v1/responses", {**GOOD, "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, AUTH, 400, "only text is supported"),
+        ("POST", "/v1/responses", {**GOOD, "input": [{"type": "item_reference", "id": "x"}]}, AUTH, 400, "'item_reference'"),
+        ("POST", "/v1/responses", {**GOOD, "input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "not json"}]}, AUTH, 400, "JSON object"),
+        ("POST", "/v1/responses", {**GOOD, "tools": [{"type": "web_search"}]}, AUTH, 400, "only function tools"),
+        ("POST", "/v1/responses", {**GOOD, "tools": [WEATHER], "tool_choice": {"type": "file_search"}}, AUTH, 400, "tool_choice must be"),
+        ("POST", "/v1/responses", {**GOOD, "tool_choice": "required"}, AUTH, 400, "needs tools"),
+        ("POST", "/v1/responses", {**GOOD, "text": {"format": {"type": "yaml"}}}, AUTH, 400, "text.format.type"),
+        ("POST", "/v1/responses", {**GOOD, "text": {"format": {"type": "json_schema", "name": "x"}}}, AUTH, 400, "needs its \"schema\""),
+        ("POST", "/v1/responses", {**GOOD, "background": True}, AUTH, 400, "background"),
+        ("POST", "/v1/responses", {**GOOD, "include": ["message.output_text.logprobs"]}, AUTH, 400, "include"),
+        ("POST", "/v1/responses", {**GOOD, "truncation": "auto"}, AUTH, 400, "truncation"),
+        ("POST", "/v1/responses", {**GOOD, "temperature": -1}, AUTH, 400, "temperature"),
+        ("POST", "/v1/responses", {**GOOD, "max_output_tokens": 10**6}, AUTH, 400, "context"),
+        ("POST", "/v1/responses", {**GOOD, "tools": [{**WEATHER, "colour": "red"}]}, AUTH, 400, "tools[0]: unknown fields ['colour']"),
+        ("POST", "/v1/responses", {**GOOD, "tools": [{"type": "function", "parameters": WEATHER["parameters"]}]}, AUTH, 400, "tools[0].name"),
+        ("POST", "/v1/responses", {**GOOD, "tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_time"}}, AUTH, 400, "'get_time', which is not among the tools"),
+        ("POST", "/v1/responses", {**GOOD, "input": [{"type": "function_call", "name": "get_weather", "arguments": "{}"}]}, AUTH, 400, "a function_call needs its call_id"),
+        ("POST", "/v1/responses", {**GOOD, "input": [{"type": "function_call_output", "output": "Sunny"}]}, AUTH, 400, "needs call_id and output"),
+        ("POST", "/v1/responses", GOOD, {}, 401, "API key"),
+        ("POST", "/v1/responses", GOOD, {"Authorization": "Bearer wrong"}, 401, "API key"),
+        ("GET", "/v1/responses/resp_nope", None, {}, 401, "API key"),
+        ("POST", "/v1/responses", {**GOOD, "instructions": "x" * (1 << 20)}, AUTH, 413, "too large"),
+        ("POST", "/v1/responses", {**GOOD, "previous_response_id": "resp_nope"}, AUTH, 404, "was not found"),
+        ("POST", "/v1/responses", {**GOOD, "model": "gpt-5"}, AUTH, 404, "does not exist"),
+        ("GET", "/v1/responses/resp_nope", None, AUTH, 404, "no stored response"),
+        ("DELETE", "/v1/responses/resp_nope", None, AUTH, 404, "no stored response"),
     ],
 )  # fmt: skip
 def test_bad_requests_get_openai_shaped_errors_and_the_server_keeps_serving(
-    api_server: ServerProcess, method: str, path: str, body: dict[str, Any] | None, status: int, message: str
+    api_server: ServerProcess,
+    method: str,
+    path: str,
+    body: dict[str, Any] | None,
+    headers: dict[str, str],
+    status: int,
+    message: str,
 ) -> None:
-    headers = {"Authorization": f"Bearer {API_KEY}"}
     response = httpx.request(method, f"{api_server.url}{path}", json=body, headers=headers, timeout=60)
     assert response.status_code == status, response.text
     error = response.json()["error"]
-    assert message in error["message"]
-    assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
-    good = httpx.post(f"{api_server.url}/v1/responses", json=GOOD, headers=headers, timeout=60)
+    assert set(error) == {"message", "type", "param", "code"}
+    assert message in error["message"] and error["type"] == ERROR_TYPES[status]
+    good = httpx.post(f"{api_server.url}/v1/responses", json=GOOD, headers=AUTH, timeout=60)
     assert good.status_code == 200 and good.json()["status"] in ("completed", "incomplete")
+
+
+def test_a_full_or_draining_server_refuses_in_openais_shape(default_model_dir: Path) -> None:
+    """429 (no room to wait) and 503 (draining), each with Retry-After, for whole and streamed
+    responses alike: a streamed request is refused before its stream starts."""
+    with in_process_app(API_MODEL) as (engine, client):
+        for status, provoke in REFUSALS:
+            provoke(engine)
+            for stream in (False, True):
+                body = {**GOOD, "stream": stream}
+                response = client.post(
+                    "/v1/responses", json=body, headers={"Authorization": f"Bearer {IN_PROCESS_KEY}"}
+                )
+                assert response.status_code == status and response.headers["Retry-After"] == "1", response.text
+                error = response.json()["error"]
+                assert set(error) == {"message", "type", "param", "code"}
+                assert error["type"] == {429: "rate_limit_error", 503: "service_unavailable"}[status]
+                assert ("overloaded" if status == 429 else "shutting down") in error["message"]
 
 
 def _response(response_id: str) -> ResponseObject:

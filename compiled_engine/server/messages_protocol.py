@@ -86,7 +86,7 @@ class MessagesRequest(Request, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None  # accepted and ignored (user_id)
-    thinking: dict[str, Any] | None = None  # accepted; no thinking blocks are produced
+    thinking: dict[str, Any] | None = None  # accepted; thinking comes with --reasoning-parser
     service_tier: str | None = None  # accepted and ignored
     cache_control: dict[str, Any] | None = None  # accepted; prefix caching is automatic
 

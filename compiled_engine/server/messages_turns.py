@@ -49,8 +49,7 @@ def _user_turns(i: int, blocks: list[Any]) -> list[dict[str, Any]]:
     turns, text = [], []
     for j, block in enumerate(blocks):
         if isinstance(block, ToolResultBlock):
-            content = block.content if isinstance(block.content, str) else "".join(b.text for b in block.content)
-            turns.append({"role": "tool", "content": content, "tool_call_id": block.tool_use_id})
+            turns.append({"role": "tool", "content": tool_result_text(block), "tool_call_id": block.tool_use_id})
         elif isinstance(block, TextBlock):
             text.append(block.text)
         else:
@@ -58,6 +57,16 @@ def _user_turns(i: int, blocks: list[Any]) -> list[dict[str, Any]]:
     if text or not turns:
         turns.append({"role": "user", "content": "".join(text)})
     return turns
+
+
+ERROR_PREFIX = "Error: "
+
+
+def tool_result_text(block: ToolResultBlock) -> str:
+    """A tool result as its tool turn's content: its text, or with `is_error` the text after
+    `ERROR_PREFIX` (chat templates have no field for a failed call, so the model reads it)."""
+    text = block.content if isinstance(block.content, str) else "".join(b.text for b in block.content)
+    return f"{ERROR_PREFIX}{text}" if block.is_error else text
 
 
 def _assistant_turn(i: int, blocks: list[Any]) -> dict[str, Any]:
@@ -102,7 +111,9 @@ def message_tool_plan(
             unknown = set(tool) - {"type", "name", "description", "input_schema", "cache_control"}
             if unknown:
                 raise ApiError(400, f"tools.{i}: unknown fields {sorted(unknown)}", param="tools")
-            function = {"name": tool.get("name"), "parameters": schema}
+            if not isinstance(tool.get("name"), str):
+                raise ApiError(400, f"tools.{i}.name: a tool needs its name (a string)", param="tools")
+            function = {"name": tool["name"], "parameters": schema}
             if "description" in tool:
                 function["description"] = tool["description"]
             functions.append({"type": "function", "function": function})

@@ -109,6 +109,8 @@ def responses_tool_plan(
             unknown = set(tool) - {"type", "name", "description", "parameters", "strict"}
             if unknown:
                 raise ApiError(400, f"tools[{i}]: unknown fields {sorted(unknown)}", param="tools")
+            if not isinstance(tool.get("name"), str):
+                raise ApiError(400, f"tools[{i}].name: a function tool needs its name (a string)", param="tools")
             function = {key: tool[key] for key in ("name", "description", "parameters") if key in tool}
             functions.append({"type": "function", "function": function})
     if isinstance(tool_choice, dict):
