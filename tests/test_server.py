@@ -3,8 +3,10 @@ openai client and by raw HTTP for the error cases."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -432,24 +434,32 @@ def _stream_with_sigterm(
 
 
 def test_sigterm_during_a_stream_drains_and_exits_0(tmp_path: Path, default_model_dir: Path) -> None:
-    """The stream in flight finishes; a request sent after the signal on a connection kept alive
-    from before is never served (503 with Retry-After, or the connection is closed)."""
-    with running_server(tmp_path, "--kv-cache-memory-gib", "0.05") as server, httpx.Client(timeout=30) as kept:
-        assert kept.get(f"{server.url}/v1/models").status_code == 200  # the connection is open now
+    """The stream in flight finishes; a request whose body is still arriving when the signal comes
+    (its connection is busy, so the server waits for it) is refused with 503 and Retry-After."""
+    late_body = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode()
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(late_body)
+    )
+    with running_server(tmp_path, "--kv-cache-memory-gib", "0.05") as server:
+        held = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+        held.sendall(head + late_body[:5])  # the request has begun; the rest of its body comes late
+        late: list[http.client.HTTPResponse] = []
+
+        def finish_the_late_request() -> None:
+            held.sendall(late_body[5:])
+            answer = http.client.HTTPResponse(held)
+            answer.begin()
+            late.append(answer)
+
         body = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "stream": True, "ignore_eos": True}
-        late: list[httpx.Response | Exception] = []
-
-        def late_request() -> None:
-            try:
-                late.append(kept.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}))
-            except httpx.TransportError as error:
-                late.append(error)
-
-        events = _stream_with_sigterm(server, body, after_signal=late_request)
+        events = _stream_with_sigterm(server, body, after_signal=finish_the_late_request)
+        [answer] = late
+        refusal = json.loads(answer.read())
+        held.close()
         assert server.process.wait(timeout=60) == 0
-    [answer] = late
-    if isinstance(answer, httpx.Response):
-        assert answer.status_code == 503 and "Retry-After" in answer.headers, answer.text
+    assert answer.status == 503 and answer.getheader("Retry-After") == "1", refusal
+    assert refusal["error"]["type"] == "service_unavailable" and "shutting down" in refusal["error"]["message"]
     assert events[-1] == "data: [DONE]"
     finals = [json.loads(e[6:])["choices"][0]["finish_reason"] for e in events[:-1] if json.loads(e[6:])["choices"]]
     assert finals[-1] == "length"  # the in-flight request ran to completion
@@ -631,6 +641,8 @@ def test_vllm_named_metrics_match_a_known_workload(server: ServerProcess, client
     client, with token-id prompts of known lengths: every vLLM-named series (and ours beside it)
     moves by exactly what they did; the gauges show the open stream, and nothing once it is gone."""
     label = {"model_name": MODEL, "engine": "0"}
+    reset = httpx.post(f"{server.url}/reset_prefix_cache", headers=AUTH, timeout=30)
+    assert reset.status_code == 200, reset.text  # no page cached by earlier tests can give a hit
     before = scrape(server)
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
         assert sample(before, name, **label) == 0, f"{name} before the workload: the server should be idle"
@@ -705,7 +717,11 @@ def test_vllm_named_metrics_match_a_known_workload(server: ServerProcess, client
     assert delta("compiled_engine_prompt_tokens_total") == prompt_tokens
     assert delta("compiled_engine_generated_tokens_total") == generated
     assert delta("compiled_engine_e2e_request_latency_seconds_count") == finished
-    assert delta("vllm:prefix_cache_queries_total", **label) >= delta("vllm:prefix_cache_hits_total", **label) >= 0
+    # Every prompt token is looked up (the cut stream's three too). Hits, from an empty cache: the
+    # second prompt and the stopped request each copy the first four tokens of the partial page
+    # the one before left (a prompt's last token is always computed).
+    assert delta("vllm:prefix_cache_queries_total", **label) == prompt_tokens + 3
+    assert delta("vllm:prefix_cache_hits_total", **label) == 4 + 4
 
     wait_until_idle(server)
     idle = scrape(server)
@@ -726,6 +742,8 @@ def test_scrapes_never_fail_while_streams_start_finish_and_are_cut(tmp_path: Pat
 
 def _scrape_while_streaming(server: ServerProcess) -> None:
     label = {"model_name": MODEL, "engine": "0"}
+    reset = httpx.post(f"{server.url}/reset_prefix_cache", headers=AUTH, timeout=30)
+    assert reset.status_code == 200, reset.text  # no page cached by earlier tests can give a hit
     before = scrape(server)
     stop, queued = threading.Event(), threading.Event()  # queued: a scrape saw a request waiting
     scrapes, failures = [0] * 4, []
