@@ -50,6 +50,10 @@ PATHS = {
     ),
 }
 
+# The portable path runs nowhere else: the quick tier builds it; the instruction-set builds (the
+# native build already runs one of them on most machines) are the full tier's.
+PATH_NAMES = [pytest.param(name, marks=() if name == "portable" else pytest.mark.full) for name in sorted(PATHS)]
+
 pytestmark = [
     pytest.mark.skipif(
         platform.machine().lower() not in ("x86_64", "amd64"), reason="the kernel's paths are x86 instruction sets"
@@ -90,7 +94,7 @@ def build_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("quant-kernel-paths")
 
 
-@pytest.mark.parametrize("name", sorted(PATHS))
+@pytest.mark.parametrize("name", PATH_NAMES)
 def test_each_path_builds_with_the_macros_that_select_it(name: str, build_dir: Path) -> None:
     path = PATHS[name]
     macros = _macros(path.flags)
@@ -123,7 +127,7 @@ def _assert_products_match(kernels: cpu_kernels.QuantKernels, weight: QuantizedW
     assert (kernels.matmul(x, weight, None) - (want - bias)).abs().max() <= 1e-5 * scale, f"{what}, {rows} rows"
 
 
-@pytest.mark.parametrize("name", sorted(PATHS))
+@pytest.mark.parametrize("name", PATH_NAMES)
 def test_each_path_this_cpu_runs_matches_dequantize_then_f_linear(name: str, build_dir: Path) -> None:
     """Products of 1 to 5 rows (the row tiles of 4 and a remainder) and the dequantization, on the
     random weights of each (format, group) and on llama.cpp's blocks of every GGUF type."""
@@ -136,7 +140,7 @@ def test_each_path_this_cpu_runs_matches_dequantize_then_f_linear(name: str, bui
             _assert_products_match(kernels, weight, rows, what)
 
 
-@pytest.mark.parametrize("name", sorted(PATHS))
+@pytest.mark.parametrize("name", PATH_NAMES)
 def test_each_path_this_cpu_runs_gives_the_int8_activation_products_of_their_twin(name: str, build_dir: Path) -> None:
     """`quant_matmul_q8x_f32` (block dot products in integers: AVX2's byte multiplies, or the
     portable scalar loop) against its torch twin, as tests/test_quantization.py holds the engine's
