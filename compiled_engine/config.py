@@ -15,6 +15,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 QUANTIZATIONS = ("none", "int8", "int4")
+# The KV pages' storage types (--kv-cache-dtype): "auto" keeps the activations' dtype; "fp8" is
+# fp8_e4m3, as vLLM names it. FP8 pages hold K and V at a per-tensor scale of 1.0: each value
+# saturated to the type's finite range, then rounded (docs/quantization.md).
+KV_CACHE_DTYPES = {
+    "auto": None,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
 CPU_ACTIVATIONS = ("fp32", "int8")
 RUNNERS = ("generate", "pooling")  # vLLM's --runner: generate text, or pool hidden states (embeddings)
 SAMPLERS = ("torch", "flashinfer")
@@ -141,6 +152,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # weights), safetensors stay dense. "none" = dense weights, a GGUF dequantized.
     quantization: str | None = None
     quantization_group_size: int | None = None  # None = per output channel for int8, 32 for int4
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES: the KV pages' storage type
     quantize_head: bool = True  # with int8/int4: the head and embedding too, as int8 in groups of 32
     # One of CPU_ACTIVATIONS: "fp32" (exact) or "int8", the quantized products' activations rounded
     # to int8 in blocks of 32 for integer dot products (llama.cpp's numerics; lossy, opt-in).
@@ -195,6 +207,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
             raise ValueError("pipeline parallelism runs without speculative decoding and LoRA for now")
         if self.runner == "pooling" and self.speculative is not None:
             raise ValueError("speculative decoding generates text: it cannot run with runner pooling")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.replica_heartbeat_timeout_s <= 0:
             raise ValueError(f"replica_heartbeat_timeout_s must be positive, got {self.replica_heartbeat_timeout_s}")
         if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
@@ -225,6 +239,10 @@ class EngineConfig(msgspec.Struct, frozen=True):
         if self.enforce_eager is not None:
             return self.enforce_eager
         return os.environ.get(ENFORCE_EAGER_ENV, "0") == "1"
+
+    def resolved_kv_cache_dtype(self) -> torch.dtype:
+        """The KV pages' storage type: the activations' own for "auto"."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.resolved_dtype()
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype is None:

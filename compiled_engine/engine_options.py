@@ -23,6 +23,7 @@ from compiled_engine.config import (
     DEVICES,
     DTYPES,
     ENFORCE_EAGER_ENV,
+    KV_CACHE_DTYPES,
     QUANTIZATIONS,
     RUNNERS,
     SAMPLERS,
@@ -181,6 +182,14 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
         "--quantization-group-size) or int4 (groups of 32, 64 or 128); none keeps them dense and "
         "dequantizes a GGUF (default: the checkpoint's own, so the default model runs its 4-bit GGUF weights)",
         QUANTIZATIONS,
+    ),
+    EngineOption(
+        "kv_cache_dtype",
+        "--kv-cache-dtype",
+        "the KV pages' storage type: auto keeps the activations' (fp32 on the CPU); float16 and bfloat16 "
+        "hold twice the tokens, fp8 (= fp8_e4m3) and fp8_e5m2 four times, at a per-tensor scale of 1.0 "
+        "(docs/quantization.md)",
+        tuple(KV_CACHE_DTYPES),
     ),
     EngineOption(
         "quantization_group_size",

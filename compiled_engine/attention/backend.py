@@ -38,6 +38,11 @@ class AttentionShape:
     # plans per kind (FlashInfer) plans one wrapper for each; the others only check that they
     # support them.
     layer_kinds: tuple[LayerKind, ...] = (FULL_ATTENTION,)
+    kv_dtype: torch.dtype | None = None  # the KV pages' storage type; None: `dtype`
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        return self.dtype if self.kv_dtype is None else self.kv_dtype
 
     @property
     def softmax_scale(self) -> float:

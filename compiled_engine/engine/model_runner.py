@@ -97,7 +97,7 @@ class ModelRunner:
             shard.kv_heads(self.model_config)[1],
             self.model_config.head_dim,
             self.page_size,
-            self.dtype,
+            config.resolved_kv_cache_dtype(),
         )
         self.backend = self._choose_backend(config)
         self.model = self._load(model_dir, config, mesh)
@@ -144,7 +144,7 @@ class ModelRunner:
         layer_kinds = tuple(sorted({(model.window(layer), model.attn_soft_cap) for layer in range(model.num_layers)}))
         shape = AttentionShape(
             heads, self.kv_spec.num_kv_heads, model.head_dim, self.page_size, self.dtype, self.device,
-            scale=model.softmax_scale, layer_kinds=layer_kinds,
+            scale=model.softmax_scale, layer_kinds=layer_kinds, kv_dtype=self.kv_spec.dtype,
         )  # fmt: skip
         return get_backend(config.attention_backend, shape)
 
@@ -220,7 +220,15 @@ class ModelRunner:
         # With CUDA graphs one more page than the scheduler sees: padding rows write into it.
         kv_cache = self.kv_spec.allocate(self.num_pages + (1 if self.use_cuda_graphs else 0), self.device)
         gib = kv_cache.numel() * kv_cache.element_size() / (1 << 30)
-        logger.info("KV cache: %d pages of %d tokens (%.2f GiB)", self.num_pages, self.page_size, gib)
+        logger.info(
+            "KV cache: %d pages of %d tokens (%d tokens, %.2f GiB, %s%s)",
+            self.num_pages,
+            self.page_size,
+            self.num_pages * self.page_size,
+            gib,
+            str(self.kv_spec.dtype).removeprefix("torch."),
+            ", FP8 at a per-tensor scale of 1.0" if self.kv_spec.dtype.itemsize == 1 else "",
+        )
         return kv_cache
 
     def _capture_graphs(self, config: EngineConfig) -> CudaGraphRunner:

@@ -60,7 +60,7 @@ class DraftPlan:
 def plan_draft_model(
     draft_dir: Path, target_dir: Path, target: ModelConfig, config: EngineConfig, dtype: torch.dtype
 ) -> DraftPlan:
-    """Check that the draft can draft for the target (same vocabulary, long enough context) and
+    """`dtype`: the pages' storage type (the target's). Check that the draft can draft for the target (same vocabulary, long enough context) and
     say what its pages and weights add to the pool; a ModelConfigError names the mismatch."""
     draft = ModelConfig.from_model_dir(draft_dir)
     if draft.vocab_size != target.vocab_size:
@@ -245,7 +245,7 @@ class DraftModelDrafter:
         assert config.model is not None  # SpeculativeConfig requires it for this method
         target = ModelConfig.from_model_dir(model_dir)
         plan = plan_draft_model(
-            resolve_model_dir(config.model), model_dir, target, engine_config, engine_config.resolved_dtype()
+            resolve_model_dir(config.model), model_dir, target, engine_config, engine_config.resolved_kv_cache_dtype()
         )
         return DraftModelPlan(config, engine_config, plan)
 
