@@ -507,6 +507,12 @@ def test_metrics_count_requests_tokens_and_latency(server: ServerProcess, client
     assert (
         0.9 * 0.05 * 2**30 < metric(server, "compiled_engine_kv_cache_bytes") <= 0.05 * 2**30
     )  # --kv-cache-memory-gib
+    text = httpx.get(f"{server.url}/metrics").text
+    pages = metric(server, "compiled_engine_kv_pages_used", text) + metric(
+        server, "compiled_engine_kv_pages_free", text
+    )
+    assert metric(server, "compiled_engine_kv_cache_tokens", text) == 16 * pages  # the default page size
+    assert 'compiled_engine_kv_cache_info{kv_cache_dtype="float32"} 1.0' in text  # auto: the activations'
 
 
 def test_a_batch_of_prompts_gives_each_its_choices(client: openai.OpenAI) -> None:

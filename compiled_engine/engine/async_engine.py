@@ -99,6 +99,8 @@ class EngineStats:
     lora_waiting: tuple[str, ...] = ()  # adapters of waiting ones
     weight_bytes: int = 0  # the models' tensors, each held once (packed on the compiled CPU path)
     kv_cache_bytes: int = 0  # the page pool (a draft model's included)
+    kv_cache_tokens: int = 0  # the tokens the page pool holds (pages x page size)
+    kv_cache_dtype: str = ""  # the pages' storage type (--kv-cache-dtype resolved), e.g. "float32"
 
     def counters_only(self) -> EngineStats:
         """This snapshot's counters (tokens looked up and hit in the prefix cache, drafts,
@@ -133,6 +135,8 @@ class EngineStats:
             aborted_requests=engine.num_aborted_requests,
             weight_bytes=engine.weight_bytes,
             kv_cache_bytes=engine.kv_cache_bytes,
+            kv_cache_tokens=manager.num_pages * engine.runner.page_size,
+            kv_cache_dtype=str(engine.runner.kv_spec.dtype).removeprefix("torch."),
             **_adapter_fields(engine.adapters.stats(scheduler.running, scheduler.waiting)),
         )
 

@@ -146,4 +146,5 @@ _COMBINED: dict[str, Callable[[list[Any]], Any]] = {
     "lora_waiting": _union,
     "lora_max": _sum_of_known,
     "speculative": _summed_drafts,
+    "kv_cache_dtype": lambda found: found[0],  # every replica is built from one config
 }

@@ -113,6 +113,16 @@ ENGINE_METRICS: tuple[EngineMetric, ...] = (
         lambda s: s.weight_bytes,
     ),
     EngineMetric(G, Name("compiled_engine_kv_cache_bytes", "KV page pool memory"), None, lambda s: s.kv_cache_bytes),
+    EngineMetric(
+        G, Name("compiled_engine_kv_cache_tokens", "Tokens the KV page pool holds"), None, lambda s: s.kv_cache_tokens
+    ),
+    EngineMetric(
+        G,
+        Name("compiled_engine_kv_cache_info", "The KV pages' storage type (--kv-cache-dtype), as a label"),
+        None,
+        lambda s: [([s.kv_cache_dtype], 1.0)] if s.kv_cache_dtype else None,
+        ("kv_cache_dtype",),
+    ),
     EngineMetric(C, None, Name("vllm:num_preemptions", "Preemptions"), lambda s: s.num_preemptions),
     EngineMetric(
         C,
