@@ -7,8 +7,10 @@ prompt): each of their tokens is one row of the kernel, attending over the seque
 its own position. The kernel stores every row's K/V before any row attends, so a row sees the
 tokens before it in the same forward. Longer prompts and prompt chunks take the torch backend's
 SDPA path (`attention/paged.py`). A layer's sliding window and soft-cap reach both: the kernel
-reads only the pages of each row's window and caps each score with tanhf. The torch backend
-stays the reference this one is tested against.
+reads only the pages of each row's window and caps each score with tanhf. The kernel keeps KV
+pages of fp32, fp16, bf16 and FP8 (e4m3, e5m2), converting as it reads and writes them, with q, k
+and v in fp32; a cache of another type runs exactly the torch backend. The torch backend stays
+the reference this one is tested against.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from compiled_engine.attention.native_decode import (
     NativeDecode,
     load_native_decode,
     load_native_operator,
+    unsupported_kv_dtype,
 )
 from compiled_engine.attention.native_decode import (
     unsupported_reason as kernel_unsupported_reason,
@@ -38,14 +41,16 @@ SHORT_QUERY = 8  # new tokens of a sequence up to which its tokens run as rows o
 @dataclass(frozen=True)
 class CpuPlan:
     """One forward: the native kernel's checked plan for the decoding and other short sequences
-    (None when there are none, or the cache is not fp32), with their tokens' rows in a mixed
-    batch (None when every sequence is short); the torch plan for the longer prompts (None when
-    there are none)."""
+    (None when there are none, or the kernel cannot keep the cache's type), with their tokens'
+    rows in a mixed batch (None when every sequence is short); the torch plan for the longer
+    prompts (None when there are none); and the forward's metadata, for a call whose activations
+    are not fp32 (which takes the torch path whole)."""
 
     native: DecodePlan | None
     decode_tokens: torch.Tensor | None
     decode_seqs: frozenset[int]
     prompts: TorchPlan | None
+    metadata: AttentionMetadata | None = None
 
 
 class CpuAttentionBackend(AttentionBackend[CpuPlan]):
@@ -65,7 +70,7 @@ class CpuAttentionBackend(AttentionBackend[CpuPlan]):
         if shape.device.type != "cpu":
             return f"the cpu backend runs on the CPU, not {shape.device.type}"
         return kernel_unsupported_reason(
-            shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.page_size, shape.dtype
+            shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.page_size, shape.dtype, shape.kv_dtype
         )
 
     @classmethod
@@ -78,7 +83,7 @@ class CpuAttentionBackend(AttentionBackend[CpuPlan]):
     def prepare(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> CpuPlan:
         layer_shape = tuple(kv_cache.shape[-5:])
         page_size = layer_shape[2]
-        if kv_cache.dtype != torch.float32:  # what the kernel cannot run: exactly the torch backend
+        if unsupported_kv_dtype(kv_cache.dtype) is not None:  # what the kernel cannot keep: exactly the torch backend
             return CpuPlan(None, None, frozenset(), prepare_torch_plan(metadata, page_size, kv_cache.dtype))
         if metadata.decode_only:
             native = self.kernel.plan(
@@ -88,14 +93,15 @@ class CpuAttentionBackend(AttentionBackend[CpuPlan]):
                 max(metadata.seq_lens_cpu),
                 self.num_heads,
                 layer_shape,
+                kv_cache.dtype,
             )
-            return CpuPlan(native, None, frozenset(), None)
+            return CpuPlan(native, None, frozenset(), None, metadata)
         starts = metadata.query_start_loc_cpu
         short = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] <= SHORT_QUERY]
         everything = len(short) == metadata.num_seqs
         prompts = None if everything else prepare_torch_plan(metadata, page_size, kv_cache.dtype, batch_decodes=False)
         if not short:  # long prompts only: exactly the torch backend
-            return CpuPlan(None, None, frozenset(), prompts)
+            return CpuPlan(None, None, frozenset(), prompts, metadata)
         # One kernel row per token of a short sequence: its seq's table, and the keys up to itself.
         rows: list[int] = []
         seq_of_row: list[int] = []
@@ -112,9 +118,9 @@ class CpuAttentionBackend(AttentionBackend[CpuPlan]):
             metadata.slot_mapping if tokens is None else metadata.slot_mapping[tokens],
             metadata.block_tables[torch.tensor(seq_of_row, device=device)],
             torch.tensor(lens, dtype=torch.int32, device=device),
-            max(lens), self.num_heads, layer_shape,
+            max(lens), self.num_heads, layer_shape, kv_cache.dtype,
         )  # fmt: skip
-        return CpuPlan(native, tokens, frozenset(short), prompts)
+        return CpuPlan(native, tokens, frozenset(short), prompts, metadata)
 
     def native_plan(self, plan: CpuPlan) -> DecodePlan | None:
         return plan.native if self.native_operator and plan.prompts is None else None
@@ -131,10 +137,14 @@ class CpuAttentionBackend(AttentionBackend[CpuPlan]):
         soft_cap: float = 0.0,
     ) -> torch.Tensor:
         native, prompts = plan.native, plan.prompts
+        if native is not None and q.dtype != torch.float32:  # the kernel takes fp32 activations only
+            assert plan.metadata is not None
+            torch_plan = prepare_torch_plan(plan.metadata, kv_cache.shape[2], kv_cache.dtype)
+            return paged_forward(q, k, v, kv_cache, torch_plan, scale, window, soft_cap)
         if prompts is None:  # short sequences only
             assert native is not None
             return native.run(q, k, v, kv_cache, scale, window, soft_cap)
-        if native is None:  # prompts only, or not fp32
+        if native is None:  # prompts only, or a cache type the kernel cannot keep
             return paged_forward(q, k, v, kv_cache, prompts, scale, window, soft_cap)
         write_kv(k, v, kv_cache, prompts.slot_mapping, prompts.write_rows)
         out = torch.empty_like(q)

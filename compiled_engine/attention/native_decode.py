@@ -40,14 +40,31 @@ LANES = 8
 # Each sequence's keys are split into chunks so that there are at least this many work items
 # per thread (one sequence alone must still use every core).
 ITEMS_PER_THREAD = 4  # paged_decode.c's paged_decode_chunk_keys applies the same rule (the operator path)
+# The KV page types the kernel reads and writes, and their codes in paged_decode.c (kv_type).
+KV_TYPES = {
+    torch.float32: 0,
+    torch.float16: 1,
+    torch.bfloat16: 2,
+    torch.float8_e4m3fn: 3,
+    torch.float8_e5m2: 4,
+}
 
 
 def unsupported_reason(
-    num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype | None = None,
 ) -> str | None:
-    """Why the native kernel cannot run this attention shape, or None if it can."""
+    """Why the native kernel cannot run this attention shape, or None if it can: `dtype` is the
+    activations' (q, k, v), `kv_dtype` the KV pages' (None: `dtype`)."""
     if dtype != torch.float32:
-        return f"the native kernel is fp32 only (got {dtype})"
+        return f"the native kernel takes fp32 only for q, k and v (got {dtype})"
+    reason = unsupported_kv_dtype(dtype if kv_dtype is None else kv_dtype)
+    if reason is not None:
+        return reason
     if num_heads % num_kv_heads != 0 or num_heads > MAX_HEADS:
         return f"{num_heads} query heads over {num_kv_heads} KV heads: the kernel needs whole groups and at most {MAX_HEADS} heads"
     if head_dim % LANES != 0 or head_dim > MAX_HEAD_DIM:
@@ -57,13 +74,22 @@ def unsupported_reason(
     return None
 
 
+def unsupported_kv_dtype(kv_dtype: torch.dtype) -> str | None:
+    """Why the native kernel cannot keep KV pages of `kv_dtype`, or None if it can."""
+    if kv_dtype not in KV_TYPES:
+        names = ", ".join(str(t).removeprefix("torch.") for t in KV_TYPES)
+        return f"the native kernel keeps KV pages of {names}, not {kv_dtype}"
+    return None
+
+
 @dataclass(frozen=True)
 class DecodePlan:
     """One decode batch, checked and laid out once per forward and then run by every layer:
     sequence s stores its new token's K/V in `slots[s]` and attends over its first
     `seq_lens[s]` slots, found through `block_tables[s]` (over the last `window` of them for a
     layer with a sliding window). `chunk` and `chunks` split the longest context into work
-    items; `max_seq_len` lets a windowed layer split its shorter span afresh."""
+    items; `max_seq_len` lets a windowed layer split its shorter span afresh. q, k, v and the
+    output are float32; the caches hold `cache_dtype` (one of KV_TYPES)."""
 
     function: Callable[..., int]
     slots: torch.Tensor  # int64 [seqs]
@@ -76,6 +102,7 @@ class DecodePlan:
     chunks: int
     threads: int
     scratch: torch.Tensor  # shared by the layers: each call writes it before reading it
+    cache_dtype: torch.dtype = torch.float32
 
     def run(
         self,
@@ -97,11 +124,13 @@ class DecodePlan:
             or v.shape != k.shape
             or tuple(kv_cache.shape) != self.cache_shape
             or not kv_cache.is_contiguous()
-            or not q.dtype == k.dtype == v.dtype == kv_cache.dtype == torch.float32
+            or not q.dtype == k.dtype == v.dtype == torch.float32
+            or kv_cache.dtype != self.cache_dtype
         ):
             raise ValueError(
                 f"paged decode attention planned for q [{num_seqs}, {self.num_heads}, {head_dim}], k and v "
-                f"[{num_seqs}, {num_kv_heads}, {head_dim}] and a contiguous cache {list(self.cache_shape)}, all float32; "
+                f"[{num_seqs}, {num_kv_heads}, {head_dim}], all float32, and a contiguous {self.cache_dtype} cache "
+                f"{list(self.cache_shape)}; "
                 f"got q {list(q.shape)} {q.dtype}, k {list(k.shape)}, v {list(v.shape)}, cache {list(kv_cache.shape)} {kv_cache.dtype}"
             )
         if window < 0 or soft_cap < 0:
@@ -119,7 +148,7 @@ class DecodePlan:
         out = torch.empty_like(q)
         status = self.function(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), self.slots.data_ptr(), kv_cache.data_ptr(),
-            self.block_tables.data_ptr(), self.block_tables.shape[1], self.seq_lens.data_ptr(), num_seqs,
+            KV_TYPES[self.cache_dtype], self.block_tables.data_ptr(), self.block_tables.shape[1], self.seq_lens.data_ptr(), num_seqs,
             self.num_heads, num_kv_heads, head_dim, page_size, chunk, chunks, scale, window, soft_cap,
             scratch.data_ptr(), out.data_ptr(), self.threads,
         )  # fmt: skip
@@ -142,16 +171,18 @@ class NativeDecode:
         max_seq_len: int,
         num_heads: int,
         cache_shape: tuple[int, ...],
+        cache_dtype: torch.dtype = torch.float32,
     ) -> DecodePlan:
         """Check a decode batch once: `slots` int64 [seqs] (where each new token goes),
         `block_tables` int32 [seqs, width], `seq_lens` int32 [seqs] with max `max_seq_len`
-        (known on the host), for `num_heads` query heads over caches of `cache_shape`."""
+        (known on the host), for `num_heads` query heads over caches of `cache_shape` holding
+        `cache_dtype`."""
         if len(cache_shape) != 5 or cache_shape[1] != 2:
             raise ValueError(
                 f"paged decode attention: a layer's cache is [pages, 2, page_size, kv_heads, head_dim], not {list(cache_shape)}"
             )
         _, _, page_size, num_kv_heads, head_dim = cache_shape
-        reason = unsupported_reason(num_heads, num_kv_heads, head_dim, page_size, torch.float32)
+        reason = unsupported_reason(num_heads, num_kv_heads, head_dim, page_size, torch.float32, cache_dtype)
         if reason is not None:
             raise ValueError(f"paged decode attention: {reason}")
         num_seqs = slots.shape[0] if slots.dim() == 1 else -1
@@ -188,7 +219,7 @@ class NativeDecode:
         scratch = torch.empty(num_seqs * num_heads * chunks * (head_dim + 2))
         return DecodePlan(
             self.function, slots.contiguous(), block_tables.contiguous(), seq_lens.contiguous(),
-            tuple(cache_shape), num_heads, max_seq_len, chunk, chunks, threads, scratch,
+            tuple(cache_shape), num_heads, max_seq_len, chunk, chunks, threads, scratch, cache_dtype,
         )  # fmt: skip
 
 
@@ -206,7 +237,7 @@ def chunk_size(work: int, max_seq_len: int, page_size: int, threads: int) -> int
 def load_native_decode() -> NativeDecode:
     """Build (once per machine) and load the kernel; raises KernelBuildError when it cannot."""
     library = LIBRARY.load()
-    function = library.paged_decode_attention_f32
+    function = library.paged_decode_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     function.argtypes = [
         ptr,
@@ -214,6 +245,7 @@ def load_native_decode() -> NativeDecode:
         ptr,
         ptr,
         ptr,
+        ctypes.c_int,  # kv_type
         ptr,
         i64,
         ptr,

@@ -1,7 +1,9 @@
 // The CPU backend's decode attention as native torch operators, so that a compiled graph reaches
 // the kernel of paged_decode.c through the dispatcher alone: no Python between the layers.
 //
-// compiled_engine::paged_decode_f32 is the kernel with its plan's tensors as arguments.
+// compiled_engine::paged_decode_f32 is the kernel with its plan's tensors as arguments: q, k, v and
+// the output float32, the cache any page type the kernel keeps (float32, float16, bfloat16,
+// float8_e4m3fn, float8_e5m2), taken from the cache tensor at each call.
 //
 // compiled_engine::paged_attention (the model's operator, declared in attention/op.py) gets a CPU
 // kernel here. The runner installs the plan of a forward whose sequences all run in the kernel
@@ -20,23 +22,38 @@
 #include <vector>
 
 extern "C" {
-int paged_decode_attention_f32(const float *q, const float *k, const float *v, const int64_t *slots, float *cache,
-                               const int32_t *tables, int64_t table_width, const int32_t *lens, int64_t seqs,
-                               int64_t heads, int64_t kv_heads, int64_t dim, int64_t page_size, int64_t chunk,
-                               int64_t chunks, float scale, int64_t window, float soft_cap, float *scratch,
-                               float *out, int threads);
+int paged_decode_attention(const float *q, const float *k, const float *v, const int64_t *slots, void *cache,
+                           int kv_type, const int32_t *tables, int64_t table_width, const int32_t *lens, int64_t seqs,
+                           int64_t heads, int64_t kv_heads, int64_t dim, int64_t page_size, int64_t chunk,
+                           int64_t chunks, float scale, int64_t window, float soft_cap, float *scratch, float *out,
+                           int threads);
 int64_t paged_decode_chunk_keys(int64_t work, int64_t span, int64_t page_size, int64_t threads);
 }
 
 namespace {
 
+// paged_decode.c's kv_type of a cache's scalar type (native_decode.py's KV_TYPES), or -1.
+int kv_type_of(at::ScalarType type) {
+    switch (type) {
+        case at::kFloat: return 0;
+        case at::kHalf: return 1;
+        case at::kBFloat16: return 2;
+        case at::kFloat8_e4m3fn: return 3;
+        case at::kFloat8_e5m2: return 4;
+        default: return -1;
+    }
+}
+
 at::Tensor paged_decode_f32(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &kv_cache,
                             const at::Tensor &slots, const at::Tensor &block_tables, const at::Tensor &seq_lens,
                             int64_t max_seq_len, double scale, int64_t window, double soft_cap) {
     const char *name = "paged_decode_f32";
-    TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2 && kv_cache.is_contiguous() &&
-                    kv_cache.scalar_type() == at::kFloat && kv_cache.is_cpu(),
-                name, ": a layer's cache is a contiguous float32 [pages, 2, page_size, kv_heads, head_dim] on the CPU");
+    const int kv_type = kv_type_of(kv_cache.scalar_type());
+    TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2 && kv_cache.is_contiguous() && kv_type >= 0 &&
+                    kv_cache.is_cpu(),
+                name, ": a layer's cache is a contiguous float32, float16, bfloat16, float8_e4m3fn or float8_e5m2 "
+                "[pages, 2, page_size, kv_heads, head_dim] on the CPU, not ", kv_cache.scalar_type(), " ",
+                kv_cache.sizes());
     const int64_t page_size = kv_cache.size(2), kv_heads = kv_cache.size(3), dim = kv_cache.size(4);
     const int64_t seqs = slots.numel();
     TORCH_CHECK(q.dim() == 3 && q.size(0) == seqs && q.size(2) == dim && q.scalar_type() == at::kFloat, name,
@@ -60,9 +77,9 @@ at::Tensor paged_decode_f32(const at::Tensor &q, const at::Tensor &k, const at::
     const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
     at::Tensor out = at::empty_like(qc);
     at::Tensor scratch = at::empty({seqs * heads * chunks * (dim + 2)}, q.options());
-    const int status = paged_decode_attention_f32(
+    const int status = paged_decode_attention(
         qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), slots.data_ptr<int64_t>(),
-        kv_cache.data_ptr<float>(), block_tables.data_ptr<int32_t>(), block_tables.size(1), seq_lens.data_ptr<int32_t>(),
+        kv_cache.data_ptr(), kv_type, block_tables.data_ptr<int32_t>(), block_tables.size(1), seq_lens.data_ptr<int32_t>(),
         seqs, heads, kv_heads, dim, page_size, chunk, chunks, static_cast<float>(scale), window,
         static_cast<float>(soft_cap), scratch.data_ptr<float>(), out.data_ptr<float>(), threads);
     TORCH_CHECK(status == 0, name, ": the kernel refused its shapes (status ", status, ")");
