@@ -249,6 +249,28 @@ static inline __attribute__((always_inline)) void attend_chunk(
         const int64_t in_page = page_size - t % page_size, left = end - t;
         const int64_t rows = in_page < left ? in_page : left;
         int64_t r = 0;
+        if (type != KV_F32) {
+            /* Eight keys of one KV head converted once, then scored against each query head of its
+             * group (a group of g heads would otherwise convert them g times). */
+            for (; r + 8 <= rows; r += 8) {
+                for (int64_t g = 0; g < kv_heads; g++) {
+                    float converted[8 * MAX_DIM] __attribute__((aligned(32)));
+                    for (int j = 0; j < 8; j++)
+                        for (int64_t i = 0; i < dim; i += LANES)
+                            store(converted + j * dim + i, load_kv(cache, k + (r + j) * row + g * dim + i, type));
+                    for (int64_t hq = g * group; hq < (g + 1) * group; hq++) {
+                        const float *q = qs + hq * dim;
+                        vec a[8];
+                        for (int j = 0; j < 8; j++) a[j] = splat(0.0f);
+                        for (int64_t i = 0; i < dim; i += LANES) {
+                            const vec x = load(q + i);
+                            for (int j = 0; j < 8; j++) a[j] += x * load(converted + j * dim + i);
+                        }
+                        store(scores + hq * stride + (t - start) + r, sums8(a) * splat(scale));
+                    }
+                }
+            }
+        }
         for (; r + 8 <= rows; r += 8) {
             for (int64_t hq = 0; hq < heads; hq++) {
                 const float *q = qs + hq * dim;
