@@ -7,6 +7,7 @@ floors (docs/quantization.md)."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 
@@ -185,3 +186,22 @@ def test_smaller_caches_stay_above_their_measured_agreement(
     ids, pages = greedy_ids(kv_cache_dtype)
     assert agreeing_tokens(ids, expected) >= FLOORS[kv_cache_dtype]
     assert pages >= (4 if kv_cache_dtype.startswith("fp8") else 2) * fp32_pages
+
+
+@pytest.mark.full
+def test_speculation_over_a_float16_cache_gives_its_plain_greedy_text(
+    fp32_cache: tuple[list[list[int]], int],
+) -> None:
+    """The n-gram drafts are verified against pages of the same type: speculative greedy equals
+    plain greedy over a float16 cache (itself equal to the fp32 cache's text)."""
+    config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    llm = LLM(
+        enforce_eager=True, kv_cache_memory_gib=0.05, kv_cache_dtype="float16", speculative_config=json.dumps(config)
+    )
+    try:
+        params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert llm.engine.drafter.snapshot() is not None and llm.engine.drafter.snapshot().draft_tokens > 0
+    finally:
+        llm.engine.shutdown()
+    assert [output.outputs[0].token_ids for output in outputs] == fp32_cache[0]
