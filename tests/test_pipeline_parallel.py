@@ -197,3 +197,18 @@ def test_pipeline_parallelism_refuses_what_it_does_not_run(tiny_model_factory: C
         EngineConfig(pipeline_parallel_size=0)
     with pytest.raises(ValueError, match="exceeds the model's 2 layers"):  # before any process starts
         LLMEngine(EngineConfig(model=str(tiny_model_factory("llama")), pipeline_parallel_size=3, enforce_eager=True))
+
+
+@pytest.mark.full
+def test_pp_keeps_the_one_process_ids_on_an_fp8_kv_cache(tiny_model_factory: Callable[..., Path]) -> None:
+    """Each stage holds its layers' pages in the same type: two stages give one process's ids."""
+    model_dir = str(tiny_model_factory("llama"))
+    base = EngineConfig(
+        model=model_dir,
+        kv_cache_memory_gib=0.01,
+        enforce_eager=True,
+        max_num_batched_tokens=8,
+        kv_cache_dtype="fp8_e4m3",
+    )
+    single = _generate(base, PROMPTS, 6)
+    _assert_same(_in_child(EngineConfig(**{**_fields(base), "pipeline_parallel_size": 2}), PROMPTS, 6), single)

@@ -494,3 +494,22 @@ def test_phi3_refuses_tensor_parallelism_before_reading_weights(tiny_model_facto
     with pytest.raises(ModelConfigError, match=r"--tensor-parallel-size 2: not supported for phi3: its checkpoint"):
         load_model(model_dir, config, torch.float32, torch.device("cpu"), TPShard(0, 2))
     load_model(model_dir, config, torch.float32, torch.device("cpu"), TPShard(0, 1))  # one rank loads
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "fp8_e4m3"])
+def test_tp_keeps_the_single_process_ids_on_a_small_kv_cache(
+    kv_cache_dtype: str, tiny_model_factory: Callable[..., Path]
+) -> None:
+    """Each rank stores its KV heads' pages in the same type: TP = 2 gives TP = 1's ids over the
+    same small cache."""
+    model_dir = str(tiny_model_factory("llama"))
+    base = EngineConfig(
+        model=model_dir,
+        kv_cache_memory_gib=0.01,
+        enforce_eager=True,
+        max_num_batched_tokens=8,
+        kv_cache_dtype=kv_cache_dtype,
+    )
+    single = _generate(base, PROMPTS, 6)
+    _assert_same(_in_child(EngineConfig(**{**_fields(base), "tensor_parallel_size": 2}), PROMPTS, 6), single)
