@@ -185,7 +185,8 @@ def test_a_bf16_cache_takes_the_torch_path_with_a_window() -> None:
     q, k, v, cache, (md_native, md_reference) = _batch([3, 1], [20, 40], 16, 4, 2, 64)
     q, k, v, cache = q.bfloat16(), k.bfloat16(), v.bfloat16(), cache.bfloat16()
     native_cache, reference_cache = cache.clone(), cache.clone()
-    got = CpuAttentionBackend(load_native_decode(), 4).attend(q, k, v, native_cache, md_native, 0.125, 6, SOFT_CAP)
+    backend = CpuAttentionBackend(load_native_decode(), 4, dtype=torch.bfloat16)
+    got = backend.attend(q, k, v, native_cache, md_native, 0.125, 6, SOFT_CAP)
     want = TorchAttentionBackend().attend(q, k, v, reference_cache, md_reference, 0.125, 6, SOFT_CAP)
     assert torch.equal(got, want) and torch.equal(native_cache, reference_cache)
 
@@ -203,7 +204,9 @@ def test_a_bf16_cache_takes_the_torch_path() -> None:
     q, k, v, cache, (md_native, md_reference) = _batch([1, 1], [20, 40], 16, 4, 2, 64)
     q, k, v, cache = q.bfloat16(), k.bfloat16(), v.bfloat16(), cache.bfloat16()
     native_cache, reference_cache = cache.clone(), cache.clone()
-    got = CpuAttentionBackend(load_native_decode(), 4).attend(q, k, v, native_cache, md_native, 0.125)
+    got = CpuAttentionBackend(load_native_decode(), 4, dtype=torch.bfloat16).attend(
+        q, k, v, native_cache, md_native, 0.125
+    )
     want = TorchAttentionBackend().attend(q, k, v, reference_cache, md_reference, 0.125)
     assert torch.equal(got, want) and torch.equal(native_cache, reference_cache)
 

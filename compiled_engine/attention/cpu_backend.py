@@ -9,7 +9,7 @@ tokens before it in the same forward. Longer prompts and prompt chunks take the 
 SDPA path (`attention/paged.py`). A layer's sliding window and soft-cap reach both: the kernel
 reads only the pages of each row's window and caps each score with tanhf. The kernel keeps KV
 pages of fp32, fp16, bf16 and FP8 (e4m3, e5m2), converting as it reads and writes them, with q, k
-and v in fp32; a cache of another type runs exactly the torch backend. The torch backend stays
+and v in fp32; other activations, or a cache of another type, run exactly the torch backend. The torch backend stays
 the reference this one is tested against.
 """
 
@@ -43,14 +43,12 @@ class CpuPlan:
     """One forward: the native kernel's checked plan for the decoding and other short sequences
     (None when there are none, or the kernel cannot keep the cache's type), with their tokens'
     rows in a mixed batch (None when every sequence is short); the torch plan for the longer
-    prompts (None when there are none); and the forward's metadata, for a call whose activations
-    are not fp32 (which takes the torch path whole)."""
+    prompts (None when there are none)."""
 
     native: DecodePlan | None
     decode_tokens: torch.Tensor | None
     decode_seqs: frozenset[int]
     prompts: TorchPlan | None
-    metadata: AttentionMetadata | None = None
 
 
 class CpuAttentionBackend(AttentionBackend[CpuPlan]):
@@ -58,9 +56,12 @@ class CpuAttentionBackend(AttentionBackend[CpuPlan]):
     supports_sliding_window = True  # the kernel starts each row at its window; prompts mask it
     supports_soft_cap = True
 
-    def __init__(self, kernel: NativeDecode, num_heads: int, native_operator: bool = False) -> None:
+    def __init__(
+        self, kernel: NativeDecode, num_heads: int, native_operator: bool = False, dtype: torch.dtype = torch.float32
+    ) -> None:
         self.kernel = kernel
         self.num_heads = num_heads  # this rank's query heads
+        self.dtype = dtype  # the activations' (q, k, v): the kernel takes fp32 only
         # Whether the model's operator has its native CPU kernel (op.py): then a plan of short
         # sequences only runs every layer there, without Python.
         self.native_operator = native_operator
@@ -76,15 +77,16 @@ class CpuAttentionBackend(AttentionBackend[CpuPlan]):
     @classmethod
     def create(cls, shape: AttentionShape) -> Self:
         try:
-            return cls(load_native_decode(), shape.num_heads, load_native_operator())
+            return cls(load_native_decode(), shape.num_heads, load_native_operator(), shape.dtype)
         except KernelBuildError as error:
             raise BackendUnavailableError(str(error)) from error
 
     def prepare(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> CpuPlan:
         layer_shape = tuple(kv_cache.shape[-5:])
         page_size = layer_shape[2]
-        if unsupported_kv_dtype(kv_cache.dtype) is not None:  # what the kernel cannot keep: exactly the torch backend
-            return CpuPlan(None, None, frozenset(), prepare_torch_plan(metadata, page_size, kv_cache.dtype))
+        if self.dtype != torch.float32 or unsupported_kv_dtype(kv_cache.dtype) is not None:
+            # What the kernel cannot run: exactly the torch backend.
+            return CpuPlan(None, None, frozenset(), prepare_torch_plan(metadata, page_size, self.dtype))
         if metadata.decode_only:
             native = self.kernel.plan(
                 metadata.slot_mapping,
@@ -95,13 +97,13 @@ class CpuAttentionBackend(AttentionBackend[CpuPlan]):
                 layer_shape,
                 kv_cache.dtype,
             )
-            return CpuPlan(native, None, frozenset(), None, metadata)
+            return CpuPlan(native, None, frozenset(), None)
         starts = metadata.query_start_loc_cpu
         short = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] <= SHORT_QUERY]
         everything = len(short) == metadata.num_seqs
-        prompts = None if everything else prepare_torch_plan(metadata, page_size, kv_cache.dtype, batch_decodes=False)
+        prompts = None if everything else prepare_torch_plan(metadata, page_size, self.dtype, batch_decodes=False)
         if not short:  # long prompts only: exactly the torch backend
-            return CpuPlan(None, None, frozenset(), prompts, metadata)
+            return CpuPlan(None, None, frozenset(), prompts)
         # One kernel row per token of a short sequence: its seq's table, and the keys up to itself.
         rows: list[int] = []
         seq_of_row: list[int] = []
@@ -120,7 +122,7 @@ class CpuAttentionBackend(AttentionBackend[CpuPlan]):
             torch.tensor(lens, dtype=torch.int32, device=device),
             max(lens), self.num_heads, layer_shape, kv_cache.dtype,
         )  # fmt: skip
-        return CpuPlan(native, tokens, frozenset(short), prompts, metadata)
+        return CpuPlan(native, tokens, frozenset(short), prompts)
 
     def native_plan(self, plan: CpuPlan) -> DecodePlan | None:
         return plan.native if self.native_operator and plan.prompts is None else None
@@ -137,14 +139,10 @@ class CpuAttentionBackend(AttentionBackend[CpuPlan]):
         soft_cap: float = 0.0,
     ) -> torch.Tensor:
         native, prompts = plan.native, plan.prompts
-        if native is not None and q.dtype != torch.float32:  # the kernel takes fp32 activations only
-            assert plan.metadata is not None
-            torch_plan = prepare_torch_plan(plan.metadata, kv_cache.shape[2], kv_cache.dtype)
-            return paged_forward(q, k, v, kv_cache, torch_plan, scale, window, soft_cap)
         if prompts is None:  # short sequences only
             assert native is not None
             return native.run(q, k, v, kv_cache, scale, window, soft_cap)
-        if native is None:  # prompts only, or a cache type the kernel cannot keep
+        if native is None:  # prompts only, or what the kernel cannot run
             return paged_forward(q, k, v, kv_cache, prompts, scale, window, soft_cap)
         write_kv(k, v, kv_cache, prompts.slot_mapping, prompts.write_rows)
         out = torch.empty_like(q)
