@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from compiled_engine.attention.metadata import AttentionMetadata
+from compiled_engine.cache.kv_cache import is_fp8
 
 
 def kv_rows(slots: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -42,7 +43,7 @@ def write_kv(
     rows = kv_rows(slot_mapping, page_size) if rows is None else rows
     flat = kv_cache.view(-1, *kv_cache.shape[3:])
     keys, values = stored(k, kv_cache.dtype), stored(v, kv_cache.dtype)
-    if flat.dtype.itemsize == 1 and flat.dtype.is_floating_point:  # no index_copy_ for FP8: copy the bytes
+    if is_fp8(flat.dtype):  # no index_copy_ for FP8: copy the bytes
         flat, keys, values = flat.view(torch.uint8), keys.view(torch.uint8), values.view(torch.uint8)
     flat.index_copy_(0, rows, keys)
     flat.index_copy_(0, rows + page_size, values)
@@ -51,7 +52,7 @@ def write_kv(
 def stored(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """K or V as the pages hold them: cast to `dtype`; an FP8 type (a per-tensor scale of 1.0)
     saturates to its finite range first, since a plain cast turns what it cannot hold into NaN."""
-    if dtype.itemsize == 1 and dtype.is_floating_point:
+    if is_fp8(dtype):
         limit = torch.finfo(dtype).max
         values = values.clamp(-limit, limit)
     return values.to(dtype)

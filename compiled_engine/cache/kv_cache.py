@@ -7,6 +7,11 @@ from dataclasses import dataclass
 import torch
 
 
+def is_fp8(dtype: torch.dtype) -> bool:
+    """Whether pages of `dtype` are FP8 (e4m3 or e5m2): one byte, a float."""
+    return dtype.itemsize == 1 and dtype.is_floating_point
+
+
 @dataclass(frozen=True)
 class KVCacheSpec:
     """What one rank's page pool holds: `num_kv_heads` is this rank's share of the model's KV

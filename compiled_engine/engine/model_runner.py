@@ -28,7 +28,7 @@ from compiled_engine.attention.metadata import AttentionMetadata
 from compiled_engine.attention.op import attention_forward
 from compiled_engine.attention.selector import get_backend
 from compiled_engine.cache.block_manager import PageCopy
-from compiled_engine.cache.kv_cache import KVCacheSpec
+from compiled_engine.cache.kv_cache import KVCacheSpec, is_fp8
 from compiled_engine.cache_paths import compiled_dir, inductor_dir
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine.adapters import AdapterInstall, install_no_adapters
@@ -227,7 +227,7 @@ class ModelRunner:
             self.num_pages * self.page_size,
             gib,
             str(self.kv_spec.dtype).removeprefix("torch."),
-            ", FP8 at a per-tensor scale of 1.0" if self.kv_spec.dtype.itemsize == 1 else "",
+            ", FP8 at a per-tensor scale of 1.0" if is_fp8(self.kv_spec.dtype) else "",
         )
         return kv_cache
 
