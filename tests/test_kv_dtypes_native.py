@@ -135,6 +135,7 @@ def test_fp8_saturates_to_its_largest_finite_value(dtype: torch.dtype) -> None:
     assert flat[rows[1] + 16, 1, 8:16].tolist() == [-top, top, -top, top, -top, top, -top, -top]
 
 
+@pytest.mark.full  # a second build of the kernel: the quick tier runs the F16C one every x86 CI machine has
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="F16C is an x86 extension")
 def test_the_portable_fp16_conversion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Built without F16C, fp16 and the FP8 types (read through fp16) convert in plain vector
