@@ -107,7 +107,7 @@ def _add_serve_options(serve: argparse.ArgumentParser) -> None:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from compiled_engine.model.default_model import prepare_default_model
+    from compiled_engine.weights.default_model import prepare_default_model
 
     model_dir = prepare_default_model()
     _build_native_kernels()
@@ -264,8 +264,8 @@ def _torchrun_worker_rank() -> int | None:
 def _run_torchrun_worker(args: argparse.Namespace) -> int:
     """Ranks 1..N-1 under torchrun run the model's shard; rank 0 runs the command itself."""
     from compiled_engine.engine.tp_worker import run_worker
-    from compiled_engine.model.source import resolve_model_dir
     from compiled_engine.parallel.pipeline import ParallelLayout
+    from compiled_engine.weights.source import resolve_model_dir
 
     rank = _torchrun_worker_rank()
     assert rank is not None

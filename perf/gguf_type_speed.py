@@ -1,6 +1,6 @@
 """The speed of each GGUF block type's product on the CPU: one decoder product's shape (default
 SmolLM2's down_proj, [576, 1536]) filled with random blocks of each type, decoded as the loader
-decodes them (quantization/gguf_blocks.py), and timed through the native operator for 1 and 4
+decodes them (weights/gguf_blocks.py), and timed through the native operator for 1 and 4
 rows of x, beside the dense fp32 product of the same shape in the same run.
 
     python perf/gguf_type_speed.py [--out 576] [--in 1536] [--calls 400]
@@ -19,9 +19,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from compiled_engine.model.gguf import BLOCK_TYPES, TYPE_NAMES
-from compiled_engine.quantization.gguf_blocks import decode_blocks
 from compiled_engine.quantization.modules import QuantizedLinear
+from compiled_engine.weights.gguf import BLOCK_TYPES, TYPE_NAMES
+from compiled_engine.weights.gguf_blocks import decode_blocks
 
 # Byte offsets of each type's fp16 fields (set to moderate numbers; random bytes there would be
 # NaN now and then).

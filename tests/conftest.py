@@ -15,7 +15,7 @@ import torch
 
 from compiled_engine.cache_paths import CACHE_ENV, MODELS_ENV
 from compiled_engine.config import ENFORCE_EAGER_ENV
-from compiled_engine.model.default_model import load_default_model_dir
+from compiled_engine.weights.default_model import load_default_model_dir
 from reference_oracle import ReferenceOracle
 from tests.cache_isolation import Snapshot, isolate
 from tests.server_process import ServerProcess, running_server

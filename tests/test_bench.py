@@ -25,7 +25,7 @@ from compiled_engine.bench.serving import RequestRecord, percentiles, summarize
 from compiled_engine.bench.workload import Workload
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine.llm_engine import LLMEngine
-from compiled_engine.model.gguf import gguf_file
+from compiled_engine.weights.gguf import gguf_file
 from tests.server_process import free_port, running_server
 
 ENV_KEYS = {

@@ -32,9 +32,9 @@ from compiled_engine.engine.precompiled import PrecompiledFunction, artifact_dir
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.engine.step_inputs import StepInputs
 from compiled_engine.model import packed_linear
-from compiled_engine.model.gguf import read_gguf_header, tensor_bytes
 from compiled_engine.model.packed_linear import CpuLinear
 from compiled_engine.prompts import DEFAULT_PROMPTS
+from compiled_engine.weights.gguf import read_gguf_header, tensor_bytes
 from tests.onednn_layout import packs_as_one_copy
 from tests.server_process import running_server
 
@@ -356,7 +356,7 @@ def test_a_gguf_of_mixed_types_saves_one_trace_per_kind_of_layer_and_loads_them_
     """llama.cpp's Q4_K_M of a small model: layer 0's down_proj is Q4_K (int4), layer 1's Q6_K
     (int8, groups of 16), so the layers are two kinds with a compiled entry and a saved trace
     each. The next start loads both and traces nothing; the logits equal eager's."""
-    from compiled_engine.model.gguf_dir import prepare_gguf_dir
+    from compiled_engine.weights.gguf_dir import prepare_gguf_dir
 
     model_dir = prepare_gguf_dir(Path(__file__).parent / "fixtures" / "gguf_kquants" / "model" / "model-Q4_K_M.gguf")
     gen = torch.Generator().manual_seed(4)
@@ -444,7 +444,7 @@ def test_a_gguf_of_the_same_types_gets_its_own_logits_from_another_files_traces(
 ) -> None:
     """Two Q4_K_M files of one model's shapes and block types (the second the first with every
     matrix's rows reversed): the second loads the traces the first saved, and runs its own weights."""
-    from compiled_engine.model.gguf_dir import prepare_gguf_dir
+    from compiled_engine.weights.gguf_dir import prepare_gguf_dir
 
     source = Path(__file__).parent / "fixtures" / "gguf_kquants" / "model" / "model-Q4_K_M.gguf"
     first_dir = prepare_gguf_dir(source)

@@ -28,12 +28,12 @@ from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.errors import ModelLoadError, ModelSourceError
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.families import family
-from compiled_engine.model.gguf import read_gguf_header
-from compiled_engine.model.gguf_dir import gguf_config_dict, prepare_gguf_dir
 from compiled_engine.model.shard import NO_SHARD
-from compiled_engine.quantization.gguf import load_gguf_model
 from compiled_engine.quantization.modules import QuantizedEmbedding, QuantizedLinear
 from compiled_engine.tokenizer import Tokenizer
+from compiled_engine.weights.gguf import read_gguf_header
+from compiled_engine.weights.gguf_dir import gguf_config_dict, prepare_gguf_dir
+from compiled_engine.weights.gguf_loader import load_gguf_model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gguf"
 NAMES = ("gemma2", "gemma3", "mistral", "phi3", "qwen2")

@@ -30,13 +30,13 @@ from compiled_engine.engine.generator import Generator
 from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.errors import ModelLoadError
 from compiled_engine.model.config import ModelConfig
-from compiled_engine.model.gguf import BLOCK_TYPES, check_tensor, read_gguf_header, read_tensor
-from compiled_engine.model.gguf_dir import prepare_gguf_dir
-from compiled_engine.quantization.gguf import load_gguf_model
-from compiled_engine.quantization.gguf_blocks import decode_blocks
 from compiled_engine.quantization.modules import QuantizedLinear
 from compiled_engine.quantization.ops import cpu_kernels, native_operator
 from compiled_engine.quantization.weights import QuantizedWeight, concat_rows
+from compiled_engine.weights.gguf import BLOCK_TYPES, check_tensor, read_gguf_header, read_tensor
+from compiled_engine.weights.gguf_blocks import decode_blocks
+from compiled_engine.weights.gguf_dir import prepare_gguf_dir
+from compiled_engine.weights.gguf_loader import load_gguf_model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gguf_kquants"
 BLOCKS = FIXTURES / "blocks.gguf"

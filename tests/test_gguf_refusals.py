@@ -1,7 +1,7 @@
 """The ways a GGUF file is refused, one row each: every refusal of the header reader
-(model/gguf.py) and of the family mapping to a config (model/gguf_families.py), and those of the
-tokenizer built from the file's vocabulary (model/gguf_tokenizer.py) and of the weight loader
-(quantization/gguf.py) that no other module checks. Each row writes a small file here, byte by
+(weights/gguf.py) and of the family mapping to a config (model/gguf_families.py), and those of the
+tokenizer built from the file's vocabulary (weights/gguf_tokenizer.py) and of the weight loader
+(weights/gguf_loader.py) that no other module checks. Each row writes a small file here, byte by
 byte, broken in one place, and expects the typed error a user gets from the entry point the engine
 calls (`prepare_gguf_dir` for `--model file.gguf`, else the reader or the loader), with a message
 that names the problem (and the file, from `prepare_gguf_dir`, which leaves nothing half-built in
@@ -23,10 +23,10 @@ import torch
 
 from compiled_engine.errors import ModelLoadError, ModelSourceError
 from compiled_engine.model.config import ModelConfig
-from compiled_engine.model.gguf import read_gguf_header
-from compiled_engine.model.gguf_dir import prepare_gguf_dir
-from compiled_engine.model.gguf_families import gguf_config_dict
-from compiled_engine.quantization.gguf import load_gguf_model
+from compiled_engine.weights.gguf import read_gguf_header
+from compiled_engine.weights.gguf_config import gguf_config_dict
+from compiled_engine.weights.gguf_dir import prepare_gguf_dir
+from compiled_engine.weights.gguf_loader import load_gguf_model
 
 # Metadata value types, and the ggml tensor types used here.
 UINT8, INT8, UINT16, INT16, UINT32, INT32, FLOAT32, BOOL, STRING, ARRAY, UINT64, INT64, FLOAT64 = range(13)

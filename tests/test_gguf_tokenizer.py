@@ -1,4 +1,4 @@
-"""The tokenizer built from a GGUF's own metadata (model/gguf_tokenizer.py), read back through the
+"""The tokenizer built from a GGUF's own metadata (weights/gguf_tokenizer.py), read back through the
 files prepare writes and the engine's Tokenizer, against transformers' tokenizer for the same
 file: ids with and without special tokens, and the text decoded with and without them, on a few
 hundred strings each. The files: the default model's GGUF (byte-level, pre-tokenizer "smollm")
@@ -22,12 +22,12 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import pre_tokenizers
 
 from compiled_engine.errors import ModelSourceError
-from compiled_engine.model import gguf_dir
-from compiled_engine.model.default_model import GGUF_NAME, default_model_dir
-from compiled_engine.model.gguf import GGUFHeader, read_gguf_header
-from compiled_engine.model.gguf_dir import prepare_gguf_dir
-from compiled_engine.model.gguf_tokenizer import BYTE, CONTROL, NORMAL, build_gguf_tokenizer
 from compiled_engine.tokenizer import Tokenizer
+from compiled_engine.weights import gguf_dir
+from compiled_engine.weights.default_model import GGUF_NAME, default_model_dir
+from compiled_engine.weights.gguf import GGUFHeader, read_gguf_header
+from compiled_engine.weights.gguf_dir import prepare_gguf_dir
+from compiled_engine.weights.gguf_tokenizer import BYTE, CONTROL, NORMAL, build_gguf_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gguf_tokenizer"
 DEFAULT_GGUF = default_model_dir() / GGUF_NAME

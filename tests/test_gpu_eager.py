@@ -13,8 +13,8 @@ from compiled_engine.config import EngineConfig
 from compiled_engine.engine.generator import Generator
 from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.errors import ModelSourceError
-from compiled_engine.model.default_model import load_default_model_dir
 from compiled_engine.tokenizer import Tokenizer
+from compiled_engine.weights.default_model import load_default_model_dir
 
 pytestmark = pytest.mark.gpu
 

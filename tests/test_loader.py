@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from compiled_engine.errors import ModelLoadError
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.llama import Transformer, checkpoint_layout
-from compiled_engine.model.loader import INDEX_FILE, SINGLE_FILE, load_model
+from compiled_engine.weights.safetensors_loader import INDEX_FILE, SINGLE_FILE, load_model
 
 CPU = torch.device("cpu")
 Factory = Callable[..., Path]

@@ -25,13 +25,13 @@ from huggingface_hub.errors import (
 
 from compiled_engine.errors import ModelSourceError
 from compiled_engine.model.config import ModelConfig
-from compiled_engine.model.default_model import (
+from compiled_engine.weights.default_model import (
     DEFAULT_MODEL_NAME,
     MANIFEST,
     MANIFEST_VERSION,
     default_model_dir,
 )
-from compiled_engine.model.source import HUB_FILE_PATTERNS, resolve_model_dir
+from compiled_engine.weights.source import HUB_FILE_PATTERNS, resolve_model_dir
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 Factory = Callable[..., Path]

@@ -15,8 +15,8 @@ from compiled_engine.bench import __main__ as bench
 from compiled_engine.bench.perplexity import TEXT_PATH, perplexity, windows
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine.llm_engine import LLMEngine
-from compiled_engine.model.default_model import GGUF_NAME, default_model_dir, manifest_problem
 from compiled_engine.tokenizer import Tokenizer
+from compiled_engine.weights.default_model import GGUF_NAME, default_model_dir, manifest_problem
 
 NUM_TOKENS = 300
 MAX_MODEL_LEN = 512

@@ -332,9 +332,9 @@ def test_int4_weights_take_under_a_third_of_the_fp32_bytes(tiny_model_factory: C
 def test_tensor_parallelism_shards_the_gguf_or_refuses_quantizing_at_load(
     default_model_dir: Path, tiny_model_factory: Callable[..., Path]
 ) -> None:
-    from compiled_engine.engine.weight_loading import load_weights
     from compiled_engine.model.config import ModelConfig
     from compiled_engine.model.shard import TPShard
+    from compiled_engine.weights.load import load_weights
 
     config = ModelConfig.from_model_dir(default_model_dir)
     cpu = torch.device("cpu")

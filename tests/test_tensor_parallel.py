@@ -25,8 +25,8 @@ from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.errors import ModelConfigError
 from compiled_engine.model.config import ModelConfig
-from compiled_engine.model.loader import load_model
 from compiled_engine.model.shard import TPShard
+from compiled_engine.weights.safetensors_loader import load_model
 
 PROMPTS = [[5, 17, 42, 99, 7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [200, 201]]
 

@@ -1,6 +1,6 @@
 """`verify --model file.gguf`: the oracle reads the file's config, tokenizer and weights through
 transformers alone, so a misreading of the file's metadata or tokenizer by our preparation
-(model/gguf_families.py, model/gguf_tokenizer.py) is reported and fails, instead of being shared
+(model/gguf_families.py, weights/gguf_tokenizer.py) is reported and fails, instead of being shared
 by both sides and ending in MATCH. On a tiny Qwen2 file as llama.cpp's converter wrote it
 (tests/fixtures/gguf), alone in its folder, with a chat template added."""
 
@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 from gguf import GGUFValueType as VT
 
-import compiled_engine.model.gguf_dir as gguf_dir
-import compiled_engine.model.gguf_tokenizer as gguf_tokenizer
+import compiled_engine.weights.gguf_dir as gguf_dir
+import compiled_engine.weights.gguf_tokenizer as gguf_tokenizer
 from compiled_engine.config import EngineConfig
-from compiled_engine.model.gguf_tokenizer import GGUFTokenizer
-from compiled_engine.model.source import resolve_model_dir
 from compiled_engine.verify import verify
+from compiled_engine.weights.gguf_tokenizer import GGUFTokenizer
+from compiled_engine.weights.source import resolve_model_dir
 from reference_oracle import ReferenceOracle
 from tests.test_gguf_families import gguf_path, rewrite
 
@@ -170,8 +170,8 @@ def tokenizer_check(path: Path) -> Any:
     no weights to run)."""
     from transformers import AutoTokenizer
 
-    from compiled_engine.model.gguf_dir import prepare_gguf_dir
     from compiled_engine.tokenizer import Tokenizer
+    from compiled_engine.weights.gguf_dir import prepare_gguf_dir
     from reference_oracle.gguf_source import compare_tokenizers, gguf_alone
 
     ours = Tokenizer(prepare_gguf_dir(path))

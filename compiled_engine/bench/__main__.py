@@ -53,9 +53,9 @@ from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine_options import add_engine_options, engine_config_from_args
 from compiled_engine.errors import CompiledEngineError
 from compiled_engine.model.config import ModelConfig
-from compiled_engine.model.gguf import gguf_file
-from compiled_engine.model.source import resolve_model_dir
 from compiled_engine.replicas.front_end import DataParallelEngine
+from compiled_engine.weights.gguf import gguf_file
+from compiled_engine.weights.source import resolve_model_dir
 
 
 def _parser() -> argparse.ArgumentParser:

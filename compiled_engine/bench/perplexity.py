@@ -36,9 +36,9 @@ from compiled_engine.bench.llama_cpp_baseline import load_llama_cpp
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.step_inputs import StepInputs
 from compiled_engine.engine_options import add_engine_options, engine_config_from_args
-from compiled_engine.model.gguf import gguf_file
-from compiled_engine.model.source import resolve_model_dir
 from compiled_engine.tokenizer import Tokenizer
+from compiled_engine.weights.gguf import gguf_file
+from compiled_engine.weights.source import resolve_model_dir
 
 TEXT_PATH = Path(__file__).parent / "data" / "alice_in_wonderland.txt"
 # Each format's EngineConfig.quantization; "gguf" is the checkpoint's own weights (a GGUF's

@@ -35,10 +35,10 @@ from compiled_engine.engine.tp_worker import start_runner
 from compiled_engine.engine.verifier import Verifier
 from compiled_engine.errors import RequestError
 from compiled_engine.model.packed_linear import packed_bytes
-from compiled_engine.model.source import resolve_model_dir
 from compiled_engine.parallel.threads import set_threads
 from compiled_engine.profiling import nvtx_range
 from compiled_engine.tokenizer import Tokenizer
+from compiled_engine.weights.source import resolve_model_dir
 
 
 class LLMEngine:

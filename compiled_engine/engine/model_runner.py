@@ -38,7 +38,6 @@ from compiled_engine.engine.frame_arena import install_frame_arena
 from compiled_engine.engine.memory_budget import kv_budget_bytes
 from compiled_engine.engine.precompiled import artifact_dir, model_signature
 from compiled_engine.engine.step_inputs import ScheduledBatch, StepInputs
-from compiled_engine.engine.weight_loading import load_weights
 from compiled_engine.errors import ModelConfigError
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.layers import DecoderModel
@@ -48,6 +47,7 @@ from compiled_engine.parallel.pipeline import ParallelLayout, StageLinks, link_s
 from compiled_engine.parallel.plan import parallelize
 from compiled_engine.products.walk import install_products
 from compiled_engine.profiling import nvtx_range
+from compiled_engine.weights.load import load_weights
 
 logger = logging.getLogger(__name__)
 

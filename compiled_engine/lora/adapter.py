@@ -28,7 +28,7 @@ from safetensors import safe_open
 
 from compiled_engine.errors import ModelSourceError, RequestError
 from compiled_engine.model.config import ModelConfig
-from compiled_engine.model.source import HUB_ID, download_from_hub
+from compiled_engine.weights.source import HUB_ID, download_from_hub
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -146,7 +146,7 @@ def digest_of(path: Path) -> str:
 
 def adapter_dir(source: str | Path) -> Path:
     """A local adapter directory, or a Hub id (owner/name) resolved through huggingface_hub as
-    models are (model/source.py), from the local cache when offline."""
+    models are (weights/source.py), from the local cache when offline."""
     path = Path(source).expanduser()
     if path.is_dir():
         return path

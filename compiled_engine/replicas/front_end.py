@@ -50,7 +50,6 @@ from compiled_engine.engine.outputs import RequestOutput
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.errors import EngineDeadError, EngineOverloadedError, EngineShuttingDownError
 from compiled_engine.lora.adapter import LoRAError, adapter_dir, digest_of
-from compiled_engine.model.source import resolve_model_dir
 from compiled_engine.replicas import placement as placing
 from compiled_engine.replicas.messages import (
     AbortRequest,
@@ -67,6 +66,7 @@ from compiled_engine.replicas.messages import (
 from compiled_engine.replicas.replica import ReplicaSpec, run_replica
 from compiled_engine.replicas.routing import DEFAULT_BALANCE_SLACK, PrefixRouter
 from compiled_engine.tokenizer import Tokenizer
+from compiled_engine.weights.source import resolve_model_dir
 
 logger = logging.getLogger(__name__)
 

@@ -37,9 +37,9 @@ from compiled_engine.engine.sequence import Sequence
 from compiled_engine.engine.step_inputs import StepInputs
 from compiled_engine.errors import ModelConfigError
 from compiled_engine.model.config import ModelConfig
-from compiled_engine.model.source import resolve_model_dir
 from compiled_engine.speculative.drafts import SpeculativeStats, propose_drafts, record_verify
 from compiled_engine.tokenizer import Tokenizer
+from compiled_engine.weights.source import resolve_model_dir
 
 logger = logging.getLogger(__name__)
 

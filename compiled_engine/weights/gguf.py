@@ -4,8 +4,8 @@ The header (version, metadata, tensor directory) is parsed with every count, len
 checked against the file's size; nothing in it is executed, and the engine needs no GGUF library
 to run one. A tensor's data is read as its bytes, checked for its type and extent
 (`check_tensor`, `check_no_overlaps`): a dense tensor of the file's dtype, or its quantized
-blocks as bytes, which quantization/gguf_blocks.py decodes. What the tensors mean for a model is
-elsewhere: the model directory in model/gguf_dir.py, the weights in quantization/gguf.py.
+blocks as bytes, which weights/gguf_blocks.py decodes. What the tensors mean for a model is
+elsewhere: the model directory in weights/gguf_dir.py, the weights in weights/gguf_loader.py.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from compiled_engine.errors import CompiledEngineError, ModelLoadError
-from compiled_engine.model.default_model import GGUF_NAME
+from compiled_engine.weights.default_model import GGUF_NAME
 
 MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)

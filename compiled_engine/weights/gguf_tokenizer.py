@@ -27,7 +27,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from compiled_engine.errors import ModelSourceError
-from compiled_engine.model.gguf import GGUFHeader
+from compiled_engine.weights.gguf import GGUFHeader
 
 # llama.cpp's token types (`tokenizer.ggml.token_type`).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6

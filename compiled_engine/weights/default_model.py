@@ -30,7 +30,7 @@ GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 3  # 2: entries hold sha256 and size; 3: the GGUF itself is kept
 # The GGUF file, kept in the directory beside its fp32 conversion: its quantized weights are what
-# the engine runs by default (model/gguf.py); the safetensors are `--quantization none`.
+# the engine runs by default (weights/gguf.py); the safetensors are `--quantization none`.
 GGUF_NAME = "model.gguf"
 # Special token ids of SmolLM2's vocabulary: <|im_start|> = 1, <|im_end|> = 2.
 BOS_TOKEN_ID = 1

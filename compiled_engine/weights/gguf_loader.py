@@ -2,11 +2,11 @@
 model/gguf_families.py names and transforms them), its quantized tensors kept quantized:
 `load_gguf_model` checks every name, shape, type and offset against the config before a byte of
 data is read, then fills the model: each quantized type becomes the int4 or int8 QuantizedWeight
-that means the same values (quantization/gguf_blocks.py), and F32, F16 and BF16 dense
+that means the same values (weights/gguf_blocks.py), and F32, F16 and BF16 dense
 parameters; llama's q/k rows are put back in Hugging Face order and Gemma's norms lose the 1
 llama.cpp added. Under tensor parallelism each rank keeps its slice of the sharded products
 (column-parallel rows, row-parallel whole groups of columns), quantized. The file format itself is
-read by model/gguf.py.
+read by weights/gguf.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,11 @@ from torch import nn
 from compiled_engine.errors import ModelLoadError
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.families import build_model, check_shard, family_of_gguf
-from compiled_engine.model.gguf import (
+from compiled_engine.model.layers import DecoderModel, in_layers
+from compiled_engine.model.shard import NO_SHARD, TPShard
+from compiled_engine.quantization.apply import install_embedding, install_linear
+from compiled_engine.quantization.weights import QuantizedWeight, concat_rows
+from compiled_engine.weights.gguf import (
     DENSE_TYPES,
     GGUFHeader,
     check_no_overlaps,
@@ -30,13 +34,9 @@ from compiled_engine.model.gguf import (
     read_gguf_header,
     read_tensor,
 )
-from compiled_engine.model.gguf_families import LAYOUTS, LONG_FACTORS, ROPE_FREQS, SHORT_FACTORS, GGUFLayout
-from compiled_engine.model.layers import DecoderModel, in_layers
-from compiled_engine.model.loader import rebuild_rotaries
-from compiled_engine.model.shard import NO_SHARD, TPShard
-from compiled_engine.quantization.apply import install_embedding, install_linear
-from compiled_engine.quantization.gguf_blocks import decode_blocks
-from compiled_engine.quantization.weights import QuantizedWeight, concat_rows
+from compiled_engine.weights.gguf_blocks import decode_blocks
+from compiled_engine.weights.gguf_config import LAYOUTS, LONG_FACTORS, ROPE_FREQS, SHORT_FACTORS, GGUFLayout
+from compiled_engine.weights.safetensors_loader import rebuild_rotaries
 
 ROPE_FACTORS = (LONG_FACTORS, SHORT_FACTORS)
 

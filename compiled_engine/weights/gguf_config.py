@@ -1,7 +1,7 @@
 """What llama.cpp writes for each family, in one place: the metadata its converter stores and
 llama.cpp assumes where it stores none (read into a Hugging Face style config.json by
 `gguf_config_dict`), and how it names and transforms the weights (`GGUFLayout`, which
-quantization/gguf.py follows to fill our modules).
+weights/gguf_loader.py follows to fill our modules).
 
 llama.cpp's conventions, family by family, as its convert_hf_to_gguf.py writes files and its
 src/models/*.cpp read them:
@@ -38,7 +38,7 @@ from typing import Any
 from compiled_engine.errors import CompiledEngineError, ModelSourceError
 from compiled_engine.model.config import Architecture
 from compiled_engine.model.families import FAMILIES, family_of_gguf
-from compiled_engine.model.gguf import GGUFHeader, check_tensor, read_tensor
+from compiled_engine.weights.gguf import GGUFHeader, check_tensor, read_tensor
 
 LONG_FACTORS = "rope_factors_long.weight"
 SHORT_FACTORS = "rope_factors_short.weight"

@@ -2,7 +2,7 @@
 quantization options.
 
 - A model directory with a GGUF (`model.gguf`: the default model, or a user's `.gguf` prepared by
-  model/gguf_dir.py) runs the GGUF's own quantized tensors (under tensor parallelism, each rank
+  weights/gguf_dir.py) runs the GGUF's own quantized tensors (under tensor parallelism, each rank
   its slices of them) unless `quantization` says otherwise;
   with "none" it runs dense weights (its safetensors if the directory has them, else the GGUF
   dequantized); with int8/int4, dense weights quantized at load.
@@ -19,12 +19,12 @@ import torch
 
 from compiled_engine.config import EngineConfig
 from compiled_engine.model.config import ModelConfig
-from compiled_engine.model.gguf import gguf_file
 from compiled_engine.model.layers import DecoderModel
-from compiled_engine.model.loader import INDEX_FILE, SINGLE_FILE, load_model
 from compiled_engine.model.shard import NO_SHARD, TPShard
 from compiled_engine.quantization.apply import QuantizationScheme, quantize_model
-from compiled_engine.quantization.gguf import load_gguf_model
+from compiled_engine.weights.gguf import gguf_file
+from compiled_engine.weights.gguf_loader import load_gguf_model
+from compiled_engine.weights.safetensors_loader import INDEX_FILE, SINGLE_FILE, load_model
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """A user's `.gguf` file as a model directory the rest of the engine reads: config.json and
 generation_config.json from the GGUF's metadata (`gguf_config_dict`), the tokenizer files (a
 tokenizer.json beside the file, else one built from the GGUF's own vocabulary by
-model/gguf_tokenizer.py), and `model.gguf` a link to the file (`prepare_gguf_dir`). The weights
-are read from that link at load (quantization/gguf.py).
+weights/gguf_tokenizer.py), and `model.gguf` a link to the file (`prepare_gguf_dir`). The weights
+are read from that link at load (weights/gguf_loader.py).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import Any
 from compiled_engine.cache_paths import models_dir
 from compiled_engine.errors import ModelConfigError, ModelSourceError
 from compiled_engine.model.config import ModelConfig
-from compiled_engine.model.default_model import GGUF_NAME
-from compiled_engine.model.gguf import GGUFHeader, read_gguf_header
-from compiled_engine.model.gguf_families import Metadata, gguf_config_dict
-from compiled_engine.model.gguf_tokenizer import build_gguf_tokenizer
+from compiled_engine.weights.default_model import GGUF_NAME
+from compiled_engine.weights.gguf import GGUFHeader, read_gguf_header
+from compiled_engine.weights.gguf_config import Metadata, gguf_config_dict
+from compiled_engine.weights.gguf_tokenizer import build_gguf_tokenizer
 
 
 def _meta(header: GGUFHeader, key: str, kind: type, default: Any = None, required: bool = True) -> Any:

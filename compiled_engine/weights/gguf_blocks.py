@@ -23,7 +23,7 @@ the order gguf-py computes it.
 
 The repack costs memory where a type's bits do not fit a format's (five or six bits held in a
 byte, int8 groups of 16): docs/quantization.md lists the bytes each reads. Codebook types (IQ1,
-IQ2, IQ3) and anything else are refused by model/gguf.py before a byte is read.
+IQ2, IQ3) and anything else are refused by weights/gguf.py before a byte is read.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from collections.abc import Callable
 
 import torch
 
-from compiled_engine.model.gguf import (
+from compiled_engine.quantization.weights import QuantizedWeight, pack_int4, unpack_int4
+from compiled_engine.weights.gguf import (
     IQ4_NL,
     IQ4_XS,
     Q2_K,
@@ -46,7 +47,6 @@ from compiled_engine.model.gguf import (
     Q6_K,
     Q8_0,
 )
-from compiled_engine.quantization.weights import QuantizedWeight, pack_int4, unpack_int4
 
 # IQ4_NL's and IQ4_XS's 16 levels (ggml-common.h's kvalues_iq4nl).
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
@@ -189,6 +189,6 @@ DECODERS: dict[int, Callable[[torch.Tensor], QuantizedWeight]] = {
 
 
 def decode_blocks(blocks: torch.Tensor, ggml_type: int) -> QuantizedWeight:
-    """A quantized tensor's blocks, uint8 [rows, blocks, block bytes] as model/gguf.py reads them,
+    """A quantized tensor's blocks, uint8 [rows, blocks, block bytes] as weights/gguf.py reads them,
     as the QuantizedWeight [rows, blocks * block weights] that means the same values."""
     return DECODERS[ggml_type](blocks)

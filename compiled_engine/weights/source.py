@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 from compiled_engine.errors import ModelSourceError
-from compiled_engine.model.default_model import load_default_model_dir
+from compiled_engine.weights.default_model import load_default_model_dir
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 HUB_FILE_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
@@ -25,7 +25,7 @@ def resolve_model_dir(model: str | None) -> Path:
     if path.is_dir():
         return path
     if path.is_file() and path.suffix.lower() == ".gguf":
-        from compiled_engine.model.gguf_dir import prepare_gguf_dir
+        from compiled_engine.weights.gguf_dir import prepare_gguf_dir
 
         return prepare_gguf_dir(path)
     if path.exists():
