@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from compiled_engine.cli import main
 from compiled_engine.errors import ModelSourceError
-from compiled_engine.model import default_model
+from compiled_engine.weights import default_model
 from compiled_engine.weights.default_model import (
     DEFAULT_MODEL_NAME,
     load_default_model_dir,

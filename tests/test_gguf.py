@@ -29,6 +29,7 @@ from compiled_engine.errors import ModelLoadError, ModelSourceError
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.layers import rope_inverse_frequencies
 from compiled_engine.model.llama import Linear, Transformer, checkpoint_layout
+from compiled_engine.model.registry import config_from_dict, config_from_model_dir
 from compiled_engine.quantization.modules import QuantizedEmbedding, QuantizedLinear
 from compiled_engine.tokenizer import Tokenizer
 from compiled_engine.weights import gguf_dir as gguf_module
@@ -93,7 +94,7 @@ def fused(hf_state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, t
 
 @pytest.fixture(scope="module")
 def default_config() -> ModelConfig:
-    return ModelConfig.from_model_dir(DEFAULT_DIR)
+    return config_from_model_dir(DEFAULT_DIR)
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +176,7 @@ def test_prepare_gguf_dir_on_the_default_file(cache: Path, default_config: Model
     the GGUF are used; a second call reuses the directory without reading the file again."""
     prepared = prepare_gguf_dir(DEFAULT_GGUF)
     assert prepared.parent == cache / "models" / "gguf"
-    assert ModelConfig.from_model_dir(prepared) == default_config
+    assert config_from_model_dir(prepared) == default_config
     assert gguf_file(prepared) == prepared / GGUF_NAME
     assert (prepared / GGUF_NAME).resolve() == DEFAULT_GGUF.resolve()
     assert (prepared / "tokenizer.json").read_bytes() == (DEFAULT_DIR / "tokenizer.json").read_bytes()
@@ -402,7 +403,7 @@ def write_tiny_gguf(
 
 def tiny_config(arch: str) -> ModelConfig:
     spec = TINY[arch]
-    return ModelConfig.from_dict(
+    return config_from_dict(
         {
             "model_type": arch,
             "vocab_size": len(TOKENS),
@@ -512,7 +513,7 @@ def test_llama_rope_freqs_scale_the_rotary_frequencies(tmp_path: Path) -> None:
     """Llama 3.1's rope scaling as llama.cpp writes it (a `rope_freqs` tensor of divisors) gives the
     frequencies the llama3 rope config would."""
     config = tiny_config("llama")
-    llama3 = ModelConfig.from_dict(
+    llama3 = config_from_dict(
         {
             **_as_hf(config),
             "rope_scaling": {
@@ -554,8 +555,8 @@ def test_prepare_gguf_dir_on_a_tiny_qwen3(tmp_path: Path, cache: Path) -> None:
     file.gguf` resolves to the same directory; a changed file gets a new one."""
     path = write_tiny_gguf(tmp_path / "qwen.gguf", "qwen3", drop_metadata=("qwen3.rope.dimension_count",)).path
     prepared = prepare_gguf_dir(path)
-    config = ModelConfig.from_model_dir(prepared)
-    assert config == ModelConfig.from_dict({**_as_hf(tiny_config("qwen3")), "eos_token_id": 2, "bos_token_id": 1})
+    config = config_from_model_dir(prepared)
+    assert config == config_from_dict({**_as_hf(tiny_config("qwen3")), "eos_token_id": 2, "bos_token_id": 1})
     assert config.qk_norm and config.tie_word_embeddings and config.head_dim == 128
     assert json.loads((prepared / "tokenizer_config.json").read_text())["chat_template"] == CHAT_TEMPLATE
     tokenizer = Tokenizer(prepared)

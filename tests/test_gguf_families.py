@@ -27,7 +27,7 @@ from compiled_engine.engine.generator import Generator
 from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.errors import ModelLoadError, ModelSourceError
 from compiled_engine.model.config import ModelConfig
-from compiled_engine.model.families import family
+from compiled_engine.model.registry import config_from_dict, config_from_model_dir, family_of
 from compiled_engine.model.shard import NO_SHARD
 from compiled_engine.quantization.modules import QuantizedEmbedding, QuantizedLinear
 from compiled_engine.tokenizer import Tokenizer
@@ -56,7 +56,7 @@ def gguf_path(name: str, fmt: str) -> Path:
 def checkpoint_config(name: str) -> ModelConfig:
     """The config of the checkpoint a fixture was converted from; llama.cpp writes Mistral as a
     llama model, which is the same network."""
-    config = ModelConfig.from_model_dir(FIXTURES / name)
+    config = config_from_model_dir(FIXTURES / name)
     return msgspec.structs.replace(config, architecture="llama") if name == "mistral" else config
 
 
@@ -76,7 +76,7 @@ def as_stored(config: ModelConfig) -> dict[str, Any]:
 
 
 def config_of(path: Path) -> ModelConfig:
-    return ModelConfig.from_dict(gguf_config_dict(read_gguf_header(path, ModelSourceError)))
+    return config_from_dict(gguf_config_dict(read_gguf_header(path, ModelSourceError)))
 
 
 @cache
@@ -101,7 +101,7 @@ def reference(name: str, fmt: str) -> Any:
 def in_our_names(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """A transformers state dict as our parameters (q/k/v and gate/up rows stacked)."""
     parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
-    for hf_name, where in family(config).checkpoint_layout(config, NO_SHARD).items():
+    for hf_name, where in family_of(config).checkpoint_layout(config, NO_SHARD).items():
         if hf_name in state:  # a tied head is not in the state dict's own entries
             parts.setdefault(where.param, []).append((where.start, state[hf_name]))
     return {name: torch.cat([t for _, t in sorted(p, key=lambda x: x[0])]) for name, p in parts.items()}
@@ -199,7 +199,7 @@ def test_engine_on_the_prepared_gguf_matches_transformers(name: str, fmt: str, p
     the engine, the Q8_0 tensors kept quantized: transformers' greedy ids, and its logits after a
     prompt past the window (and past longrope's pretraining length)."""
     prepared = prepare_gguf_dir(gguf_path(name, fmt))
-    assert as_stored(ModelConfig.from_model_dir(prepared)) == as_stored(checkpoint_config(name))
+    assert as_stored(config_from_model_dir(prepared)) == as_stored(checkpoint_config(name))
     tokenizer = json.loads((prepared / "tokenizer.json").read_text())
     assert tokenizer == json.loads((FIXTURES / name / "tokenizer.json").read_text())
     config = EngineConfig(model=str(prepared), page_size=4, num_pages=64, enforce_eager=True)

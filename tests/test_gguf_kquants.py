@@ -29,7 +29,7 @@ from compiled_engine.config import EngineConfig
 from compiled_engine.engine.generator import Generator
 from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.errors import ModelLoadError
-from compiled_engine.model.config import ModelConfig
+from compiled_engine.model.registry import config_from_model_dir
 from compiled_engine.quantization.modules import QuantizedLinear
 from compiled_engine.quantization.ops import cpu_kernels, native_operator
 from compiled_engine.quantization.weights import QuantizedWeight, concat_rows
@@ -204,7 +204,7 @@ def test_whole_files_keep_every_matrix_quantized_and_give_transformers_greedy_id
 ) -> None:
     path = whole_file(file_type)
     prepared = prepare_gguf_dir(path)
-    config = ModelConfig.from_model_dir(prepared)
+    config = config_from_model_dir(prepared)
     model = load_gguf_model(path, config, torch.float32, CPU)
     for name in ("qkv_proj", "o_proj"):
         assert isinstance(model.get_submodule(f"layers.0.self_attn.{name}"), QuantizedLinear), name
@@ -260,7 +260,7 @@ def q4_k_m(tmp_path: Path) -> Path:
 
 
 def load(path: Path) -> None:
-    config = ModelConfig.from_model_dir(prepare_gguf_dir(whole_file("Q4_K_M")))
+    config = config_from_model_dir(prepare_gguf_dir(whole_file("Q4_K_M")))
     load_gguf_model(path, config, torch.float32, CPU)
 
 
@@ -367,7 +367,7 @@ def test_a_rank_keeps_whole_groups_of_columns_or_is_refused(private_cache: Path)
     with pytest.raises(QuantizationError, match="not whole groups of 32"):
         weight.narrow_cols(16, 32)
     path = whole_file("Q4_K_M")
-    config = ModelConfig.from_model_dir(prepare_gguf_dir(path))
+    config = config_from_model_dir(prepare_gguf_dir(path))
     whole = load_gguf_model(path, config, torch.float32, CPU)
     half = load_gguf_model(path, config, torch.float32, CPU, shard=TPShard(1, 2))
     down = whole.get_submodule("layers.0.mlp.down_proj").weight.dequantize()

@@ -1,5 +1,5 @@
 """The ways a GGUF file is refused, one row each: every refusal of the header reader
-(weights/gguf.py) and of the family mapping to a config (model/gguf_families.py), and those of the
+(weights/gguf.py) and of the family mapping to a config (weights/gguf_config.py), and those of the
 tokenizer built from the file's vocabulary (weights/gguf_tokenizer.py) and of the weight loader
 (weights/gguf_loader.py) that no other module checks. Each row writes a small file here, byte by
 byte, broken in one place, and expects the typed error a user gets from the entry point the engine
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from compiled_engine.errors import ModelLoadError, ModelSourceError
-from compiled_engine.model.config import ModelConfig
+from compiled_engine.model.registry import config_from_dict
 from compiled_engine.weights.gguf import read_gguf_header
 from compiled_engine.weights.gguf_config import gguf_config_dict
 from compiled_engine.weights.gguf_dir import prepare_gguf_dir
@@ -183,7 +183,7 @@ def read_then_shrink(path: Path) -> object:
 
 def load_as_mistral(path: Path) -> object:
     """The loader given a config of a family llama.cpp writes as another (Mistral, as llama)."""
-    config = ModelConfig.from_dict(gguf_config_dict(read_gguf_header(path, ModelSourceError)))
+    config = config_from_dict(gguf_config_dict(read_gguf_header(path, ModelSourceError)))
     return load_gguf_model(
         path, msgspec.structs.replace(config, architecture="mistral"), torch.float32, torch.device("cpu")
     )

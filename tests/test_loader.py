@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from compiled_engine.errors import ModelLoadError
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.llama import Transformer, checkpoint_layout
+from compiled_engine.model.registry import config_from_model_dir
 from compiled_engine.weights.safetensors_loader import INDEX_FILE, SINGLE_FILE, load_model
 
 CPU = torch.device("cpu")
@@ -23,7 +24,7 @@ Factory = Callable[..., Path]
 
 
 def load(model_dir: Path, config: ModelConfig | None = None, dtype: torch.dtype = torch.float32) -> Transformer:
-    config = config or ModelConfig.from_model_dir(model_dir)
+    config = config or config_from_model_dir(model_dir)
     return load_model(model_dir, config, dtype, CPU)
 
 
@@ -113,7 +114,7 @@ def test_loaded_parameters_equal_checkpoint(tiny_model_factory: Factory, model_t
 
 def test_load_accepts_str_path(tiny_model_factory: Factory) -> None:
     model_dir = tiny_model_factory("llama")
-    config = ModelConfig.from_model_dir(model_dir)
+    config = config_from_model_dir(model_dir)
     model = load_model(str(model_dir), config, torch.float32, CPU)
     assert torch.equal(model.norm.weight, load_file(model_dir / SINGLE_FILE)["model.norm.weight"])
 
@@ -225,7 +226,7 @@ def test_tied_embeddings_ignore_a_stored_lm_head(tiny_model_factory: Factory, tm
 
 def test_untied_config_needs_lm_head(tiny_model_factory: Factory) -> None:
     model_dir = tiny_model_factory("llama", tie_word_embeddings=True)
-    config = msgspec.structs.replace(ModelConfig.from_model_dir(model_dir), tie_word_embeddings=False)
+    config = msgspec.structs.replace(config_from_model_dir(model_dir), tie_word_embeddings=False)
     message = load_error(model_dir, re.escape("missing tensors 'lm_head.weight'"), config)
     assert message.startswith(f"{model_dir}: ")
 
@@ -277,7 +278,7 @@ def test_qwen3_checkpoint_with_llama_config_has_unexpected_norms(
     tiny_model_factory: Factory,
 ) -> None:
     model_dir = tiny_model_factory("qwen3")
-    config = msgspec.structs.replace(ModelConfig.from_model_dir(model_dir), architecture="llama", qk_norm=False)
+    config = msgspec.structs.replace(config_from_model_dir(model_dir), architecture="llama", qk_norm=False)
     load_error(model_dir, r"unexpected tensor 'model\.layers\.\d\.self_attn\.[qk]_norm\.weight'", config)
 
 
@@ -299,7 +300,7 @@ def test_wrong_shape_reports_both(tiny_model_factory: Factory, tmp_path: Path) -
 
 def test_config_that_disagrees_with_checkpoint(tiny_model_factory: Factory) -> None:
     model_dir = tiny_model_factory("llama")
-    config = msgspec.structs.replace(ModelConfig.from_model_dir(model_dir), vocab_size=321)
+    config = msgspec.structs.replace(config_from_model_dir(model_dir), vocab_size=321)
     load_error(
         model_dir,
         re.escape("tensor 'lm_head.weight' in model.safetensors has shape [320, 64], the config implies [321, 64]"),

@@ -21,7 +21,7 @@ from compiled_engine.config import EngineConfig
 from compiled_engine.errors import RequestError
 from compiled_engine.lora.adapter import LoRAError, load_adapter
 from compiled_engine.lora.layers import dense_lora_delta, reference_lora_delta, token_runs
-from compiled_engine.model.config import ModelConfig
+from compiled_engine.model.registry import config_from_model_dir
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = [[5, 17, 99, 3, 42, 8], [11, 12, 13], [200, 7, 7, 31, 64, 2, 9, 150]]
@@ -247,13 +247,13 @@ def _broken(adapter: Path, tmp_path: Path, config: dict[str, Any] | None = None,
 def test_the_loader_refuses_what_it_cannot_apply(
     lora_setup: dict[str, Any], tmp_path: Path, change: dict[str, Any], message: str
 ) -> None:
-    config = ModelConfig.from_model_dir(lora_setup["model_dir"])
+    config = config_from_model_dir(lora_setup["model_dir"])
     with pytest.raises(LoRAError, match=message):
         load_adapter(_broken(lora_setup["first"], tmp_path, config=change), config, max_rank=16)
 
 
 def test_the_loader_checks_files_shapes_and_rank(lora_setup: dict[str, Any], tmp_path: Path) -> None:
-    config = ModelConfig.from_model_dir(lora_setup["model_dir"])
+    config = config_from_model_dir(lora_setup["model_dir"])
     with pytest.raises(LoRAError, match="above --max-lora-rank 2"):
         load_adapter(lora_setup["first"], config, max_rank=2)
     with pytest.raises(LoRAError, match="no such adapter directory"):
@@ -266,7 +266,7 @@ def test_the_loader_checks_files_shapes_and_rank(lora_setup: dict[str, Any], tmp
     (pickled / "adapter_model.safetensors").rename(pickled / "adapter_model.bin")
     with pytest.raises(LoRAError, match="pickle files, which are never loaded"):
         load_adapter(pickled, config, max_rank=16)
-    other = ModelConfig.from_model_dir(lora_setup["model_dir"])
+    other = config_from_model_dir(lora_setup["model_dir"])
     wider = type(other)(**{**{f: getattr(other, f) for f in other.__struct_fields__}, "hidden_size": 128})
     with pytest.raises(LoRAError, match="do not fit"):
         load_adapter(lora_setup["first"], wider, max_rank=16)
@@ -560,7 +560,7 @@ def test_an_adapter_named_by_hub_id_resolves_through_huggingface_hub(
     import huggingface_hub
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    config = ModelConfig.from_model_dir(lora_setup["model_dir"])
+    config = config_from_model_dir(lora_setup["model_dir"])
     asked: list[str] = []
 
     def snapshot_download(repo_id: str, **kwargs: Any) -> str:

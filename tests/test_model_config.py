@@ -15,8 +15,9 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from compiled_engine.errors import ModelConfigError
-from compiled_engine.model.config import ModelConfig, RopeConfig
+from compiled_engine.model.config import RopeConfig
 from compiled_engine.model.layers import rope_inverse_frequencies
+from compiled_engine.model.registry import config_from_dict, config_from_model_dir
 
 SMALL: dict[str, Any] = dict(
     vocab_size=320,
@@ -58,7 +59,7 @@ def legacy(raw: dict[str, Any], theta: float, scaling: dict[str, Any] | None = N
 
 def config_error(raw: dict[str, Any], message: str) -> ModelConfigError:
     with pytest.raises(ModelConfigError, match=message) as info:
-        ModelConfig.from_dict(raw)
+        config_from_dict(raw)
     return info.value
 
 
@@ -66,7 +67,7 @@ def config_error(raw: dict[str, Any], message: str) -> ModelConfigError:
 
 
 def test_llama_config_written_by_transformers() -> None:
-    config = ModelConfig.from_dict(hf_dict("llama"))
+    config = config_from_dict(hf_dict("llama"))
     assert config.architecture == "llama"
     assert config.vocab_size == 320
     assert config.hidden_size == 64
@@ -89,7 +90,7 @@ def test_llama_config_written_by_transformers() -> None:
 
 def test_qwen3_config_written_by_transformers_with_explicit_head_dim() -> None:
     # Qwen3 decouples head_dim from hidden_size / heads (here 32, not 64 // 4 = 16).
-    config = ModelConfig.from_dict(hf_dict("qwen3", head_dim=32, rope_theta=1_000_000.0))
+    config = config_from_dict(hf_dict("qwen3", head_dim=32, rope_theta=1_000_000.0))
     assert config.architecture == "qwen3"
     assert config.head_dim == 32
     assert config.q_size == 4 * 32
@@ -100,8 +101,8 @@ def test_qwen3_config_written_by_transformers_with_explicit_head_dim() -> None:
 
 
 def test_explicit_head_dim_wins_over_derived() -> None:
-    derived = ModelConfig.from_dict({**hf_dict("llama"), "head_dim": None})
-    explicit = ModelConfig.from_dict({**hf_dict("llama"), "head_dim": 8})
+    derived = config_from_dict({**hf_dict("llama"), "head_dim": None})
+    explicit = config_from_dict({**hf_dict("llama"), "head_dim": 8})
     assert derived.head_dim == 16
     assert explicit.head_dim == 8
     assert explicit.q_size == 32
@@ -109,50 +110,50 @@ def test_explicit_head_dim_wins_over_derived() -> None:
 
 def test_hidden_not_divisible_by_heads_is_fine_with_explicit_head_dim() -> None:
     raw = {**hf_dict("qwen3", head_dim=32), "hidden_size": 66}
-    assert ModelConfig.from_dict(raw).head_dim == 32
+    assert config_from_dict(raw).head_dim == 32
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 def test_from_model_dir_reads_save_pretrained_output(tmp_path: Path, model_type: str) -> None:
     hf = hf_config(model_type, tie_word_embeddings=True, eos_token_id=[2, 7])
     hf.save_pretrained(tmp_path)
-    config = ModelConfig.from_model_dir(tmp_path)
-    assert config == ModelConfig.from_dict(json.loads((tmp_path / "config.json").read_text()))
+    config = config_from_model_dir(tmp_path)
+    assert config == config_from_dict(json.loads((tmp_path / "config.json").read_text()))
     assert config.architecture == model_type
     assert config.tie_word_embeddings is True
     assert config.eos_token_ids == (2, 7)
-    assert ModelConfig.from_model_dir(str(tmp_path)) == config
+    assert config_from_model_dir(str(tmp_path)) == config
 
 
 def test_missing_kv_heads_means_multi_head_attention() -> None:
     raw = hf_dict("llama")
     del raw["num_key_value_heads"]
-    assert ModelConfig.from_dict(raw).num_kv_heads == 4
+    assert config_from_dict(raw).num_kv_heads == 4
     raw["num_key_value_heads"] = None
-    assert ModelConfig.from_dict(raw).num_kv_heads == 4
+    assert config_from_dict(raw).num_kv_heads == 4
 
 
 def test_architecture_from_architectures_when_model_type_is_absent() -> None:
     raw = hf_dict("qwen3", head_dim=32)
     del raw["model_type"]
     raw["architectures"] = ["Qwen3ForCausalLM"]
-    assert ModelConfig.from_dict(raw).architecture == "qwen3"
+    assert config_from_dict(raw).architecture == "qwen3"
 
 
 def test_token_ids_are_read_leniently() -> None:
     raw = hf_dict("llama")
     raw.update(eos_token_id=None, bos_token_id=None)
-    config = ModelConfig.from_dict(raw)
+    config = config_from_dict(raw)
     assert config.eos_token_ids == ()
     assert config.bos_token_id is None
     raw.update(eos_token_id=[5, True, "x", 6], bos_token_id=True)
-    config = ModelConfig.from_dict(raw)
+    config = config_from_dict(raw)
     assert config.eos_token_ids == (5, 6)
     assert config.bos_token_id is None
 
 
 def test_integer_eps_is_accepted_as_float() -> None:
-    config = ModelConfig.from_dict({**hf_dict("llama"), "rms_norm_eps": 1})
+    config = config_from_dict({**hf_dict("llama"), "rms_norm_eps": 1})
     assert config.rms_norm_eps == 1.0
     assert isinstance(config.rms_norm_eps, float)
 
@@ -165,20 +166,20 @@ def test_both_rope_spellings_give_the_same_theta() -> None:
     assert modern["rope_parameters"]["rope_theta"] == 500_000.0  # transformers 5 spelling
     assert modern.get("rope_theta") is None
     old = legacy(modern, 500_000.0)
-    assert ModelConfig.from_dict(modern).rope == ModelConfig.from_dict(old).rope
-    assert ModelConfig.from_dict(old).rope.theta == 500_000.0
+    assert config_from_dict(modern).rope == config_from_dict(old).rope
+    assert config_from_dict(old).rope.theta == 500_000.0
 
 
 def test_rope_parameters_theta_wins_over_top_level() -> None:
     raw = hf_dict("llama", rope_theta=123.0)
     raw["rope_theta"] = 999.0
-    assert ModelConfig.from_dict(raw).rope.theta == 123.0
+    assert config_from_dict(raw).rope.theta == 123.0
 
 
 def test_rope_theta_defaults_to_10000_when_absent() -> None:
     raw = hf_dict("llama")
     del raw["rope_parameters"]
-    assert ModelConfig.from_dict(raw).rope.theta == 10000.0
+    assert config_from_dict(raw).rope.theta == 10000.0
 
 
 def test_llama3_rope_both_spellings() -> None:
@@ -203,19 +204,19 @@ def test_llama3_rope_both_spellings() -> None:
         high_freq_factor=4.0,
         original_max_position_embeddings=8192,
     )
-    assert ModelConfig.from_dict(modern).rope == expected
-    assert ModelConfig.from_dict(old).rope == expected
-    assert ModelConfig.from_dict(converted).rope == expected
+    assert config_from_dict(modern).rope == expected
+    assert config_from_dict(old).rope == expected
+    assert config_from_dict(converted).rope == expected
 
 
 def test_linear_rope_old_type_key() -> None:
     # Very old files spell the scaling kind `type`, not `rope_type`.
     old = legacy(hf_dict("llama"), 10000.0, scaling={"type": "linear", "factor": 2})
-    rope = ModelConfig.from_dict(old).rope
+    rope = config_from_dict(old).rope
     assert rope.type == "linear"
     assert rope.factor == 2.0
     modern = hf_dict("llama", rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})
-    assert ModelConfig.from_dict(modern).rope == rope
+    assert config_from_dict(modern).rope == rope
 
 
 # --- rejected configs -----------------------------------------------------------------------
@@ -243,7 +244,7 @@ def test_architecture_missing_entirely() -> None:
 
 def test_source_names_the_file() -> None:
     with pytest.raises(ModelConfigError, match=r"^/models/x/config\.json: unsupported architecture"):
-        ModelConfig.from_dict({"model_type": "gpt2"}, source="/models/x/config.json")
+        config_from_dict({"model_type": "gpt2"}, source="/models/x/config.json")
 
 
 @pytest.mark.parametrize("rope_type", ["yarn", "dynamic"])
@@ -323,7 +324,7 @@ def test_llama3_original_max_positions_must_be_a_positive_int(value: Any) -> Non
     params = {**LLAMA3_ROPE, "original_max_position_embeddings": value, "rope_theta": 1e4}
     raw = {**hf_dict("llama"), "rope_parameters": params}
     with pytest.raises(ModelConfigError, match="original_max_position_embeddings") as info:
-        ModelConfig.from_dict(raw)
+        config_from_dict(raw)
     assert repr(value) in str(info.value)
 
 
@@ -436,20 +437,20 @@ def test_non_positive_values(field: str, value: float) -> None:
 def test_qwen3_sliding_layers_from_transformers_layer_types() -> None:
     raw = hf_dict("qwen3", head_dim=32, use_sliding_window=True, sliding_window=64, max_window_layers=1)
     assert raw["layer_types"] == ["full_attention", "sliding_attention"]
-    assert ModelConfig.from_dict(raw).layer_windows == (0, 64)
+    assert config_from_dict(raw).layer_windows == (0, 64)
 
 
 def test_layer_types_without_the_flag_are_ignored_as_transformers_does() -> None:
     types_only = {**hf_dict("qwen3", head_dim=32), "layer_types": ["full_attention", "sliding_attention"]}
-    assert ModelConfig.from_dict(types_only).layer_windows == ()
-    assert ModelConfig.from_dict({**hf_dict("llama"), "use_sliding_window": True}).layer_windows == ()
+    assert config_from_dict(types_only).layer_windows == ()
+    assert config_from_dict({**hf_dict("llama"), "use_sliding_window": True}).layer_windows == ()
 
 
 def test_qwen3_default_layer_types_are_accepted() -> None:
     raw = hf_dict("qwen3", head_dim=32)
     assert set(raw["layer_types"]) == {"full_attention"}
     assert raw["use_sliding_window"] is False
-    assert ModelConfig.from_dict(raw).architecture == "qwen3"
+    assert config_from_dict(raw).architecture == "qwen3"
 
 
 def test_unsupported_activation_and_mlp_bias() -> None:
@@ -461,7 +462,7 @@ def test_unsupported_activation_and_mlp_bias() -> None:
 
 
 def test_attention_bias_is_carried() -> None:
-    config = ModelConfig.from_dict(hf_dict("llama", attention_bias=True))
+    config = config_from_dict(hf_dict("llama", attention_bias=True))
     assert config.qkv_bias and config.o_bias
 
 
@@ -470,22 +471,22 @@ def test_attention_bias_is_carried() -> None:
 
 def test_missing_config_file(tmp_path: Path) -> None:
     with pytest.raises(ModelConfigError, match=re.escape(f"{tmp_path / 'config.json'} does not exist")):
-        ModelConfig.from_model_dir(tmp_path)
+        config_from_model_dir(tmp_path)
     with pytest.raises(ModelConfigError, match="does not exist"):
-        ModelConfig.from_model_dir(tmp_path / "no-such-dir")
+        config_from_model_dir(tmp_path / "no-such-dir")
 
 
 @pytest.mark.parametrize("content", [b"{not json", b"", b'{"model_type": "llama",}', b"\xff\xfe\x00garbage"])
 def test_invalid_json_file(tmp_path: Path, content: bytes) -> None:
     (tmp_path / "config.json").write_bytes(content)
     with pytest.raises(ModelConfigError, match=re.escape(f"{tmp_path / 'config.json'} is not valid JSON: ")):
-        ModelConfig.from_model_dir(tmp_path)
+        config_from_model_dir(tmp_path)
 
 
 def test_json_that_is_not_an_object(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("[1, 2, 3]")
     with pytest.raises(ModelConfigError, match=re.escape("config.json must hold a JSON object")):
-        ModelConfig.from_model_dir(tmp_path)
+        config_from_model_dir(tmp_path)
 
 
 def test_errors_from_a_dir_name_the_file(tmp_path: Path) -> None:
@@ -493,7 +494,7 @@ def test_errors_from_a_dir_name_the_file(tmp_path: Path) -> None:
     raw["num_key_value_heads"] = 3
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ModelConfigError) as info:
-        ModelConfig.from_model_dir(tmp_path)
+        config_from_model_dir(tmp_path)
     assert str(info.value).startswith(f"{tmp_path / 'config.json'}: num_attention_heads=4")
 
 
@@ -501,7 +502,7 @@ def test_errors_from_a_dir_name_the_file(tmp_path: Path) -> None:
 
 
 def _ours(hf: PretrainedConfig) -> torch.Tensor:
-    config = ModelConfig.from_dict(hf.to_dict())
+    config = config_from_dict(hf.to_dict())
     return rope_inverse_frequencies(config.rope, config.head_dim)
 
 
@@ -563,15 +564,15 @@ def test_linear_rope_matches_transformers() -> None:
 
 def test_model_type_decides_over_the_class_list() -> None:
     raw = {**hf_dict(), "model_type": "mistral", "architectures": ["LlamaForCausalLM"]}
-    assert ModelConfig.from_dict(raw).architecture == "mistral"
+    assert config_from_dict(raw).architecture == "mistral"
     raw["model_type"] = "gpt2"
     with pytest.raises(ModelConfigError, match="unsupported architecture"):
-        ModelConfig.from_dict(raw)
+        config_from_dict(raw)
     raw.pop("model_type")
-    assert ModelConfig.from_dict(raw).architecture == "llama"
+    assert config_from_dict(raw).architecture == "llama"
 
 
 @pytest.mark.parametrize("key", ["tie_word_embeddings", "attention_bias"])
 def test_flags_must_be_booleans(key: str) -> None:
     with pytest.raises(ModelConfigError, match=f"field '{key}' must be true or false, got 'false'"):
-        ModelConfig.from_dict({**hf_dict(), key: "false"})
+        config_from_dict({**hf_dict(), key: "false"})

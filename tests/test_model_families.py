@@ -19,7 +19,7 @@ from compiled_engine.engine.generator import Generator
 from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.llm import LLM
-from compiled_engine.model.config import ModelConfig
+from compiled_engine.model.registry import config_from_model_dir
 from reference_oracle import ReferenceOracle
 from tests.conftest import TINY_LLAMA
 
@@ -107,7 +107,7 @@ def engine(variant: tuple[str, Path]) -> LLM:
 
 def test_config_reads_the_family(variant: tuple[str, Path]) -> None:
     name, model_dir = variant
-    config = ModelConfig.from_model_dir(model_dir)
+    config = config_from_model_dir(model_dir)
     assert config.architecture == name.split("-")[0]
     if name in ("mistral", "gemma2", "gemma3", "qwen2-tied-sliding"):
         assert config.sliding and max(config.layer_windows) == WINDOW

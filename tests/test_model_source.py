@@ -24,7 +24,7 @@ from huggingface_hub.errors import (
 )
 
 from compiled_engine.errors import ModelSourceError
-from compiled_engine.model.config import ModelConfig
+from compiled_engine.model.registry import config_from_model_dir
 from compiled_engine.weights.default_model import (
     DEFAULT_MODEL_NAME,
     MANIFEST,
@@ -191,7 +191,7 @@ def test_home_directory_is_expanded(
 def test_tiny_model_dir_resolves_and_parses(tiny_model_factory: Factory) -> None:
     model_dir = tiny_model_factory("llama")
     resolved = resolve_model_dir(str(model_dir))
-    assert ModelConfig.from_model_dir(resolved).architecture == "llama"
+    assert config_from_model_dir(resolved).architecture == "llama"
 
 
 def test_file_is_not_a_model_dir(tmp_path: Path, forbid_download: list[str]) -> None:
@@ -270,7 +270,7 @@ def test_hub_id_resolves_from_offline_cache(
     assert resolved.parent.name == "snapshots"
     assert resolved.name == COMMIT
     assert (resolved / "model.safetensors").read_bytes() == files["model.safetensors"]
-    assert ModelConfig.from_model_dir(resolved).architecture == "qwen3"
+    assert config_from_model_dir(resolved).architecture == "qwen3"
     assert network_attempts == []
 
 

@@ -22,9 +22,9 @@ from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.engine.step_inputs import StepInputs
 from compiled_engine.model.checkpoint import CheckpointTensor
-from compiled_engine.model.config import ModelConfig
+from compiled_engine.model.registry import config_from_model_dir
 from compiled_engine.parallel.pipeline import ParallelLayout, stage_layers
-from compiled_engine.quantization import gguf as gguf_loading
+from compiled_engine.weights import gguf_loader as gguf_loading
 from compiled_engine.weights.load import load_weights
 from tests.test_model_families import VARIANTS
 from tests.test_tensor_parallel import PROMPTS, _assert_same, _fields, _generate, _in_child, dead_worker_message
@@ -53,7 +53,7 @@ def test_a_stage_reads_and_holds_only_its_layers(
     """A stage's loader reads its decoder layers (and the embedding, norm and head), not the
     others, and holds them with the values a whole load gives them."""
     model_dir = tiny_model_factory("llama") if source == "safetensors" else default_model_dir
-    config = ModelConfig.from_model_dir(model_dir)
+    config = config_from_model_dir(model_dir)
     engine_config = EngineConfig(model=str(model_dir), device="cpu")
     cpu = torch.device("cpu")
     read: list[str] = []

@@ -18,6 +18,7 @@ from compiled_engine.config import EngineConfig
 from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.engine.step_inputs import StepInputs
 from compiled_engine.model.layers import Linear
+from compiled_engine.model.registry import config_from_model_dir
 from compiled_engine.native_build import KernelBuildError
 from compiled_engine.quantization import cpu_kernels, ops
 from compiled_engine.quantization.apply import QuantizationScheme, quantize_model
@@ -332,11 +333,10 @@ def test_int4_weights_take_under_a_third_of_the_fp32_bytes(tiny_model_factory: C
 def test_tensor_parallelism_shards_the_gguf_or_refuses_quantizing_at_load(
     default_model_dir: Path, tiny_model_factory: Callable[..., Path]
 ) -> None:
-    from compiled_engine.model.config import ModelConfig
     from compiled_engine.model.shard import TPShard
     from compiled_engine.weights.load import load_weights
 
-    config = ModelConfig.from_model_dir(default_model_dir)
+    config = config_from_model_dir(default_model_dir)
     cpu = torch.device("cpu")
     loaded = load_weights(default_model_dir, config, EngineConfig(), torch.float32, cpu, TPShard(1, 3))
     assert loaded.description.startswith("GGUF")  # the file's quantized tensors, this rank's slices
@@ -352,7 +352,7 @@ def test_tensor_parallelism_shards_the_gguf_or_refuses_quantizing_at_load(
     tiny = tiny_model_factory("llama")
     with pytest.raises(ValueError, match="--quantization int4 does not run with tensor parallelism"):
         load_weights(
-            tiny, ModelConfig.from_model_dir(tiny), EngineConfig(quantization="int4"), torch.float32, cpu, TPShard(0, 2)
+            tiny, config_from_model_dir(tiny), EngineConfig(quantization="int4"), torch.float32, cpu, TPShard(0, 2)
         )
 
 

@@ -24,7 +24,7 @@ from compiled_engine.config import EngineConfig
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.errors import ModelConfigError
-from compiled_engine.model.config import ModelConfig
+from compiled_engine.model.registry import config_from_dict, config_from_model_dir
 from compiled_engine.model.shard import TPShard
 from compiled_engine.weights.safetensors_loader import load_model
 
@@ -255,7 +255,7 @@ def test_uneven_head_counts_are_refused_before_anything_starts(
 
 
 def test_kv_heads_split_or_replicated() -> None:
-    config = ModelConfig.from_dict(
+    config = config_from_dict(
         dict(
             model_type="llama",
             vocab_size=32,
@@ -280,7 +280,7 @@ def test_kv_heads_split_or_replicated() -> None:
 
 def test_each_rank_reads_only_its_slices(tiny_model_factory: Callable[..., Path]) -> None:
     model_dir = tiny_model_factory("qwen3")
-    config = ModelConfig.from_model_dir(model_dir)
+    config = config_from_model_dir(model_dir)
     whole = load_model(model_dir, config, torch.float32, torch.device("cpu"))
     halves = [load_model(model_dir, config, torch.float32, torch.device("cpu"), TPShard(r, 2)) for r in range(2)]
 
@@ -490,7 +490,7 @@ def test_each_cpu_rank_takes_its_share_of_the_cores(monkeypatch: pytest.MonkeyPa
 
 def test_phi3_refuses_tensor_parallelism_before_reading_weights(tiny_model_factory: Callable[..., Path]) -> None:
     model_dir = tiny_model_factory("phi3", pad_token_id=0)
-    config = ModelConfig.from_model_dir(model_dir)
+    config = config_from_model_dir(model_dir)
     with pytest.raises(ModelConfigError, match=r"--tensor-parallel-size 2: not supported for phi3: its checkpoint"):
         load_model(model_dir, config, torch.float32, torch.device("cpu"), TPShard(0, 2))
     load_model(model_dir, config, torch.float32, torch.device("cpu"), TPShard(0, 1))  # one rank loads

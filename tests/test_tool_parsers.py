@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from compiled_engine.model.registry import FAMILIES
 from compiled_engine.server.replies.deltas import ChoiceDelta
 from compiled_engine.server.tool_parsers import PARSERS, ToolCallParser, tool_call_parser
 from compiled_engine.server.tools import ToolCallStream, ToolPlan
@@ -107,13 +108,16 @@ def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
 
 
 def test_the_default_follows_the_family_when_its_template_renders_tools() -> None:
-    assert tool_call_parser(None, "llama", True).name == "llama3_json"
-    assert tool_call_parser(None, "llama", False).name == "hermes"  # our fallback prompt asks for hermes
-    assert tool_call_parser(None, "mistral", True).name == "mistral"
-    assert tool_call_parser(None, "qwen3", True).name == "hermes"
-    assert tool_call_parser("pythonic", "qwen3", False).name == "pythonic"
+    def default(family: str) -> str:  # what the server passes: the family record's default
+        return FAMILIES[family].tool_call_parser
+
+    assert tool_call_parser(None, default("llama"), True).name == "llama3_json"
+    assert tool_call_parser(None, default("llama"), False).name == "hermes"  # our fallback prompt asks for hermes
+    assert tool_call_parser(None, default("mistral"), True).name == "mistral"
+    assert tool_call_parser(None, default("qwen3"), True).name == "hermes"
+    assert tool_call_parser("pythonic", default("qwen3"), False).name == "pythonic"
     with pytest.raises(ValueError, match="unknown tool-call parser 'xml'"):
-        tool_call_parser("xml", "llama", True)
+        tool_call_parser("xml", default("llama"), True)
 
 
 def test_serve_refuses_an_unknown_parser_before_loading_anything() -> None:

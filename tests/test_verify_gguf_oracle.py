@@ -1,8 +1,8 @@
 """`verify --model file.gguf`: the oracle reads the file's config, tokenizer and weights through
-transformers alone, so a misreading of the file's metadata or tokenizer by our preparation
-(model/gguf_families.py, weights/gguf_tokenizer.py) is reported and fails, instead of being shared
-by both sides and ending in MATCH. On a tiny Qwen2 file as llama.cpp's converter wrote it
-(tests/fixtures/gguf), alone in its folder, with a chat template added."""
+transformers alone, so a misreading of the file's metadata or tokenizer by our preparation (the
+family records' GGUF layouts, weights/gguf_config.py, weights/gguf_tokenizer.py) is reported and
+fails, instead of being shared by both sides and ending in MATCH. On a tiny Qwen2 file as
+llama.cpp's converter wrote it (tests/fixtures/gguf), alone in its folder, with a chat template added."""
 
 from __future__ import annotations
 

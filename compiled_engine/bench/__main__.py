@@ -52,7 +52,7 @@ from compiled_engine.engine.engine_client import EngineClient
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine_options import add_engine_options, engine_config_from_args
 from compiled_engine.errors import CompiledEngineError
-from compiled_engine.model.config import ModelConfig
+from compiled_engine.model.registry import config_from_model_dir
 from compiled_engine.replicas.front_end import DataParallelEngine
 from compiled_engine.weights.gguf import gguf_file
 from compiled_engine.weights.source import resolve_model_dir
@@ -511,7 +511,7 @@ def _llama_server_figures(
 
 def bench_serve(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     model_dir = resolve_model_dir(args.model)
-    vocab = ModelConfig.from_model_dir(model_dir).vocab_size
+    vocab = config_from_model_dir(model_dir).vocab_size
     sweep_name = "request_rate" if args.request_rate is not None else "concurrency"
     loads: list[float] = (
         list(args.request_rate) if args.request_rate is not None else list(args.concurrency or [1, 4, 16, 64])

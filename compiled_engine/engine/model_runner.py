@@ -39,8 +39,8 @@ from compiled_engine.engine.memory_budget import kv_budget_bytes
 from compiled_engine.engine.precompiled import artifact_dir, model_signature
 from compiled_engine.engine.step_inputs import ScheduledBatch, StepInputs
 from compiled_engine.errors import ModelConfigError
-from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.layers import DecoderModel
+from compiled_engine.model.registry import config_from_model_dir
 from compiled_engine.model.shard import NO_SHARD, TPShard
 from compiled_engine.parallel.distributed import StepSender
 from compiled_engine.parallel.pipeline import ParallelLayout, StageLinks, link_stage, stage_layers
@@ -87,7 +87,7 @@ class ModelRunner:
         self.shared_pool = shared_pool or SharedPool()
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
-        self.model_config = ModelConfig.from_model_dir(model_dir)
+        self.model_config = config_from_model_dir(model_dir)
         self.page_size = config.page_size
         self.max_model_len = self._context_limit(config)
         self.model_config = self.model_config.for_context(self.max_model_len)

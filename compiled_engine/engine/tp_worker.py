@@ -14,7 +14,7 @@ from compiled_engine.config import EngineConfig
 from compiled_engine.engine.adapters import AdapterInstall
 from compiled_engine.engine.model_runner import ModelRunner, SharedPool
 from compiled_engine.engine.step_inputs import StepInputs
-from compiled_engine.model.config import ModelConfig
+from compiled_engine.model.registry import config_from_model_dir
 from compiled_engine.model.shard import TPShard
 from compiled_engine.parallel.distributed import Idle, broadcast_step, init_ranks
 from compiled_engine.parallel.launch import RankGroup
@@ -31,7 +31,7 @@ def start_runner(
         return ModelRunner(model_dir, config, shared_pool=shared_pool, install_adapters=install_adapters), None
     # Uneven head counts, or more stages than layers, fail here, before any process starts or
     # weight is read.
-    model_config = ModelConfig.from_model_dir(model_dir)
+    model_config = config_from_model_dir(model_dir)
     TPShard(0, config.tensor_parallel_size).check(model_config)
     stage_layers(model_config.num_layers, config.pipeline_parallel_size, 0)
     ranks = RankGroup.start(model_dir, config, run_worker)

@@ -125,6 +125,16 @@ def mlp_layout(config: ModelConfig, shard: TPShard, layer: int) -> Layout:
     }
 
 
+def decoder_layout(config: ModelConfig, shard: TPShard, norms: tuple[str, ...]) -> Layout:
+    """Every tensor a checkpoint with separate q/k/v and gate/up tensors and the layer norms
+    `norms` holds, and which part of it `shard` reads: q/k/v and gate/up rows (column parallel),
+    o_proj and down_proj columns (row parallel); embeddings, norms and the head whole."""
+    layout = embedding_layout(config)
+    for i in range(config.num_layers):
+        layout |= attention_layout(config, shard, i) | mlp_layout(config, shard, i) | norm_layout(config, i, norms)
+    return layout
+
+
 def norm_layout(config: ModelConfig, layer: int, names: tuple[str, ...]) -> Layout:
     """Layer `layer`'s norms of the hidden size, by their (shared) checkpoint and module names."""
     return {

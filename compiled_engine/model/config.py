@@ -1,13 +1,16 @@
 """ModelConfig: the typed view of a Hugging Face config.json for the families we run.
 
-Which `model_type` is which family is the registry's (model/families.py); this module reads each
-family's fields into one plain struct, with transformers' defaults where a config leaves one out.
+Which `model_type` is which family is the registry's (model/registry.py); this module reads any
+family's fields into one plain struct, where families differ as its `ConfigRules` say (each
+family's file holds its own), with transformers' defaults where a config leaves one out.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,10 +18,9 @@ import msgspec
 
 from compiled_engine.errors import ModelConfigError
 
-Architecture = Literal["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"]
 Activation = Literal["silu", "gelu_tanh"]
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope")
-GEMMA = ("gemma2", "gemma3")
+SLIDING, FULL = "sliding_attention", "full_attention"
 
 _ACTIVATIONS: dict[str, Activation] = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
@@ -47,7 +49,7 @@ class RopeConfig(msgspec.Struct, frozen=True):
 
 
 class ModelConfig(msgspec.Struct, frozen=True):
-    architecture: Architecture
+    architecture: str  # the family's name (model/registry.py)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -100,22 +102,42 @@ class ModelConfig(msgspec.Struct, frozen=True):
         """This config for an engine whose sequences reach `max_tokens` (RopeConfig.for_context)."""
         return msgspec.structs.replace(self, rope=self.rope.for_context(max_tokens))
 
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
-        return _parse(raw, source)
 
-    @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> ModelConfig:
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise ModelConfigError(f"{path} does not exist")
-        try:
-            raw = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ModelConfigError(f"{path} is not valid JSON: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise ModelConfigError(f"{path} must hold a JSON object")
-        return _parse(raw, str(path))
+def declared_layer_types(raw: dict[str, Any], num_layers: int) -> Any:
+    """Each layer's attention type as transformers reads most configs: `layer_types`, else the
+    layers from `max_window_layers` on slide when `use_sliding_window` is set (Llama's, Qwen's)."""
+    if raw.get("layer_types") is not None:
+        return raw["layer_types"]
+    first = raw.get("max_window_layers", num_layers) if raw.get("use_sliding_window") else num_layers
+    return [SLIDING if i >= first else FULL for i in range(num_layers)]
+
+
+@dataclass(frozen=True)
+class ConfigRules:
+    """How one family's config.json reads where families differ; the rest reads alike."""
+
+    defaults: Mapping[str, Any] = field(default_factory=dict)  # transformers' values for fields left out
+    activation_key: str = "hidden_act"  # read first when set (Gemma's `hidden_activation`)
+    fixed_qkv_bias: bool = False  # q/k/v biases always, o_proj's never, whatever attention_bias says
+    qk_norm: bool = False  # per-head q/k RMSNorm
+    query_scale: bool = False  # the softmax scale from `query_pre_attn_scalar`
+    local_rope: bool = False  # the sliding layers' own rope
+    # Each layer's attention type from the config (then checked): a list, SLIDING or FULL each.
+    layer_types: Callable[[dict[str, Any], int], Any] = declared_layer_types
+
+
+def read_config_json(model_dir: str | Path) -> tuple[dict[str, Any], str]:
+    """A model directory's config.json as a dict, with its path for messages."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ModelConfigError(f"{path} does not exist")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelConfigError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ModelConfigError(f"{path} must hold a JSON object")
+    return raw, str(path)
 
 
 def _require(raw: dict[str, Any], key: str, kind: type, source: str) -> Any:
@@ -143,28 +165,7 @@ def _positive(raw: dict[str, Any], key: str, source: str) -> int:
     return int(value)
 
 
-def _architecture(raw: dict[str, Any], source: str) -> Architecture:
-    # model_type decides when present (a Mistral config may still name LlamaForCausalLM);
-    # the class list is only a fallback for configs without one.
-    from compiled_engine.model.families import FAMILIES, family_of_class, family_of_model_type
-
-    model_type = raw.get("model_type")
-    family = family_of_model_type(model_type) if isinstance(model_type, str) else None
-    if model_type is None:
-        family = next((f for f in map(family_of_class, raw.get("architectures") or []) if f), None)
-    if family is not None:
-        return family.name
-    hint = ""
-    if model_type == "gemma3":
-        hint = " (a Gemma 3 vision-language checkpoint: only the text models, model_type 'gemma3_text', run)"
-    raise ModelConfigError(
-        f"{source}: unsupported architecture (model_type={model_type!r}, "
-        f"architectures={raw.get('architectures')!r}){hint}; supported model_type values: "
-        f"{sorted(t for f in FAMILIES.values() for t in f.model_types)}"
-    )
-
-
-def _rope(raw: dict[str, Any], source: str, default_theta: float = 10000.0) -> RopeConfig:
+def _rope(raw: dict[str, Any], source: str) -> RopeConfig:
     # transformers 5 writes `rope_parameters` (holding rope_theta); older files write
     # `rope_theta` plus an optional `rope_scaling` dict.
     params = raw.get("rope_parameters")
@@ -174,11 +175,11 @@ def _rope(raw: dict[str, Any], source: str, default_theta: float = 10000.0) -> R
     if scaling is not None and not isinstance(scaling, dict):
         raise ModelConfigError(f"{source}: field 'rope_scaling' must be an object, got {scaling!r}")
     merged: dict[str, Any] = {**(scaling or {}), **(params or {})}
-    return _rope_from(merged, raw, source, raw.get("rope_theta", default_theta))
+    return _rope_from(merged, raw, source, raw.get("rope_theta", 10000.0))
 
 
 def _layer_ropes(raw: dict[str, Any], source: str) -> tuple[RopeConfig, RopeConfig]:
-    """Gemma 3's two ropes, (full layers', sliding layers'): transformers 5 keys rope_parameters
+    """Two ropes, (full layers', sliding layers') (Gemma 3's): transformers 5 keys rope_parameters
     by layer type; older files give rope_theta and rope_scaling for the full layers and
     rope_local_base_freq for the sliding ones."""
     params = raw.get("rope_parameters")
@@ -193,7 +194,7 @@ def _layer_ropes(raw: dict[str, Any], source: str) -> tuple[RopeConfig, RopeConf
             ropes.append(_rope_from(part, raw, source, 10000.0))
         return ropes[0], ropes[1]
     local_theta = raw.get("rope_local_base_freq", 10000.0)
-    return _rope(raw, source, default_theta=1_000_000.0), _rope_from({}, raw, source, local_theta)
+    return _rope(raw, source), _rope_from({}, raw, source, local_theta)
 
 
 def _rope_from(merged: dict[str, Any], raw: dict[str, Any], source: str, default_theta: Any) -> RopeConfig:
@@ -289,13 +290,9 @@ def _token_ids(value: Any) -> tuple[int, ...]:
     return ()
 
 
-def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
-    architecture = _architecture(raw, source)
-    gemma = architecture in GEMMA
-    if gemma:  # transformers' Gemma defaults, for the fields a Gemma config may leave out
-        raw = {"head_dim": 256, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, **raw}
-        if architecture == "gemma2":
-            raw = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, **raw}
+def parse_config(raw: dict[str, Any], source: str, family: str, rules: ConfigRules) -> ModelConfig:
+    """The config of family `family` (model/registry.py found it) from its config.json `raw`."""
+    raw = {**rules.defaults, **raw}
     hidden_size = _positive(raw, "hidden_size", source)
     num_heads = _positive(raw, "num_attention_heads", source)
     num_kv_heads = num_heads
@@ -316,9 +313,8 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
         head_dim = hidden_size // num_heads
     if head_dim % 2 != 0:
         raise ModelConfigError(f"{source}: head_dim={head_dim} must be even for rotary embeddings")
-    # Gemma names its activation `hidden_activation`; its configs' `hidden_act` is not used.
-    act_key = "hidden_activation" if gemma and raw.get("hidden_activation") is not None else "hidden_act"
-    act = raw.get(act_key, "gelu_pytorch_tanh" if gemma else "silu")
+    act_key = rules.activation_key if raw.get(rules.activation_key) is not None else "hidden_act"
+    act = raw.get(act_key, "silu")
     if act not in _ACTIVATIONS:
         raise ModelConfigError(f"{source}: unsupported {act_key}={act!r} (supported: {', '.join(_ACTIVATIONS)})")
     if raw.get("mlp_bias"):
@@ -327,15 +323,11 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
     if eps <= 0:
         raise ModelConfigError(f"{source}: field 'rms_norm_eps' must be positive, got {eps!r}")
     num_layers = _positive(raw, "num_hidden_layers", source)
-    if architecture == "gemma3":
-        rope, rope_local = _layer_ropes(raw, source)
-    else:
-        rope, rope_local = _rope(raw, source), None
+    rope, rope_local = _layer_ropes(raw, source) if rules.local_rope else (_rope(raw, source), None)
     bos = raw.get("bos_token_id")
-    # Qwen2 always has q/k/v biases and never an o_proj one; the others follow attention_bias.
     attention_bias = _flag(raw, "attention_bias", source)
     return ModelConfig(
-        architecture=architecture,
+        architecture=family,
         vocab_size=_positive(raw, "vocab_size", source),
         hidden_size=hidden_size,
         intermediate_size=_positive(raw, "intermediate_size", source),
@@ -348,13 +340,13 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
         rope_local=rope_local,
         max_position_embeddings=_positive(raw, "max_position_embeddings", source),
         tie_word_embeddings=_flag(raw, "tie_word_embeddings", source),
-        qkv_bias=attention_bias or architecture == "qwen2",
-        o_bias=attention_bias and architecture != "qwen2",
-        qk_norm=architecture in ("qwen3", "gemma3"),
+        qkv_bias=attention_bias or rules.fixed_qkv_bias,
+        o_bias=attention_bias and not rules.fixed_qkv_bias,
+        qk_norm=rules.qk_norm,
         hidden_act=_ACTIVATIONS[act],
         rotary_dim=_rotary_dim(raw, head_dim, source),
-        layer_windows=_layer_windows(raw, architecture, num_layers, source),
-        query_pre_attn_scalar=_positive_number(raw, "query_pre_attn_scalar", source) if gemma else None,
+        layer_windows=_layer_windows(rules.layer_types(raw, num_layers), raw, num_layers, source),
+        query_pre_attn_scalar=_positive_number(raw, "query_pre_attn_scalar", source) if rules.query_scale else None,
         attn_soft_cap=_soft_cap(raw, "attn_logit_softcapping", source),
         final_soft_cap=_soft_cap(raw, "final_logit_softcapping", source),
         eos_token_ids=_token_ids(raw.get("eos_token_id")),
@@ -392,37 +384,15 @@ def _rotary_dim(raw: dict[str, Any], head_dim: int, source: str) -> int:
     return 0 if rotary_dim == head_dim else rotary_dim
 
 
-def _default_layer_types(raw: dict[str, Any], architecture: Architecture, num_layers: int) -> list[str]:
-    """Which layers slide when a config has no `layer_types`, as transformers decides it."""
-    sliding, full = "sliding_attention", "full_attention"
-    if architecture in ("mistral", "phi3"):  # every layer, when a window is set
-        return [sliding if raw.get("sliding_window") is not None else full] * num_layers
-    if architecture == "gemma2":
-        return [sliding if i % 2 == 0 else full for i in range(num_layers)]
-    if architecture == "gemma3":
-        pattern = raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern", 6))
-        return [sliding if (i + 1) % pattern else full for i in range(num_layers)]
-    if raw.get("use_sliding_window"):  # Qwen2 and Qwen3: layers from max_window_layers on
-        first = raw.get("max_window_layers", num_layers)
-        return [sliding if i >= first else full for i in range(num_layers)]
-    return [full] * num_layers
-
-
-def _layer_windows(raw: dict[str, Any], architecture: Architecture, num_layers: int, source: str) -> tuple[int, ...]:
-    layer_types = raw.get("layer_types")
-    if architecture in ("mistral", "phi3") or layer_types is None:
-        # Mistral and Phi-3 slide every layer whenever sliding_window is set, whatever else says.
-        layer_types = _default_layer_types(raw, architecture, num_layers)
-    if architecture in ("qwen2", "qwen3") and not raw.get("use_sliding_window"):
-        layer_types = ["full_attention"] * num_layers  # transformers ignores the window then
+def _layer_windows(layer_types: Any, raw: dict[str, Any], num_layers: int, source: str) -> tuple[int, ...]:
     if not isinstance(layer_types, list) or len(layer_types) != num_layers:
         raise ModelConfigError(f"{source}: field 'layer_types' must list one type per layer, got {layer_types!r}")
-    unknown = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+    unknown = sorted({t for t in layer_types if t not in (FULL, SLIDING)})
     if unknown:
         raise ModelConfigError(
             f"{source}: unsupported layer types {unknown} (supported: full_attention, sliding_attention)"
         )
-    if "sliding_attention" not in layer_types:
+    if SLIDING not in layer_types:
         return ()
     window = _positive(raw, "sliding_window", source)
-    return tuple(window if t == "sliding_attention" else 0 for t in layer_types)
+    return tuple(window if t == SLIDING else 0 for t in layer_types)

@@ -1,6 +1,7 @@
 """The Llama family in one file: Llama 2/3 and SmolLM2, Mistral (a sliding window on every layer),
-Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm) and Phi-3 (its own checkpoint layout,
-model/phi3.py, and longrope or partial rotary). A pre-norm decoder with a gated SiLU MLP.
+Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm), each with its `Family` record at the end, and
+Phi-3's network (its own record and checkpoint layout in model/phi3.py, with longrope or partial
+rotary). A pre-norm decoder with a gated SiLU MLP.
 
 The model takes a flat batch: every sequence's new tokens concatenated, with their positions, and
 the KV page pool. Which tokens belong to which sequence, and where their pages live, is the
@@ -15,11 +16,14 @@ fused (their rows stacked); `checkpoint_layout` says where each checkpoint tenso
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
-from compiled_engine.model.checkpoint import Layout, attention_layout, embedding_layout, mlp_layout, norm_layout
-from compiled_engine.model.config import ModelConfig
+from compiled_engine.model.checkpoint import Layout, decoder_layout
+from compiled_engine.model.config import FULL, SLIDING, ConfigRules, ModelConfig, declared_layer_types
+from compiled_engine.model.family import Family, GGUFLayout
 from compiled_engine.model.layers import (
     Attention,
     DecoderLayer,
@@ -71,12 +75,55 @@ class Transformer(DecoderModel):
 
 
 def checkpoint_layout(config: ModelConfig, shard: TPShard = NO_SHARD) -> Layout:
-    """Every tensor a checkpoint for `config` must hold, by its Hugging Face name, and which part
-    of it `shard` reads: q/k/v and gate/up rows (column parallel), o_proj and down_proj columns
-    (row parallel); embeddings, norms and the head whole."""
-    layout = embedding_layout(config)
-    for i in range(config.num_layers):
-        layout |= attention_layout(config, shard, i)
-        layout |= mlp_layout(config, shard, i)
-        layout |= norm_layout(config, i, ("input_layernorm", "post_attention_layernorm"))
-    return layout
+    """Every tensor a checkpoint for `config` must hold, by its Hugging Face name (decoder_layout)."""
+    return decoder_layout(config, shard, ("input_layernorm", "post_attention_layernorm"))
+
+
+def every_layer_slides(raw: dict[str, Any], num_layers: int) -> list[str]:
+    # Mistral and Phi-3 slide every layer whenever sliding_window is set, whatever else says.
+    return [SLIDING if raw.get("sliding_window") is not None else FULL] * num_layers
+
+
+def _qwen_layer_types(raw: dict[str, Any], num_layers: int) -> Any:
+    # Without use_sliding_window transformers ignores the window and layer_types.
+    return declared_layer_types(raw, num_layers) if raw.get("use_sliding_window") else [FULL] * num_layers
+
+
+# llama.cpp interleaves Llama's q and k rows per head for its rope (we put them back), and may
+# store Llama 3.1's rope scaling as a tensor of divisors; it writes Mistral as a llama model.
+LLAMA = Family(
+    "llama",
+    ("llama",),
+    ("LlamaForCausalLM",),
+    Transformer,
+    checkpoint_layout,
+    gguf=GGUFLayout("llama", permuted_qk=True, rope_freqs=True),
+    tool_call_parser="llama3_json",
+)
+MISTRAL = Family(
+    "mistral",
+    ("mistral",),
+    ("MistralForCausalLM",),
+    Transformer,
+    checkpoint_layout,
+    ConfigRules(layer_types=every_layer_slides),
+    tool_call_parser="mistral",
+)
+QWEN2 = Family(
+    "qwen2",
+    ("qwen2",),
+    ("Qwen2ForCausalLM",),
+    Transformer,
+    checkpoint_layout,
+    ConfigRules(fixed_qkv_bias=True, layer_types=_qwen_layer_types),
+    GGUFLayout("qwen2"),
+)
+QWEN3 = Family(
+    "qwen3",
+    ("qwen3",),
+    ("Qwen3ForCausalLM",),
+    Transformer,
+    checkpoint_layout,
+    ConfigRules(qk_norm=True, layer_types=_qwen_layer_types),
+    GGUFLayout("qwen3"),
+)

@@ -18,6 +18,7 @@ from compiled_engine.engine.outputs import RequestOutput
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.engine.structured_outputs import StructuredOutputs
 from compiled_engine.lora.manager import LoRARequest
+from compiled_engine.model.registry import family_of
 from compiled_engine.server.errors import ApiError
 from compiled_engine.server.metrics import ServerMetrics
 from compiled_engine.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -46,8 +47,8 @@ class Serving:
         self.responses = ResponseStore(settings.responses_store_size, settings.responses_max_age_s)
         self.reasoning = ReasoningParser(settings.reasoning_parser) if settings.reasoning_parser else None
         self.pooling = served.pooling  # None: a generating server
-        family = served.model_config.architecture
-        self.tool_parser = tool_call_parser(settings.tool_call_parser, family, tokenizer.template_takes_tools)
+        family_default = family_of(served.model_config).tool_call_parser
+        self.tool_parser = tool_call_parser(settings.tool_call_parser, family_default, tokenizer.template_takes_tools)
 
     # -- request checks -------------------------------------------------------------------------
 

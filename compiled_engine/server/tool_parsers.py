@@ -182,15 +182,14 @@ PARSERS: dict[str, ToolCallParser] = {
     "mistral": MistralParser(),
     "pythonic": PythonicParser(),
 }
-# The families whose own templates render tools, and the format their models answer in.
-FAMILY_DEFAULTS = {"llama": "llama3_json", "mistral": "mistral", "llama4": "pythonic"}
 
 
-def tool_call_parser(name: str | None, family: str, template_takes_tools: bool) -> ToolCallParser:
-    """The parser `--tool-call-parser` names; by default, the family's when its chat template
-    renders the tools itself, else `hermes` (the format our fallback prompt asks for)."""
+def tool_call_parser(name: str | None, family_default: str, template_takes_tools: bool) -> ToolCallParser:
+    """The parser `--tool-call-parser` names; by default, the family's (its record's
+    `tool_call_parser`) when its chat template renders the tools itself, else `hermes` (the format
+    our fallback prompt asks for)."""
     if name is not None:
         if name not in PARSERS:
             raise ValueError(f"unknown tool-call parser {name!r}: choose one of {', '.join(TOOL_CALL_PARSERS)}")
         return PARSERS[name]
-    return PARSERS[FAMILY_DEFAULTS.get(family, "hermes") if template_takes_tools else "hermes"]
+    return PARSERS[family_default if template_takes_tools else "hermes"]

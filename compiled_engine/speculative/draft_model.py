@@ -37,6 +37,7 @@ from compiled_engine.engine.sequence import Sequence
 from compiled_engine.engine.step_inputs import StepInputs
 from compiled_engine.errors import ModelConfigError
 from compiled_engine.model.config import ModelConfig
+from compiled_engine.model.registry import config_from_model_dir
 from compiled_engine.speculative.drafts import SpeculativeStats, propose_drafts, record_verify
 from compiled_engine.tokenizer import Tokenizer
 from compiled_engine.weights.source import resolve_model_dir
@@ -62,7 +63,7 @@ def plan_draft_model(
 ) -> DraftPlan:
     """`dtype`: the pages' storage type (the target's). Check that the draft can draft for the target (same vocabulary, long enough context) and
     say what its pages and weights add to the pool; a ModelConfigError names the mismatch."""
-    draft = ModelConfig.from_model_dir(draft_dir)
+    draft = config_from_model_dir(draft_dir)
     if draft.vocab_size != target.vocab_size:
         raise ModelConfigError(
             f"the draft model's vocabulary ({draft.vocab_size} tokens, {draft_dir}) differs from the target's "
@@ -243,7 +244,7 @@ class DraftModelDrafter:
     def plan(config: SpeculativeConfig, engine_config: EngineConfig, model_dir: Path) -> DraftModelPlan:
         """Checks the draft against the target before any weight is read."""
         assert config.model is not None  # SpeculativeConfig requires it for this method
-        target = ModelConfig.from_model_dir(model_dir)
+        target = config_from_model_dir(model_dir)
         plan = plan_draft_model(
             resolve_model_dir(config.model), model_dir, target, engine_config, engine_config.resolved_kv_cache_dtype()
         )

@@ -17,15 +17,15 @@ from typing import Any
 
 from compiled_engine.cache_paths import models_dir
 from compiled_engine.errors import ModelConfigError, ModelSourceError
-from compiled_engine.model.config import ModelConfig
+from compiled_engine.model.registry import config_from_dict
 from compiled_engine.weights.default_model import GGUF_NAME
 from compiled_engine.weights.gguf import GGUFHeader, read_gguf_header
-from compiled_engine.weights.gguf_config import Metadata, gguf_config_dict
+from compiled_engine.weights.gguf_config import gguf_config_dict, gguf_metadata
 from compiled_engine.weights.gguf_tokenizer import build_gguf_tokenizer
 
 
 def _meta(header: GGUFHeader, key: str, kind: type, default: Any = None, required: bool = True) -> Any:
-    return Metadata(header, "").get(key, kind, default, required)
+    return gguf_metadata(header).get(key, kind, default, required)
 
 
 def _cache_key(resolved: Path) -> str:
@@ -59,7 +59,7 @@ def prepare_gguf_dir(gguf_path: Path) -> Path:
     header = read_gguf_header(resolved, ModelSourceError)
     config = gguf_config_dict(header)
     try:
-        ModelConfig.from_dict(config, source=f"{resolved} (its metadata)")
+        config_from_dict(config, source=f"{resolved} (its metadata)")
     except ModelConfigError as exc:
         raise ModelSourceError(str(exc)) from exc
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
-"""A GGUF file's weights in a model (every family llama.cpp writes, each as its layout in
-model/gguf_families.py names and transforms them), its quantized tensors kept quantized:
+"""A GGUF file's weights in a model (every family llama.cpp writes, each as its record's GGUF
+layout names and transforms them), its quantized tensors kept quantized:
 `load_gguf_model` checks every name, shape, type and offset against the config before a byte of
 data is read, then fills the model: each quantized type becomes the int4 or int8 QuantizedWeight
 that means the same values (weights/gguf_blocks.py), and F32, F16 and BF16 dense
@@ -21,8 +21,9 @@ from torch import nn
 
 from compiled_engine.errors import ModelLoadError
 from compiled_engine.model.config import ModelConfig
-from compiled_engine.model.families import build_model, check_shard, family_of_gguf
+from compiled_engine.model.family import LONG_FACTORS, ROPE_FREQS, SHORT_FACTORS, GGUFLayout
 from compiled_engine.model.layers import DecoderModel, in_layers
+from compiled_engine.model.registry import build_model, check_shard, family_of, family_of_gguf
 from compiled_engine.model.shard import NO_SHARD, TPShard
 from compiled_engine.quantization.apply import install_embedding, install_linear
 from compiled_engine.quantization.weights import QuantizedWeight, concat_rows
@@ -35,7 +36,6 @@ from compiled_engine.weights.gguf import (
     read_tensor,
 )
 from compiled_engine.weights.gguf_blocks import decode_blocks
-from compiled_engine.weights.gguf_config import LAYOUTS, LONG_FACTORS, ROPE_FREQS, SHORT_FACTORS, GGUFLayout
 from compiled_engine.weights.safetensors_loader import rebuild_rotaries
 
 ROPE_FACTORS = (LONG_FACTORS, SHORT_FACTORS)
@@ -67,7 +67,7 @@ class _Target:
 
 
 def _layout(config: ModelConfig) -> GGUFLayout:
-    layout = LAYOUTS.get(config.architecture)
+    layout = family_of(config).gguf
     if layout is None:
         raise ModelLoadError(f"llama.cpp writes no GGUF of its own for {config.architecture} models")
     return layout
@@ -75,7 +75,7 @@ def _layout(config: ModelConfig) -> GGUFLayout:
 
 def _targets(config: ModelConfig, shard: TPShard = NO_SHARD) -> list[_Target]:
     """Every tensor a GGUF of this config holds and where it lands, as the family's layout
-    (model/gguf_families.py) names and transforms them, and what of it `shard` keeps."""
+    (model/family.py) names and transforms them, and what of it `shard` keeps."""
     layout = _layout(config)
     h, hd, inter, vocab = config.hidden_size, config.head_dim, config.intermediate_size, config.vocab_size
     q, kv = config.q_size, config.kv_size
@@ -142,7 +142,7 @@ def _rope_parts(config: ModelConfig) -> tuple[dict[str, _Part], dict[str, _Part]
     if config.rope.type == "longrope":
         pairs = (config.rotated_dims // 2,)
         return {name: _Part(name, pairs) for name in (LONG_FACTORS, SHORT_FACTORS)}, {}
-    if config.architecture == "llama":
+    if _layout(config).rope_freqs:
         return {}, {ROPE_FREQS: _Part(ROPE_FREQS, (config.head_dim // 2,))}
     return {}, {}
 

@@ -27,6 +27,8 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from compiled_engine.errors import ModelSourceError
+from compiled_engine.model.family import GGUFLayout
+from compiled_engine.model.registry import family_of_gguf
 from compiled_engine.weights.gguf import GGUFHeader
 
 # llama.cpp's token types (`tokenizer.ggml.token_type`).
@@ -82,12 +84,12 @@ PRE_TOKENIZERS = {
     "deepseek-r1-qwen": _QWEN2,
 }
 
-# Gemma's scores do not follow the order in which its merges were learned; the order of its tokens
-# in the file does (that is how the Hugging Face tokenizer ranks a Gemma GGUF's merges).
-_RANKED_BY_POSITION = frozenset({"gemma", "gemma2", "gemma3"})
-# Phi-3's tokenizer puts "▁" before every piece of text, even one that starts with a space, where
-# the others add it only to text that does not already start with one.
-_ALWAYS_PREFIXED = frozenset({"phi3"})
+# A family's quirks are its record's (GGUFLayout): Gemma's scores do not follow the order in which
+# its merges were learned, the order of its tokens in the file does (that is how the Hugging Face
+# tokenizer ranks a Gemma GGUF's merges); Phi-3's tokenizer puts "▁" before every piece of text,
+# even one that starts with a space, where the others add it only to text that does not already
+# start with one.
+_NO_QUIRKS = GGUFLayout("")
 
 
 @dataclass(frozen=True)
@@ -257,7 +259,8 @@ def _byte_level(vocab: _Vocabulary) -> Tokenizer:
 
 
 def _sentencepiece(vocab: _Vocabulary) -> Tokenizer:
-    architecture = vocab.header.architecture
+    family = family_of_gguf(vocab.header.architecture or "")
+    quirks = family.gguf if family is not None and family.gguf is not None else _NO_QUIRKS
     # A token of spaces only is stored with real spaces (llama.cpp's converter writes user-defined
     # tokens that way), which text never holds once its spaces are "▁": spelled back with "▁".
     taken = set(vocab.tokens)
@@ -266,19 +269,19 @@ def _sentencepiece(vocab: _Vocabulary) -> Tokenizer:
             vocab.tokens[i] = "▁" * len(token)
     merges = vocab.merges()
     if merges is None:
-        merges = _merges_from_ranks(vocab, architecture in _RANKED_BY_POSITION)
+        merges = _merges_from_ranks(vocab, quirks.merges_by_position)
     unk = vocab.special_ids.get("unk_token")
     tokenizer = Tokenizer(
         _bpe(vocab, merges, unk_token=None if unk is None else vocab.tokens[unk], fuse_unk=True, byte_fallback=True)
     )
     prefix = vocab.flag("tokenizer.ggml.add_space_prefix", True)
-    if prefix and architecture in _ALWAYS_PREFIXED:
+    if prefix and quirks.always_prefixed:
         tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     else:
         # "first": the "▁" goes before the text's start only, not before text that follows an
         # added token, and not before text that already starts with a space, as the Hugging Face
         # tokenizer of a Llama or Mistral GGUF has it (llama.cpp adds it in both places, as
-        # `_ALWAYS_PREFIXED` does).
+        # `always_prefixed` does).
         tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
             replacement="▁", prepend_scheme="first" if prefix else "never", split=False
         )

@@ -13,8 +13,8 @@ from torch import nn
 
 from compiled_engine.errors import ModelLoadError
 from compiled_engine.model.config import ModelConfig
-from compiled_engine.model.families import build_model, check_shard, family
 from compiled_engine.model.layers import DecoderModel, RotaryEmbedding, in_layers
+from compiled_engine.model.registry import build_model, check_shard, family_of
 from compiled_engine.model.shard import NO_SHARD, TPShard
 
 SINGLE_FILE = "model.safetensors"
@@ -85,7 +85,7 @@ def load_model(
     check_shard(config, shard)
     with torch.device("meta"):
         model = build_model(config, shard)
-    layout = family(config).checkpoint_layout(config, shard)
+    layout = family_of(config).checkpoint_layout(config, shard)
     params = {
         name: torch.empty(param.shape, dtype=dtype, device=device)
         for name, param in model.named_parameters()
