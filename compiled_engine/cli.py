@@ -13,8 +13,8 @@ from pathlib import Path
 from compiled_engine.engine_options import add_engine_options, engine_config_from_args
 from compiled_engine.errors import CompiledEngineError, ModelSourceError
 from compiled_engine.logs import LOG_FORMATS, configure_logging
-from compiled_engine.server.reasoning import REASONING_PARSERS
-from compiled_engine.server.tool_parsers import TOOL_CALL_PARSERS
+from compiled_engine.server.common.reasoning import REASONING_PARSERS
+from compiled_engine.server.common.tool_parsers import TOOL_CALL_PARSERS
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,10 +12,10 @@ import msgspec
 import openai
 import pytest
 
-from compiled_engine.server.chat_messages import chat_turns
-from compiled_engine.server.messages_protocol import InputMessage
-from compiled_engine.server.messages_turns import message_turns
-from compiled_engine.server.protocol import ChatMessage
+from compiled_engine.server.anthropic.protocol import InputMessage
+from compiled_engine.server.anthropic.turns import message_turns
+from compiled_engine.server.openai.chat_messages import chat_turns
+from compiled_engine.server.openai.protocol import ChatMessage
 from tests.admission import KEY as IN_PROCESS_KEY
 from tests.admission import REFUSALS, in_process_app
 from tests.conftest import API_KEY as KEY

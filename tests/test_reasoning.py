@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 
-from compiled_engine.server.reasoning import ReasoningParser, ReasoningStream, Split
-from compiled_engine.server.replies.deltas import ChoiceDelta
+from compiled_engine.server.common.deltas import ChoiceDelta
+from compiled_engine.server.common.reasoning import ReasoningParser, ReasoningStream, Split
 from compiled_engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from tests.server_process import ServerProcess, running_server
 

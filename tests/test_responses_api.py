@@ -14,11 +14,11 @@ import msgspec
 import openai
 import pytest
 
-from compiled_engine.server.chat_messages import chat_turns
-from compiled_engine.server.protocol import ChatMessage
-from compiled_engine.server.responses_protocol import ResponseObject
-from compiled_engine.server.responses_store import ResponseStore
-from compiled_engine.server.responses_turns import input_turns
+from compiled_engine.server.openai.chat_messages import chat_turns
+from compiled_engine.server.openai.protocol import ChatMessage
+from compiled_engine.server.responses.protocol import ResponseObject
+from compiled_engine.server.responses.store import ResponseStore
+from compiled_engine.server.responses.turns import input_turns
 from tests.admission import KEY as IN_PROCESS_KEY
 from tests.admission import REFUSALS, in_process_app
 from tests.conftest import API_KEY, API_MODEL, OTHER_API_KEY

@@ -1,4 +1,4 @@
-"""The Messages and Responses stream event mappers (replies/messages.py, replies/responses.py),
+"""The Messages and Responses stream event mappers (anthropic/replies.py, responses/replies.py),
 driven directly, without a server: a reply that thinks, then writes text, then calls a tool, fed
 to them piece by piece as the engine's outputs and ended at every piece. Each stream must be
 well-formed however far it got, close every block or item it opened once the reply ends, type-check
@@ -24,12 +24,12 @@ from anthropic.types import RawMessageStreamEvent
 from openai.types.responses import ResponseStreamEvent
 
 from compiled_engine.engine.outputs import CompletionOutput, RequestOutput
-from compiled_engine.server.reasoning import ReasoningParser
-from compiled_engine.server.replies.deltas import choice_deltas
-from compiled_engine.server.replies.messages import message_events, message_reply
-from compiled_engine.server.replies.responses import ResponseFrame, response_events, response_reply
-from compiled_engine.server.tool_parsers import PARSERS
-from compiled_engine.server.tools import tool_plan
+from compiled_engine.server.anthropic.replies import message_events, message_reply
+from compiled_engine.server.common.deltas import choice_deltas
+from compiled_engine.server.common.reasoning import ReasoningParser
+from compiled_engine.server.common.tool_parsers import PARSERS
+from compiled_engine.server.common.tools import tool_plan
+from compiled_engine.server.responses.replies import ResponseFrame, response_events, response_reply
 
 MODEL = "smol"
 THINKING = "\nI should check the weather.\n"

@@ -519,7 +519,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 def test_tool_call_blocks_parse_and_stream_only_what_cannot_be_a_call() -> None:
-    from compiled_engine.server.tool_parsers import HermesParser
+    from compiled_engine.server.common.tool_parsers import HermesParser
 
     parse_tool_calls, held_back = HermesParser().parse, HermesParser().shown
 
@@ -716,7 +716,7 @@ QWEN_STYLE_TEMPLATE = (
 def test_a_template_that_takes_tools_renders_them_and_the_fallback_stays_out(
     default_model_dir: Path, tmp_path: Path
 ) -> None:
-    from compiled_engine.server.tools import render_turns, tool_plan
+    from compiled_engine.server.common.tools import render_turns, tool_plan
     from compiled_engine.tokenizer import Tokenizer
 
     (tmp_path / "tokenizer.json").write_bytes((default_model_dir / "tokenizer.json").read_bytes())

@@ -1,4 +1,4 @@
-"""The tool-call formats of `--tool-call-parser` (server/tool_parsers.py): each parses its own
+"""The tool-call formats of `--tool-call-parser` (server/common/tool_parsers.py): each parses its own
 format, leaves anything else as text, and while a reply streams shows nothing from where a call
 could begin; the stream mapper over each; the default by family."""
 
@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from compiled_engine.model.registry import FAMILIES
-from compiled_engine.server.replies.deltas import ChoiceDelta
-from compiled_engine.server.tool_parsers import PARSERS, ToolCallParser, tool_call_parser
-from compiled_engine.server.tools import ToolCallStream, ToolPlan
+from compiled_engine.server.common.deltas import ChoiceDelta
+from compiled_engine.server.common.tool_parsers import PARSERS, ToolCallParser, tool_call_parser
+from compiled_engine.server.common.tools import ToolCallStream, ToolPlan
 
 NAMES = ["get_weather", "add"]
 WEATHER = {"city": "Paris", "days": 2}

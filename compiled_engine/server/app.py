@@ -1,5 +1,6 @@
-"""The Litestar app: the routes' controllers (server/routes/) over one `Serving`, with the
-request-counting middleware, the error handlers and the OpenAPI docs."""
+"""The Litestar app: the controllers of each API (openai/, responses/, anthropic/) and its own
+(routes/) over one `Serving`, with the request-counting middleware, the error handlers and the
+OpenAPI docs."""
 
 from __future__ import annotations
 
@@ -14,18 +15,18 @@ from litestar.openapi.plugins import JsonRenderPlugin
 
 from compiled_engine.engine.engine_client import EngineClient
 from compiled_engine.errors import RequestError
-from compiled_engine.server.docs_page import PlainDocsRenderPlugin
-from compiled_engine.server.errors import handle_exception, request_error_handler
+from compiled_engine.server.anthropic.routes import MessagesController
+from compiled_engine.server.common.errors import handle_exception, request_error_handler
+from compiled_engine.server.openai.chat import ChatController
+from compiled_engine.server.openai.completions import CompletionsController
+from compiled_engine.server.openai.embeddings import EmbeddingsController
+from compiled_engine.server.openai.models import AdaptersController, ModelsController
+from compiled_engine.server.openai.tokenize import DetokenizeController, TokenizeController
+from compiled_engine.server.responses.routes import ResponsesController
 from compiled_engine.server.routes.cache import PrefixCacheController
-from compiled_engine.server.routes.chat import ChatController
 from compiled_engine.server.routes.chat_page import ChatPageController
-from compiled_engine.server.routes.completions import CompletionsController
-from compiled_engine.server.routes.embeddings import EmbeddingsController
+from compiled_engine.server.routes.docs_page import PlainDocsRenderPlugin
 from compiled_engine.server.routes.health import HealthController, MetricsController
-from compiled_engine.server.routes.messages import MessagesController
-from compiled_engine.server.routes.models import AdaptersController, ModelsController
-from compiled_engine.server.routes.responses import ResponsesController
-from compiled_engine.server.routes.tokenize import DetokenizeController, TokenizeController
 from compiled_engine.server.serving import Serving
 from compiled_engine.server.settings import DEFAULT_MAX_BODY_BYTES, ServerSettings
 

@@ -19,15 +19,15 @@ from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.engine.structured_outputs import StructuredOutputs
 from compiled_engine.lora.manager import LoRARequest
 from compiled_engine.model.registry import family_of
-from compiled_engine.server.errors import ApiError
+from compiled_engine.server.common.errors import ApiError
+from compiled_engine.server.common.reasoning import ReasoningParser
+from compiled_engine.server.common.request_log import RequestLog
+from compiled_engine.server.common.tool_parsers import tool_call_parser
 from compiled_engine.server.metrics import ServerMetrics
-from compiled_engine.server.protocol import ChatCompletionRequest, CompletionRequest
-from compiled_engine.server.reasoning import ReasoningParser
-from compiled_engine.server.request_log import RequestLog
-from compiled_engine.server.responses_store import ResponseStore
+from compiled_engine.server.openai.constraints import structured_outputs_of
+from compiled_engine.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from compiled_engine.server.responses.store import ResponseStore
 from compiled_engine.server.settings import ServerSettings
-from compiled_engine.server.structured import structured_outputs_of
-from compiled_engine.server.tool_parsers import tool_call_parser
 from compiled_engine.tokenizer import Tokenizer
 
 

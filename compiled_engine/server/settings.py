@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from compiled_engine.server.responses_store import DEFAULT_MAX_AGE_S, DEFAULT_MAX_RESPONSES
+from compiled_engine.server.responses.store import DEFAULT_MAX_AGE_S, DEFAULT_MAX_RESPONSES
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 
@@ -25,5 +25,5 @@ class ServerSettings:
     # Stored responses (/v1/responses with store: true) kept for previous_response_id and GET.
     responses_store_size: int = DEFAULT_MAX_RESPONSES
     responses_max_age_s: float = DEFAULT_MAX_AGE_S
-    tool_call_parser: str | None = None  # `serve --tool-call-parser` (server/tool_parsers.py); None: by family
-    reasoning_parser: str | None = None  # `serve --reasoning-parser`: qwen3 or deepseek_r1 (server/reasoning.py)
+    tool_call_parser: str | None = None  # `serve --tool-call-parser` (server/common/tool_parsers.py); None: by family
+    reasoning_parser: str | None = None  # `serve --reasoning-parser`: qwen3 or deepseek_r1 (server/common/reasoning.py)

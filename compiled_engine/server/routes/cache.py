@@ -11,7 +11,7 @@ from litestar.di import NamedDependency
 
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.errors import PrefixCacheBusyError
-from compiled_engine.server.errors import ApiError
+from compiled_engine.server.common.errors import ApiError
 from compiled_engine.server.serving import Serving
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from litestar import Controller, Response, get
 from litestar.params import FromPath
 
-from compiled_engine.server.errors import ApiError
+from compiled_engine.server.common.errors import ApiError
 
 CHAT_PAGE_DIR = Path(__file__).parent.parent / "chat_page"
 # The page's files (read once: they ship with the package), with their media types.

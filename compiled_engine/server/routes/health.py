@@ -7,7 +7,7 @@ from typing import Any
 from litestar import Controller, Response, get
 from litestar.di import NamedDependency
 
-from compiled_engine.server.errors import error_response
+from compiled_engine.server.common.errors import error_response
 from compiled_engine.server.serving import Serving
 
 

@@ -1,0 +1,1 @@
+"""Anthropic's Messages API: routes, wire types, input turns, replies."""

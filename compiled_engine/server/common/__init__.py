@@ -1,0 +1,1 @@
+"""What every API shares (choice deltas, streams, errors, tools, reasoning); it imports no API."""

@@ -1,0 +1,1 @@
+"""OpenAI's API and vLLM's additions: each route beside its reply mapper, over protocol.py."""

@@ -1,0 +1,1 @@
+"""OpenAI's Responses API: routes, wire types, input turns, the stored responses, replies."""
