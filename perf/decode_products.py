@@ -18,9 +18,9 @@ import time
 import torch
 from gguf_type_speed import random_blocks
 
+from compiled_engine.linear.quantized import Int8ActivationsLinear, QuantizedLinear
 from compiled_engine.model.gguf import TYPE_NAMES
 from compiled_engine.quantization.gguf_blocks import decode_blocks
-from compiled_engine.quantization.modules import Int8ActivationsLinear, QuantizedLinear
 
 LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in) of qkv, o, gate_up, down
 

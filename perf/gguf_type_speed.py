@@ -19,9 +19,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from compiled_engine.linear.quantized import QuantizedLinear
 from compiled_engine.model.gguf import BLOCK_TYPES, TYPE_NAMES
 from compiled_engine.quantization.gguf_blocks import decode_blocks
-from compiled_engine.quantization.modules import QuantizedLinear
 
 # Byte offsets of each type's fp16 fields (set to moderate numbers; random bytes there would be
 # NaN now and then).

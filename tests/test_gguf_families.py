@@ -26,13 +26,13 @@ from compiled_engine.config import EngineConfig
 from compiled_engine.engine.generator import Generator
 from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.errors import ModelLoadError, ModelSourceError
+from compiled_engine.linear.quantized import QuantizedEmbedding, QuantizedLinear
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.families import family
 from compiled_engine.model.gguf import read_gguf_header
 from compiled_engine.model.gguf_dir import gguf_config_dict, prepare_gguf_dir
 from compiled_engine.model.shard import NO_SHARD
 from compiled_engine.quantization.gguf import load_gguf_model
-from compiled_engine.quantization.modules import QuantizedEmbedding, QuantizedLinear
 from compiled_engine.tokenizer import Tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gguf"

@@ -29,14 +29,14 @@ from compiled_engine.config import EngineConfig
 from compiled_engine.engine.generator import Generator
 from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.errors import ModelLoadError
+from compiled_engine.linear.quantized import QuantizedLinear
+from compiled_engine.linear.quantized_op import cpu_kernels, native_operator
+from compiled_engine.linear.quantized_weight import QuantizedWeight, concat_rows
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.gguf import BLOCK_TYPES, check_tensor, read_gguf_header, read_tensor
 from compiled_engine.model.gguf_dir import prepare_gguf_dir
 from compiled_engine.quantization.gguf import load_gguf_model
 from compiled_engine.quantization.gguf_blocks import decode_blocks
-from compiled_engine.quantization.modules import QuantizedLinear
-from compiled_engine.quantization.ops import cpu_kernels, native_operator
-from compiled_engine.quantization.weights import QuantizedWeight, concat_rows
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gguf_kquants"
 BLOCKS = FIXTURES / "blocks.gguf"
@@ -359,8 +359,8 @@ def test_a_rank_keeps_whole_groups_of_columns_or_is_refused(private_cache: Path)
     """Row-parallel slices are whole groups: four ranks would split o_proj's 64 input columns into
     16, half a Q5_0 group, which is refused naming the tensor; two ranks' slices dequantize to
     the columns of the whole weight."""
+    from compiled_engine.linear.quantized_weight import QuantizationError
     from compiled_engine.model.shard import TPShard
-    from compiled_engine.quantization.weights import QuantizationError
 
     weight = fixture_weight(QT.Q4_K)
     assert torch.equal(weight.narrow_cols(128, 128).dequantize(), weight.dequantize()[:, 128:])

@@ -19,8 +19,8 @@ from torch._dynamo.utils import counters
 from compiled_engine import LLM, LoRARequest, SamplingParams
 from compiled_engine.config import EngineConfig
 from compiled_engine.errors import RequestError
+from compiled_engine.linear.lora_op import dense_lora_delta, reference_lora_delta, token_runs
 from compiled_engine.lora.adapter import LoRAError, load_adapter
-from compiled_engine.lora.layers import dense_lora_delta, reference_lora_delta, token_runs
 from compiled_engine.model.config import ModelConfig
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -434,9 +434,9 @@ def test_the_fused_quantized_lora_product_equals_its_reference(fmt: str) -> None
     """`quantized_lora_linear_f32` (the quantized product and the delta in one native call, what
     a GGUF model's adapters run) against dequantize-then-matmul plus the Python delta, on the
     decode path and on the many-token paths, and through a LoRALinear that picks it."""
+    from compiled_engine.linear.quantize import quantize
+    from compiled_engine.linear.quantized import QuantizedLinear
     from compiled_engine.lora import layers
-    from compiled_engine.quantization.modules import QuantizedLinear
-    from compiled_engine.quantization.quantize import quantize
 
     assert layers.native_lora_kernel()
     x, a, b, widths = _slot_tensors()
@@ -495,9 +495,9 @@ def test_a_decode_sized_fused_product_shares_one_parallel_region_and_equals_its_
     splits into runs of four rows and single rows on every thread count here; three pieces whose
     borders fall inside the product's 16-row strips; tokens on several slots, on none, and all on
     the base model."""
+    from compiled_engine.linear.quantize import quantize
+    from compiled_engine.linear.quantized import QuantizedLinear
     from compiled_engine.lora import layers
-    from compiled_engine.quantization.modules import QuantizedLinear
-    from compiled_engine.quantization.quantize import quantize
 
     assert layers.native_lora_kernel()
     generator = torch.Generator().manual_seed(5)

@@ -1,4 +1,4 @@
-"""GGUF's quantized block types as the engine's two formats (quantization/weights.py), exactly.
+"""GGUF's quantized block types as the engine's two formats (linear/quantized_weight.py), exactly.
 
 Every type llama.cpp writes for the common files is integers times per-group constants, so each
 becomes an int4 or int8 QuantizedWeight with no value changed: its `dequantize()` equals
@@ -32,6 +32,7 @@ from collections.abc import Callable
 
 import torch
 
+from compiled_engine.linear.quantized_weight import QuantizedWeight, pack_int4, unpack_int4
 from compiled_engine.model.gguf import (
     IQ4_NL,
     IQ4_XS,
@@ -46,7 +47,6 @@ from compiled_engine.model.gguf import (
     Q6_K,
     Q8_0,
 )
-from compiled_engine.quantization.weights import QuantizedWeight, pack_int4, unpack_int4
 
 # IQ4_NL's and IQ4_XS's 16 levels (ggml-common.h's kvalues_iq4nl).
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)

@@ -23,7 +23,7 @@ every layer its own compiled graph, so compiled code calls them through the opaq
 `compiled_engine::packed_linear`, which finds the packed tensor of the weight it is given.
 
 The kernel modules, built from the plain model's and installed by the product walk
-(products/walk.py, picked by products/table.py): `CpuLinear`, a product over its packed weight,
+(linear/install.py, picked by linear/table.py): `CpuLinear`, a product over its packed weight,
 and `BlockedEmbedding`, the lookup of a tied embedding whose table became the head's packed copy.
 """
 

@@ -27,9 +27,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
+from compiled_engine.linear.install import replace
+from compiled_engine.linear.quantized import QuantizedLinear
 from compiled_engine.model.layers import DecoderModel, Linear
-from compiled_engine.products.walk import replace
-from compiled_engine.quantization.modules import QuantizedLinear
 
 
 def _wrap_local(module: nn.Module, mesh: DeviceMesh, weight: Shard | Replicate, bias: Shard | Replicate) -> None:
