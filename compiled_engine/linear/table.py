@@ -1,4 +1,4 @@
-"""The product table: which kernel runs each linear product of the model.
+"""The kernel table: which kernel runs each linear product of the model.
 
 A product is described by its weight's kind (dense, or a quantized format), the device it lives
 on, whether it is a tensor-parallel shard (a DTensor) and whether the model runs compiled. The
