@@ -139,9 +139,9 @@ def test_native_products_match_f_linear_over_the_dequantization(qtype: QT, rows:
 def test_quantized_lora_products_over_every_type_equal_their_reference(qtype: QT) -> None:
     """The quantized product and its adapters' delta in one native call, on each type's weight,
     against dequantize-then-matmul plus the Python delta."""
-    from compiled_engine.lora import layers
+    from compiled_engine.linear import lora_op
 
-    assert layers.native_lora_kernel()
+    assert lora_op.native_lora_kernel()
     weight = fixture_weight(qtype)
     generator = torch.Generator().manual_seed(3)
     widths, rank, num_slots = [40, 24], 4, 2
@@ -155,7 +155,7 @@ def test_quantized_lora_products_over_every_type_equal_their_reference(qtype: QT
         args = (x, base.data, base.scales, base.offsets, None, weight.group_size, 32, a, b, slots, 0, 0)
         args += (num_slots, rank, widths)
         native = torch.ops.compiled_engine.quantized_lora_linear_f32(*args)
-        reference = layers.reference_quantized_lora_linear(*args)
+        reference = lora_op.reference_quantized_lora_linear(*args)
         torch.testing.assert_close(native, reference, rtol=1e-4, atol=1e-4)
         if tokens > 1:
             assert (native - base(x))[1].abs().max() > 0  # token 1 is on slot 0: its delta is there
