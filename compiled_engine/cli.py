@@ -122,10 +122,10 @@ def _build_native_kernels() -> None:
 
     from compiled_engine.attention.native_decode import load_native_decode, load_native_operator
     from compiled_engine.engine.frame_arena import install_frame_arena
-    from compiled_engine.lora.layers import native_lora_kernel
-    from compiled_engine.model.packed_linear import blocked_gemv_operator
+    from compiled_engine.linear.lora_op import native_lora_kernel
+    from compiled_engine.linear.packed_cpu import blocked_gemv_operator
+    from compiled_engine.linear.quantized_op import cpu_kernels, native_operator
     from compiled_engine.native_build import KernelBuildError
-    from compiled_engine.quantization.ops import cpu_kernels, native_operator
 
     started = time.perf_counter()
     try:

@@ -1,4 +1,4 @@
-"""Time the native product over blocked fp32 weights (model/kernels/blocked_gemv.c) on one decode
+"""Time the native product over blocked fp32 weights (linear/kernels/blocked_gemv.c) on one decode
 step's layer products of the default model (30 x qkv, o, gate_up, down), from memory.
 
     python perf/blocked_gemv_rate.py [--rows 1] [--width 64] [--library PATH_TO_AN_OPERATOR.so]
@@ -27,7 +27,7 @@ def main() -> None:
     if args.library:
         torch.ops.load_library(args.library)
     else:
-        from compiled_engine.model.packed_linear import blocked_gemv_operator
+        from compiled_engine.linear.packed_cpu import blocked_gemv_operator
 
         if blocked_gemv_operator() is None:
             raise SystemExit("the native kernel cannot be built here")

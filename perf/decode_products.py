@@ -18,7 +18,7 @@ import time
 import torch
 from gguf_type_speed import random_blocks
 
-from compiled_engine.quantization.modules import Int8ActivationsLinear, QuantizedLinear
+from compiled_engine.linear.quantized import Int8ActivationsLinear, QuantizedLinear
 from compiled_engine.weights.gguf import TYPE_NAMES
 from compiled_engine.weights.gguf_blocks import decode_blocks
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from compiled_engine.quantization.modules import QuantizedLinear
+from compiled_engine.linear.quantized import QuantizedLinear
 from compiled_engine.weights.gguf import BLOCK_TYPES, TYPE_NAMES
 from compiled_engine.weights.gguf_blocks import decode_blocks
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from compiled_engine.model.packed_linear import blocked_gemv_operator, blocked_width
+from compiled_engine.linear.packed_cpu import blocked_gemv_operator, blocked_width
 
 
 def this_machines_width(weight: torch.Tensor) -> int | str:

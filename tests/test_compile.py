@@ -31,8 +31,8 @@ from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.engine.precompiled import PrecompiledFunction, artifact_dir, call_signature, model_signature
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.engine.step_inputs import StepInputs
-from compiled_engine.model import packed_linear
-from compiled_engine.model.packed_linear import CpuLinear
+from compiled_engine.linear import packed_cpu as packed_linear
+from compiled_engine.linear.packed_cpu import CpuLinear
 from compiled_engine.prompts import DEFAULT_PROMPTS
 from compiled_engine.weights.gguf import read_gguf_header, tensor_bytes
 from tests.onednn_layout import packs_as_one_copy

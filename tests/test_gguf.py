@@ -26,11 +26,11 @@ from compiled_engine.attention.metadata import AttentionMetadata
 from compiled_engine.attention.op import attention_forward
 from compiled_engine.attention.torch_backend import TorchAttentionBackend
 from compiled_engine.errors import ModelLoadError, ModelSourceError
+from compiled_engine.linear.quantized import QuantizedEmbedding, QuantizedLinear
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.layers import rope_inverse_frequencies
 from compiled_engine.model.llama import Linear, Transformer, checkpoint_layout
 from compiled_engine.model.registry import config_from_dict, config_from_model_dir
-from compiled_engine.quantization.modules import QuantizedEmbedding, QuantizedLinear
 from compiled_engine.tokenizer import Tokenizer
 from compiled_engine.weights import gguf_dir as gguf_module
 from compiled_engine.weights.default_model import GGUF_NAME, default_model_dir

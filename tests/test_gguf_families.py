@@ -26,10 +26,10 @@ from compiled_engine.config import EngineConfig
 from compiled_engine.engine.generator import Generator
 from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.errors import ModelLoadError, ModelSourceError
+from compiled_engine.linear.quantized import QuantizedEmbedding, QuantizedLinear
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.registry import config_from_dict, config_from_model_dir, family_of
 from compiled_engine.model.shard import NO_SHARD
-from compiled_engine.quantization.modules import QuantizedEmbedding, QuantizedLinear
 from compiled_engine.tokenizer import Tokenizer
 from compiled_engine.weights.gguf import read_gguf_header
 from compiled_engine.weights.gguf_dir import gguf_config_dict, prepare_gguf_dir

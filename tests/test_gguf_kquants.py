@@ -29,10 +29,10 @@ from compiled_engine.config import EngineConfig
 from compiled_engine.engine.generator import Generator
 from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.errors import ModelLoadError
+from compiled_engine.linear.quantized import QuantizedLinear
+from compiled_engine.linear.quantized_op import cpu_kernels, native_operator
+from compiled_engine.linear.quantized_weight import QuantizedWeight, concat_rows
 from compiled_engine.model.registry import config_from_model_dir
-from compiled_engine.quantization.modules import QuantizedLinear
-from compiled_engine.quantization.ops import cpu_kernels, native_operator
-from compiled_engine.quantization.weights import QuantizedWeight, concat_rows
 from compiled_engine.weights.gguf import BLOCK_TYPES, check_tensor, read_gguf_header, read_tensor
 from compiled_engine.weights.gguf_blocks import decode_blocks
 from compiled_engine.weights.gguf_dir import prepare_gguf_dir
@@ -139,9 +139,9 @@ def test_native_products_match_f_linear_over_the_dequantization(qtype: QT, rows:
 def test_quantized_lora_products_over_every_type_equal_their_reference(qtype: QT) -> None:
     """The quantized product and its adapters' delta in one native call, on each type's weight,
     against dequantize-then-matmul plus the Python delta."""
-    from compiled_engine.lora import layers
+    from compiled_engine.linear import lora_op
 
-    assert layers.native_lora_kernel()
+    assert lora_op.native_lora_kernel()
     weight = fixture_weight(qtype)
     generator = torch.Generator().manual_seed(3)
     widths, rank, num_slots = [40, 24], 4, 2
@@ -155,7 +155,7 @@ def test_quantized_lora_products_over_every_type_equal_their_reference(qtype: QT
         args = (x, base.data, base.scales, base.offsets, None, weight.group_size, 32, a, b, slots, 0, 0)
         args += (num_slots, rank, widths)
         native = torch.ops.compiled_engine.quantized_lora_linear_f32(*args)
-        reference = layers.reference_quantized_lora_linear(*args)
+        reference = lora_op.reference_quantized_lora_linear(*args)
         torch.testing.assert_close(native, reference, rtol=1e-4, atol=1e-4)
         if tokens > 1:
             assert (native - base(x))[1].abs().max() > 0  # token 1 is on slot 0: its delta is there
@@ -359,8 +359,8 @@ def test_a_rank_keeps_whole_groups_of_columns_or_is_refused(private_cache: Path)
     """Row-parallel slices are whole groups: four ranks would split o_proj's 64 input columns into
     16, half a Q5_0 group, which is refused naming the tensor; two ranks' slices dequantize to
     the columns of the whole weight."""
+    from compiled_engine.linear.quantized_weight import QuantizationError
     from compiled_engine.model.shard import TPShard
-    from compiled_engine.quantization.weights import QuantizationError
 
     weight = fixture_weight(QT.Q4_K)
     assert torch.equal(weight.narrow_cols(128, 128).dequantize(), weight.dequantize()[:, 128:])

@@ -19,10 +19,10 @@ import torch
 from compiled_engine import LLM, SamplingParams
 from compiled_engine.bench.perplexity import TEXT_PATH, perplexity
 from compiled_engine.config import EngineConfig
-from compiled_engine.products.table import QUANTIZED_INT8_ACTIVATIONS, QUANTIZED_NATIVE, Product, kernel_for
+from compiled_engine.linear import quantized_op as ops
+from compiled_engine.linear.quantized import Int8ActivationsLinear, QuantizedLinear
+from compiled_engine.linear.table import QUANTIZED_INT8_ACTIVATIONS, QUANTIZED_NATIVE, Product, kernel_for
 from compiled_engine.prompts import DEFAULT_PROMPTS
-from compiled_engine.quantization import ops
-from compiled_engine.quantization.modules import Int8ActivationsLinear, QuantizedLinear
 from compiled_engine.tokenizer import Tokenizer
 from reference_oracle import ReferenceOracle
 
@@ -103,7 +103,7 @@ def test_int8_activations_match_their_twin_and_stay_close_to_the_exact_model(
     # then, so only same-input comparisons are tight.)
     assert {p.out_features for p, _, _ in seen} == {960, 576, 3072, 49152}
     for product, x, out in seen[:: max(1, len(seen) // 60)] + seen[-2:]:
-        args = (x, product.data, product.scales, product.offsets, product.bias, product.group_size)
+        args = (x, product.weight, product.bias)
         expected = ops.int8_activations_reference(*args)
         # fp32 sums of terms as large as the biggest output (activations of 10^4 run through down_proj)
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6 * float(expected.abs().max()) + 1e-5)

@@ -19,8 +19,8 @@ from torch._dynamo.utils import counters
 from compiled_engine import LLM, LoRARequest, SamplingParams
 from compiled_engine.config import EngineConfig
 from compiled_engine.errors import RequestError
+from compiled_engine.linear.lora_op import dense_lora_delta, reference_lora_delta, token_runs
 from compiled_engine.lora.adapter import LoRAError, load_adapter
-from compiled_engine.lora.layers import dense_lora_delta, reference_lora_delta, token_runs
 from compiled_engine.model.registry import config_from_model_dir
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -409,9 +409,9 @@ MIXED_SLOTS = [2, 2, -1, -1, -1, -1, 0] + [2] * 34 + [1, 1, 1] + [3] * 33 + [-1,
 
 
 def test_the_native_lora_kernel_equals_the_python_kernel() -> None:
-    from compiled_engine.lora import layers
+    from compiled_engine.linear import lora_op
 
-    assert layers.native_lora_kernel()  # the machine has a compiler (as CI's has)
+    assert lora_op.native_lora_kernel()  # the machine has a compiler (as CI's has)
     assert torch._C._dispatch_has_kernel_for_dispatch_key("compiled_engine::lora_delta", "CPU")
     x, a, b, widths = _slot_tensors()
     slots = torch.tensor(MIXED_SLOTS)
@@ -434,11 +434,12 @@ def test_the_fused_quantized_lora_product_equals_its_reference(fmt: str) -> None
     """`quantized_lora_linear_f32` (the quantized product and the delta in one native call, what
     a GGUF model's adapters run) against dequantize-then-matmul plus the Python delta, on the
     decode path and on the many-token paths, and through a LoRALinear that picks it."""
+    from compiled_engine.linear import lora_op
+    from compiled_engine.linear.quantize import quantize
+    from compiled_engine.linear.quantized import QuantizedLinear
     from compiled_engine.lora import layers
-    from compiled_engine.quantization.modules import QuantizedLinear
-    from compiled_engine.quantization.quantize import quantize
 
-    assert layers.native_lora_kernel()
+    assert lora_op.native_lora_kernel()
     x, a, b, widths = _slot_tensors()
     weight = quantize(torch.randn(sum(widths), 64, generator=torch.Generator().manual_seed(2)), fmt, 32)
     x = torch.randn(x.shape[0], 64, generator=torch.Generator().manual_seed(3))
@@ -451,7 +452,7 @@ def test_the_fused_quantized_lora_product_equals_its_reference(fmt: str) -> None
     # around; the stores are themselves views that start inside their storage
     a_store = torch.cat([torch.randn(9), a.flatten(), torch.randn(5)])[2:]
     b_store = torch.cat([torch.randn(14), b.flatten(), torch.randn(3)])[3:]
-    a_view, b_view = layers.StoreView(7, tuple(a.shape)), layers.StoreView(11, tuple(b.shape))
+    a_view, b_view = lora_op.StoreView(7, tuple(a.shape)), lora_op.StoreView(11, tuple(b.shape))
     product = layers.LoRALinear(base, widths, a_store, a_view, b_store, b_view, slots)
     assert product.fused
     num_slots, rank = b.shape[0], b.shape[1]
@@ -475,12 +476,12 @@ def test_the_fused_quantized_lora_product_equals_its_reference(fmt: str) -> None
             widths,
         )
         native = torch.ops.compiled_engine.quantized_lora_linear_f32(*args)
-        reference = layers.reference_quantized_lora_linear(*args)
+        reference = lora_op.reference_quantized_lora_linear(*args)
         torch.testing.assert_close(native, reference, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(product(x), native)  # the module reads the slots from its buffer
     assert (native - base(x)).abs().max() > 1  # the delta is there
-    delta = layers.reference_lora_delta(x, a, b, slots, widths)  # the twin reads the same slots
-    torch.testing.assert_close(layers.reference_quantized_lora_linear(*args), base(x) + delta, rtol=1e-4, atol=1e-4)
+    delta = lora_op.reference_lora_delta(x, a, b, slots, widths)  # the twin reads the same slots
+    torch.testing.assert_close(lora_op.reference_quantized_lora_linear(*args), base(x) + delta, rtol=1e-4, atol=1e-4)
     with pytest.raises(RuntimeError, match="do not fit the stores"):
         torch.ops.compiled_engine.quantized_lora_linear_f32(*args[:10], 13, 11, num_slots, rank, widths)
 
@@ -495,11 +496,11 @@ def test_a_decode_sized_fused_product_shares_one_parallel_region_and_equals_its_
     splits into runs of four rows and single rows on every thread count here; three pieces whose
     borders fall inside the product's 16-row strips; tokens on several slots, on none, and all on
     the base model."""
-    from compiled_engine.lora import layers
-    from compiled_engine.quantization.modules import QuantizedLinear
-    from compiled_engine.quantization.quantize import quantize
+    from compiled_engine.linear import lora_op
+    from compiled_engine.linear.quantize import quantize
+    from compiled_engine.linear.quantized import QuantizedLinear
 
-    assert layers.native_lora_kernel()
+    assert lora_op.native_lora_kernel()
     generator = torch.Generator().manual_seed(5)
     widths, rank, num_slots, in_features = [40, 9, 23], 10, 3, 96
     base = QuantizedLinear(quantize(torch.randn(sum(widths), in_features, generator=generator), fmt, 32), None)
@@ -514,7 +515,7 @@ def test_a_decode_sized_fused_product_shares_one_parallel_region_and_equals_its_
             args = (x[: len(slots)], base.data, base.scales, base.offsets, None, 32, 32, a, b, token_slots, 0, 0)
             args += (num_slots, rank, widths)
             native = torch.ops.compiled_engine.quantized_lora_linear_f32(*args)
-            reference = layers.reference_quantized_lora_linear(*args)
+            reference = lora_op.reference_quantized_lora_linear(*args)
             torch.testing.assert_close(native, reference, rtol=1e-4, atol=1e-4)
             on_slots = torch.tensor(slots) >= 0
             if on_slots.any():  # the delta is there, on the adapters' tokens only
@@ -530,9 +531,9 @@ def test_the_native_few_token_loops_equal_the_python_kernel(in_features: int) ->
     """Decode-sized calls at widths that take every branch of the vector loops: whole blocks of
     32 and 8 inputs and a scalar tail (83), 16-column blocks and tails, and the threads' split of
     the columns falling inside a piece."""
-    from compiled_engine.lora import layers
+    from compiled_engine.linear import lora_op
 
-    assert layers.native_lora_kernel()
+    assert lora_op.native_lora_kernel()
     generator = torch.Generator().manual_seed(1)
     widths = [40, 19, 8]
     x = torch.randn(5, in_features, generator=generator)

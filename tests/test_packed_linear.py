@@ -1,4 +1,4 @@
-"""Packed fp32 weights (model/packed_linear.py): the one packed copy and its two products (the
+"""Packed fp32 weights (linear/packed_cpu.py): the one packed copy and its two products (the
 native kernel for up to four rows, oneDNN for more) against their slow twin, F.linear; the
 detection of oneDNN's block width; the two-copy fallback; and which weights the compiled model
 packs. oneDNN picks the width per shape and per machine, so each test first reads what it does
@@ -18,9 +18,8 @@ import torch.nn.functional as F
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.engine.step_inputs import StepInputs
-from compiled_engine.model import packed_linear as packing
-from compiled_engine.model.layers import Linear
-from compiled_engine.model.packed_linear import (
+from compiled_engine.linear import packed_cpu as packing
+from compiled_engine.linear.packed_cpu import (
     BLOCK_WIDTHS,
     BlockedEmbedding,
     CpuLinear,
@@ -34,6 +33,7 @@ from compiled_engine.model.packed_linear import (
     packed_linear,
     unblocked,
 )
+from compiled_engine.model.layers import Linear
 from tests.onednn_layout import packs_as_one_copy, this_machines_width
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN (mkldnn)")

@@ -20,9 +20,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from compiled_engine.linear import quantized_cpu_kernels as cpu_kernels
+from compiled_engine.linear import quantized_op as ops
+from compiled_engine.linear.quantized_weight import QuantizedWeight, dequantize_rows
 from compiled_engine.native_build import FLAGS, KernelBuildError, compiler
-from compiled_engine.quantization import cpu_kernels, ops
-from compiled_engine.quantization.weights import QuantizedWeight, dequantize_rows
 from tests.test_gguf_kquants import TYPES, fixture_weight
 from tests.test_quantization import FORMATS, Q8X_FORMATS, _q8x_weight, _weight
 
@@ -163,5 +164,5 @@ def test_each_path_this_cpu_runs_gives_the_int8_activation_products_of_their_twi
                 y.data_ptr(), 1,
             )  # fmt: skip
             assert status == 0
-            args = (x, weight.data, weight.scales, weight.offsets, bias, group)
+            args = (x, weight, bias)
             torch.testing.assert_close(y, ops.int8_activations_reference(*args), rtol=1e-5, atol=1e-4)

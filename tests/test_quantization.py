@@ -17,14 +17,11 @@ from compiled_engine.bench.runs import model_weight_bytes
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.engine.step_inputs import StepInputs
-from compiled_engine.model.layers import Linear
-from compiled_engine.model.registry import config_from_model_dir
-from compiled_engine.native_build import KernelBuildError
-from compiled_engine.quantization import cpu_kernels, ops
-from compiled_engine.quantization.apply import QuantizationScheme, quantize_model
-from compiled_engine.quantization.modules import Int8ActivationsLinear, QuantizedEmbedding, QuantizedLinear
-from compiled_engine.quantization.quantize import quantize, quantize_int4, quantize_int8
-from compiled_engine.quantization.weights import (
+from compiled_engine.linear import quantized_cpu_kernels as cpu_kernels
+from compiled_engine.linear import quantized_op as ops
+from compiled_engine.linear.quantize import QuantizationScheme, quantize, quantize_int4, quantize_int8, quantize_model
+from compiled_engine.linear.quantized import Int8ActivationsLinear, QuantizedEmbedding, QuantizedLinear
+from compiled_engine.linear.quantized_weight import (
     QuantizationError,
     QuantizedWeight,
     concat_rows,
@@ -32,6 +29,9 @@ from compiled_engine.quantization.weights import (
     pack_int4,
     unpack_int4,
 )
+from compiled_engine.model.layers import Linear
+from compiled_engine.model.registry import config_from_model_dir
+from compiled_engine.native_build import KernelBuildError
 
 # (format, group size) pairs: per-channel int8, GGUF's Q8_0 and Q4_1 layouts, wider int4 groups.
 FORMATS = [("int8", None), ("int8", 32), ("int4", 32), ("int4", 64), ("int4", 128)]
@@ -193,7 +193,7 @@ def test_the_operator_takes_the_kernel_or_the_gemm_and_matches_the_reference(
     weight = _weight(48, 128, fmt, group)
     module = QuantizedLinear(weight, torch.randn(48))
     x = torch.randn(rows, 128)
-    expected = ops.reference_linear(x, weight.data, weight.scales, weight.offsets, module.bias, weight.group_size)
+    expected = ops.reference_linear(x, weight, module.bias)
     torch.testing.assert_close(module(x), expected, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(module(x[None]), expected[None], rtol=1e-5, atol=1e-4)  # leading dims
     compiled = torch.compile(module.forward, fullgraph=True)
@@ -209,10 +209,10 @@ def test_the_native_operator_equals_the_python_one(rows: int, fmt: str, group: i
     x, bias = torch.randn(rows, 256), torch.randn(48)
     args = (x, weight.data, weight.scales, weight.offsets, bias, weight.group_size)
     through_python = ops.run_quantized_linear(*args)
-    assert torch.equal(ops.quantized_linear(*args, native=native), through_python)  # the same kernels
+    assert torch.equal(ops.quantized_linear(x, weight, bias, native=native), through_python)  # the same kernels
     module = QuantizedLinear(weight, bias)
     assert module.native is native
-    torch.testing.assert_close(module(x), ops.reference_linear(*args), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(module(x), ops.reference_linear(x, weight, bias), rtol=1e-5, atol=1e-4)
     with pytest.raises(RuntimeError, match=r"x must be float32 \[rows, 256\]"):
         native(torch.randn(rows, 128), *args[1:], ops.KERNEL_MAX_ROWS)
 
@@ -381,7 +381,7 @@ def test_int8_activation_products_match_their_torch_twin(fmt: str, group: int, o
     x[0, :32] = 0.0  # an all-zero block: scale 0, no division by zero
     bias = torch.randn(53)
     module = Int8ActivationsLinear(weight, bias)
-    args = (x, weight.data, weight.scales, weight.offsets, module.bias, weight.group_size)
+    args = (x, weight, module.bias)
     expected = ops.int8_activations_reference(*args)
     torch.testing.assert_close(module(x), expected, rtol=1e-5, atol=1e-4)
     # lossy against the exact product, and by as much as 8-bit activations lose
@@ -394,7 +394,7 @@ def test_int8_activation_products_run_longer_prompts_exactly() -> None:
     weight = _weight(48, 256, "int4", 32)
     module = Int8ActivationsLinear(weight)
     x = torch.randn(ops.KERNEL_MAX_ROWS + 1, 256)
-    args = (x, weight.data, weight.scales, weight.offsets, None, weight.group_size)
+    args = (x, weight, None)
     torch.testing.assert_close(module(x), ops.reference_linear(*args), rtol=1e-5, atol=1e-4)
     compiled = torch.compile(module.forward, fullgraph=True)
     one = x[:1]

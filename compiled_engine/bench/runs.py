@@ -15,9 +15,9 @@ from compiled_engine.bench.workload import Workload
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.outputs import RequestOutput
 from compiled_engine.engine.sampling_params import SamplingParams
+from compiled_engine.linear.packed_cpu import BlockedEmbedding, CpuLinear
+from compiled_engine.linear.quantized import QuantizedEmbedding, QuantizedLinear
 from compiled_engine.lora.manager import LoRARequest
-from compiled_engine.model.packed_linear import BlockedEmbedding, CpuLinear
-from compiled_engine.quantization.modules import QuantizedEmbedding, QuantizedLinear
 
 
 def weight_bytes(engine: LLMEngine) -> int:

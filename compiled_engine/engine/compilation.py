@@ -17,7 +17,7 @@ the graphs).
 
 Both ways go through `CompiledBlock`, a module put in each decoder layer's place (`setattr` on
 the layer list) that holds the layer. How each product runs (the packed CPU kernel, the
-quantized kernels, LoRA) is decided before, by the product walk (products/walk.py): this module
+quantized kernels, LoRA) is decided before, by the product walk (linear/install.py): this module
 only compiles. Where a CPU head keeps its dense weight (its packed copy cannot be read in its
 blocked layout, or the head is quantized), its one-row product is compiled on its own.
 Tensor-parallel (DTensor) weights keep the plain Linear, and every step runs the layers compiled
@@ -42,8 +42,8 @@ from torch.distributed.tensor import DTensor
 
 from compiled_engine.cache_paths import INDUCTOR_CACHE_ENV
 from compiled_engine.engine.precompiled import PrecompiledFunction, model_signature
+from compiled_engine.linear.packed_cpu import CpuLinear
 from compiled_engine.model.layers import DecoderLayer, DecoderModel, soft_cap
-from compiled_engine.model.packed_linear import CpuLinear
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class CompiledForward(ModelForward):
     """One-token steps (batch-1 decode) as one compiled entry for the whole forward; steps of
     more tokens through the layers compiled one by one; on CPU also the head's one-row product,
     unless the head's packed copy runs it natively. The model's products are already the
-    kernels the product walk installed (products/walk.py)."""
+    kernels the product walk installed (linear/install.py)."""
 
     compiled = True
 

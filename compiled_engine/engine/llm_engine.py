@@ -34,7 +34,7 @@ from compiled_engine.engine.step_inputs import logit_count
 from compiled_engine.engine.tp_worker import start_runner
 from compiled_engine.engine.verifier import Verifier
 from compiled_engine.errors import RequestError
-from compiled_engine.model.packed_linear import packed_bytes
+from compiled_engine.linear.packed_cpu import packed_bytes
 from compiled_engine.parallel.threads import set_threads
 from compiled_engine.profiling import nvtx_range
 from compiled_engine.tokenizer import Tokenizer
@@ -96,7 +96,7 @@ class LLMEngine:
     def weight_bytes(self) -> int:
         """Weight memory of this process: the model's (and a draft's) tensors (the compiled CPU
         path's packed weights among them), and any packed copy kept beside a dense weight (the
-        fallback of model/packed_linear.py). Fixed once the engine is built, so counted once
+        fallback of linear/packed_cpu.py). Fixed once the engine is built, so counted once
         (every /metrics scrape reads it)."""
         return sum(runner.weight_bytes for runner in [self.runner, *self.drafter.runners]) + packed_bytes()
 

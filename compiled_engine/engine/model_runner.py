@@ -4,7 +4,7 @@ returns each sequence's next-token logits.
 
 Construction is a sequence of named steps, in the order they depend on each other: choose the
 attention backend, load (and with tensor parallelism shard) the weights, install the products'
-kernels and the LoRA slots (products/walk.py), compile and warm up, size and allocate the KV
+kernels and the LoRA slots (linear/install.py), compile and warm up, size and allocate the KV
 pool, capture the decode CUDA graphs.
 """
 
@@ -39,13 +39,13 @@ from compiled_engine.engine.memory_budget import kv_budget_bytes
 from compiled_engine.engine.precompiled import artifact_dir, model_signature
 from compiled_engine.engine.step_inputs import ScheduledBatch, StepInputs
 from compiled_engine.errors import ModelConfigError
+from compiled_engine.linear.install import install_kernels
+from compiled_engine.linear.tensor_parallel import parallelize
 from compiled_engine.model.layers import DecoderModel
 from compiled_engine.model.registry import config_from_model_dir
 from compiled_engine.model.shard import NO_SHARD, TPShard
 from compiled_engine.parallel.distributed import StepSender
 from compiled_engine.parallel.pipeline import ParallelLayout, StageLinks, link_stage, stage_layers
-from compiled_engine.parallel.plan import parallelize
-from compiled_engine.products.walk import install_products
 from compiled_engine.profiling import nvtx_range
 from compiled_engine.weights.load import load_weights
 
@@ -103,7 +103,7 @@ class ModelRunner:
         self.model = self._load(model_dir, config, mesh)
         if config.cpu_activations != "fp32" and self.device.type != "cpu":
             raise ValueError(f"--cpu-activations {config.cpu_activations} runs on the CPU only, not {self.device.type}")
-        install_products(self.model, not config.resolved_enforce_eager(), config.cpu_activations)
+        install_kernels(self.model, not config.resolved_enforce_eager(), config.cpu_activations)
         max_tokens = max(config.max_num_batched_tokens, WARM_UP_TOKENS, MAX_CAPTURE_SIZE)
         self.adapter_slots = install_adapters(self.model, self.model_config, max_tokens, self.dtype)
         self.forward, self.compile_seconds = self._compile_and_warm_up(config)

@@ -4,7 +4,7 @@ window and soft-cap, the gated MLP, and `DecoderModel`, the shape of a model the
 
 Each family file (model/llama.py, model/gemma.py) assembles these top to bottom. Execution tricks
 (packed CPU products, quantized kernels, LoRA) replace the `Linear` modules from outside
-(products/walk.py); compilation wraps the decoder layers from outside (engine/compilation.py).
+(linear/install.py); compilation wraps the decoder layers from outside (engine/compilation.py).
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class Attention(nn.Module):
     """Self-attention over the paged cache. With tensor parallelism, this rank's query heads and
     the KV heads they read (TPShard); q/k/v are then column-parallel and o_proj row-parallel
-    (parallel/plan.py). `window` (0: every earlier token) and `soft_cap` (0: none) are this
+    (linear/tensor_parallel.py). `window` (0: every earlier token) and `soft_cap` (0: none) are this
     layer's; the norm class, if given, normalises each head of q and k before the rotation."""
 
     def __init__(

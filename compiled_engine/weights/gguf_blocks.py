@@ -1,4 +1,4 @@
-"""GGUF's quantized block types as the engine's two formats (quantization/weights.py), exactly.
+"""GGUF's quantized block types as the engine's two formats (linear/quantized_weight.py), exactly.
 
 Every type llama.cpp writes for the common files is integers times per-group constants, so each
 becomes an int4 or int8 QuantizedWeight with no value changed: its `dequantize()` equals
@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 import torch
 
-from compiled_engine.quantization.weights import QuantizedWeight, pack_int4, unpack_int4
+from compiled_engine.linear.quantized_weight import QuantizedWeight, pack_int4, unpack_int4
 from compiled_engine.weights.gguf import (
     IQ4_NL,
     IQ4_XS,

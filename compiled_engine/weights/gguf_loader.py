@@ -20,13 +20,13 @@ import torch
 from torch import nn
 
 from compiled_engine.errors import ModelLoadError
+from compiled_engine.linear.quantize import install_embedding, install_linear
+from compiled_engine.linear.quantized_weight import QuantizedWeight, concat_rows
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.family import LONG_FACTORS, ROPE_FREQS, SHORT_FACTORS, GGUFLayout
 from compiled_engine.model.layers import DecoderModel, in_layers
 from compiled_engine.model.registry import build_model, check_shard, family_of, family_of_gguf
 from compiled_engine.model.shard import NO_SHARD, TPShard
-from compiled_engine.quantization.apply import install_embedding, install_linear
-from compiled_engine.quantization.weights import QuantizedWeight, concat_rows
 from compiled_engine.weights.gguf import (
     DENSE_TYPES,
     GGUFHeader,
@@ -223,12 +223,7 @@ def _unpermute(weight: Weight, heads: int) -> Weight:
     # h*d + 2j + s of the file is row h*d + s*d/2 + j of the Hugging Face weight.
     rows = weight.shape[0]
     order = torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
-    if isinstance(weight, torch.Tensor):
-        return weight[order]
-    offsets = None if weight.offsets is None else weight.offsets[order]
-    return QuantizedWeight(
-        weight.format, weight.data[order], weight.scales[order], offsets, weight.group_size, weight.in_features
-    )
+    return weight[order]
 
 
 def _dense(weight: Weight, dtype: torch.dtype) -> torch.Tensor:

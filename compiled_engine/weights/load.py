@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 from compiled_engine.config import EngineConfig
+from compiled_engine.linear.quantize import QuantizationScheme, quantize_model
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.layers import DecoderModel
 from compiled_engine.model.shard import NO_SHARD, TPShard
-from compiled_engine.quantization.apply import QuantizationScheme, quantize_model
 from compiled_engine.weights.gguf import gguf_file
 from compiled_engine.weights.gguf_loader import load_gguf_model
 from compiled_engine.weights.safetensors_loader import INDEX_FILE, SINGLE_FILE, load_model

@@ -1,7 +1,7 @@
 // compiled_engine::blocked_gemv_f32: the product of a few fp32 rows with a weight in oneDNN's
 // blocked layout (blocked_gemv.c) as a native torch operator, so that a compiled graph calls the
 // kernel through the dispatcher alone. The weight is the [out / B, in, B] view of the packed
-// copy that compiled_engine/model/packed_linear.py makes, B being the block width oneDNN chose.
+// copy that compiled_engine/linear/packed_cpu.py makes, B being the block width oneDNN chose.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

@@ -5,7 +5,7 @@ weights along a row (the input dimension) sharing fp32 constants:
 
 - **int8**: `w = scale * q`, q int8, or with offsets `w = scale * q + offset`. Per output channel
   is one group the width of the row; GGUF's Q8_0 is groups of 32, and the GGUF types of five or
-  six bits and the k-quants' groups of 16 are int8 too (quantization/gguf_blocks.py).
+  six bits and the k-quants' groups of 16 are int8 too (weights/gguf_blocks.py).
 - **int4, asymmetric**: `w = scale * q + offset`, q in 0..15. GGUF's Q4_1 is exactly this with
   groups of 32 (its fp16 d and m are the scale and the offset), and Q4_0 is `d * (q - 8)`, that is
   offset `-8 d`.
@@ -49,6 +49,21 @@ class QuantizedWeight:
     offsets: torch.Tensor | None
     group_size: int
     in_features: int
+
+    @classmethod
+    def of_tensors(
+        cls, data: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, group_size: int
+    ) -> QuantizedWeight:
+        """The weight a module's buffers or an operator's arguments hold (int8 data: the int8
+        format; uint8: int4), unchecked: it was checked where it was made, and this runs per
+        forward (a check would cost a few microseconds a product) and while torch.compile traces."""
+        weight = cls.__new__(cls)
+        int4 = data.dtype == torch.uint8
+        weight.__dict__.update(
+            format="int4" if int4 else "int8", data=data, scales=scales, offsets=offsets, group_size=group_size,
+            in_features=data.shape[1] * (2 if int4 else 1),
+        )  # fmt: skip
+        return weight
 
     def __post_init__(self) -> None:
         problem = self._problem()
@@ -105,6 +120,13 @@ class QuantizedWeight:
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows `index` dequantized to fp32 (an embedding lookup reads only these)."""
         return dequantize_rows(self, index)
+
+    def __getitem__(self, rows: torch.Tensor) -> QuantizedWeight:
+        """Output rows `rows`, in that order (copies), as a dense matrix's `weight[rows]`."""
+        offsets = None if self.offsets is None else self.offsets[rows]
+        return QuantizedWeight(
+            self.format, self.data[rows], self.scales[rows], offsets, self.group_size, self.in_features
+        )
 
     def narrow_rows(self, start: int, count: int) -> QuantizedWeight:
         """Output rows start..start+count (views)."""
@@ -212,24 +234,13 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
 
 def dequantize_rows(weight: QuantizedWeight, index: torch.Tensor | None) -> torch.Tensor:
     """fp32 rows `index` of `weight` (all rows for None), in plain torch: the reference."""
-    return dequantize_tensors(weight.data, weight.scales, weight.offsets, weight.group_size, index)
-
-
-def dequantize_tensors(
-    data: torch.Tensor,
-    scales: torch.Tensor,
-    offsets: torch.Tensor | None,
-    group_size: int,
-    index: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """dequantize_rows on a weight's tensors (int8 data: the int8 format; uint8: int4), for code
-    that runs per forward and under torch.compile, where the weight was checked once before."""
+    data, scales, offsets = weight.data, weight.scales, weight.offsets
     if index is not None:
         data, scales = data[index], scales[index]
         offsets = None if offsets is None else offsets[index]
-    q = unpack_int4(data) if data.dtype == torch.uint8 else data
+    q = unpack_int4(data) if weight.format == "int4" else data
     lead, width = q.shape[:-1], q.shape[-1]
-    grouped = q.reshape(*lead, width // group_size, group_size).float() * scales[..., None]
+    grouped = q.reshape(*lead, width // weight.group_size, weight.group_size).float() * scales[..., None]
     if offsets is not None:
         grouped = grouped + offsets[..., None]
     return grouped.reshape(*lead, width)

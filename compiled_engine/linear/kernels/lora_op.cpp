@@ -1,4 +1,4 @@
-// The CPU kernel of compiled_engine::lora_delta (lora/layers.py defines its schema and the slot
+// The CPU kernel of compiled_engine::lora_delta (linear/lora_op.py defines its schema and the slot
 // layout), so that a compiled graph calls it with no Python between: at every product of every
 // layer, Python's dispatch cost more than the product itself (docs/benchmarks.md).
 //
@@ -22,7 +22,7 @@ inline int omp_get_num_threads() { return 1; }
 inline int omp_get_thread_num() { return 0; }
 #endif
 
-// The quantized products' strips (quantization/kernels/quant_matmul.c, linked into this library),
+// The quantized products' strips (linear/kernels/quant_matmul.c, linked into this library),
 // so that a product and its delta share one parallel region.
 extern "C" {
 void int4_matmul_strips_f32(const float *x, int64_t rows, int64_t in, const uint8_t *data, const float *scales,
@@ -346,7 +346,7 @@ bool fused_few_tokens(const at::Tensor &x, const at::Tensor &data, const at::Ten
 
 // The quantized product and its adapters' delta in one call: up to 32 tokens in one parallel
 // region (fused_few_tokens); more through compiled_engine::quantized_linear_f32
-// (quantization/kernels/quant_op.cpp, found through the dispatcher), then the delta added into its
+// (linear/kernels/quant_op.cpp, found through the dispatcher), then the delta added into its
 // output. One operator call a product instead of two, and no zeroed delta and no sum to write.
 // The slots come as the layer's flat stores and where this product's part starts in each
 // (a [slots, pieces * rank, in] from a_start, b [slots, rank, out] from b_start), so that a

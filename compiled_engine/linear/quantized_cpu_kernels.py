@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
+from compiled_engine.linear.quantized_weight import QuantizedWeight
 from compiled_engine.native_build import NativeLibrary
-from compiled_engine.quantization.weights import QuantizedWeight
 
 LIBRARY = NativeLibrary(Path(__file__).with_name("kernels") / "quant_matmul.c", "CPU quantized-weight kernels")
 LANES = 8  # int8 groups are whole vectors of 8 weights
@@ -49,24 +49,16 @@ class QuantKernels:
         reason = unsupported_reason(weight)
         if reason is not None:
             raise ValueError(f"quantized matmul: {reason}")
-        return self.matmul_tensors(x, weight.data, weight.scales, weight.offsets, bias, weight.group_size)
+        return self.matmul_unchecked(x, weight, bias)
 
-    def matmul_tensors(
-        self,
-        x: torch.Tensor,
-        data: torch.Tensor,
-        scales: torch.Tensor,
-        offsets: torch.Tensor | None,
-        bias: torch.Tensor | None,
-        group_size: int,
-    ) -> torch.Tensor:
-        """`matmul` on a weight's tensors, already checked by `unsupported_reason` (the
-        per-forward path: it checks only what changes from call to call, x and the bias)."""
-        out_features = data.shape[0]
-        int4 = data.dtype == torch.uint8  # else int8, with or without offsets
+    def matmul_unchecked(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        """`matmul` for a weight already checked by `unsupported_reason` (the per-forward path:
+        it checks only what changes from call to call, x and the bias)."""
+        data, scales, offsets, group_size = weight.data, weight.scales, weight.offsets, weight.group_size
+        out_features, in_features = weight.shape
+        int4 = weight.format == "int4"  # else int8, with or without offsets
         if int4 and offsets is None:
             raise ValueError("quantized matmul: int4 weights need offsets")
-        in_features = data.shape[1] * (2 if int4 else 1)
         if x.dim() != 2 or x.shape[1] != in_features or x.dtype != torch.float32 or x.device.type != "cpu":
             raise ValueError(
                 f"quantized matmul: x must be float32 [rows, {in_features}] on the CPU, got {x.dtype} "
@@ -101,15 +93,13 @@ class QuantKernels:
         reason = unsupported_reason(weight)
         if reason is not None:
             raise ValueError(f"quantized dequantize: {reason}")
-        return self.dequantize_tensors(weight.data, weight.scales, weight.offsets, weight.group_size)
+        return self.dequantize_unchecked(weight)
 
-    def dequantize_tensors(
-        self, data: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, group_size: int
-    ) -> torch.Tensor:
-        """`dequantize` on a weight's tensors, already checked by `unsupported_reason`."""
-        out_features = data.shape[0]
-        int4 = data.dtype == torch.uint8
-        in_features = data.shape[1] * (2 if int4 else 1)
+    def dequantize_unchecked(self, weight: QuantizedWeight) -> torch.Tensor:
+        """`dequantize` for a weight already checked by `unsupported_reason`."""
+        data, scales, offsets, group_size = weight.data, weight.scales, weight.offsets, weight.group_size
+        out_features, in_features = weight.shape
+        int4 = weight.format == "int4"
         out = torch.empty(out_features, in_features)
         threads = torch.get_num_threads()
         if int4:

@@ -1,5 +1,5 @@
 /* Products of fp32 activations with int8 and int4 weights, and their dequantization: the CPU
- * kernels of compiled_engine/quantization (formats in quantization/weights.py).
+ * kernels of the quantized products (formats in compiled_engine/linear/quantized_weight.py).
  *
  *   y[r, o] = sum_i x[r, i] * w[o, i] + bias[o]       x [rows, in], w [out, in], y [rows, out]
  *

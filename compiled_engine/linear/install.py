@@ -1,8 +1,8 @@
-"""The one ordered walk that decides how a loaded model's products run, from outside the model
-file, replacing modules on their parents (`setattr`) and nothing else:
+"""The one ordered walk that decides how a loaded model's linear layers run, from outside the
+model file, replacing modules on their parents (`setattr`) and nothing else:
 
 1. every linear product (the layers' and the head) gets the kernel the table picks
-   (products/table.py);
+   (linear/table.py);
 2. a tied embedding whose table became the head's packed copy reads its rows from that copy
    (`BlockedEmbedding`; the dense table goes);
 then the engine's adapter install (engine/adapters.py; LoRA wraps each decoder layer's
@@ -17,23 +17,16 @@ from __future__ import annotations
 
 from torch import nn
 
+from compiled_engine.linear.packed_cpu import BlockedEmbedding, CpuLinear
+from compiled_engine.linear.table import Product, kernel_for
 from compiled_engine.model.layers import DecoderModel
-from compiled_engine.model.packed_linear import BlockedEmbedding, CpuLinear
-from compiled_engine.products.table import Product, kernel_for
 
 
-def install_products(model: DecoderModel, compiled: bool, activations: str = "fp32") -> None:
+def install_kernels(model: DecoderModel, compiled: bool, activations: str = "fp32") -> None:
     """Run the walk on `model` (loaded, and sharded under tensor parallelism), for a model run
     compiled or eager, with the CPU activations asked for ("fp32", or "int8" for the quantized
     products)."""
     tied = model.lm_head.weight is model.embed_tokens.weight
-    install_kernels(model, compiled, activations)
-    if tied:
-        _tie_embedding(model)
-
-
-def install_kernels(model: nn.Module, compiled: bool, activations: str = "fp32") -> None:
-    """Every linear product of `model` runs the kernel the table picks for it."""
     for name, module in list(model.named_modules()):
         product = Product.of(module, compiled, activations)
         if product is None:
@@ -41,6 +34,8 @@ def install_kernels(model: nn.Module, compiled: bool, activations: str = "fp32")
         kernel = kernel_for(product).build(module)
         if kernel is not module:
             replace(model, name, kernel)
+    if tied:
+        _tie_embedding(model)
 
 
 def replace(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -22,8 +22,8 @@ Inductor only uses oneDNN's kernels when it freezes the weights into constants, 
 every layer its own compiled graph, so compiled code calls them through the opaque operator
 `compiled_engine::packed_linear`, which finds the packed tensor of the weight it is given.
 
-The kernel modules, built from the plain model's and installed by the product walk
-(products/walk.py, picked by products/table.py): `CpuLinear`, a product over its packed weight,
+The kernel modules, built from the plain model's and installed by the kernel walk
+(linear/install.py, picked by linear/table.py): `CpuLinear`, a product over its packed weight,
 and `BlockedEmbedding`, the lookup of a tied embedding whose table became the head's packed copy.
 """
 

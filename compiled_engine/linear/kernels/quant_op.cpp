@@ -1,7 +1,7 @@
 // compiled_engine::quantized_linear_f32: the quantized product as a native torch operator, so that
 // a compiled graph calls the kernels of quant_matmul.c through the dispatcher alone, without the
 // Python work of the ctypes path (about 30 us a call, docs/benchmarks.md). fp32 activations on the
-// CPU only; quantization/ops.py sends everything else to the reference path.
+// CPU only; linear/quantized_op.py sends everything else to the reference path.
 //
 // Up to max_kernel_rows rows run straight from the quantized weight; more rows dequantize it and
 // run the fp32 GEMM, as ops.run_quantized_linear does.

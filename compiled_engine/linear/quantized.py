@@ -1,45 +1,23 @@
 """The modules that stand in for a model's Linear and Embedding when their weights are quantized.
 
 The model file stays plain: these are put in from outside, by quantizing a loaded model
-(quantization/apply.py) or by the GGUF loader (quantization/gguf.py). Each holds its weight's
-tensors as buffers, so they move with the model and are graph inputs under torch.compile.
-`QuantizedLinear` is also the quantized kernel of the product table (products/table.py): the
-native C++ operator (`compiled_engine::quantized_linear_f32`) or the opaque dispatcher
-`compiled_engine::quantized_linear` (quantization/ops.py), whose torch reference runs off the
+(linear/quantize.py) or by the GGUF loader (weights/gguf_loader.py). Each holds its weight's
+tensors as buffers, so they move with the model and are graph inputs under torch.compile, and
+hands them on as the one QuantizedWeight they are (`weight`). `QuantizedLinear` is also the
+quantized kernel of the kernel table (linear/table.py): the native C++ operator
+(`compiled_engine::quantized_linear_f32`) or the opaque dispatcher
+`compiled_engine::quantized_linear` (linear/quantized_op.py), whose torch reference runs off the
 CPU. With LoRA adapters it runs the product and their delta as one operator (`lora_forward`).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 from torch import nn
 
-from compiled_engine.quantization.ops import (
-    KERNEL_MAX_ROWS,
-    int8_activations_operator,
-    native_operator,
-    quantized_linear,
-)
-from compiled_engine.quantization.weights import QuantizedWeight, dequantize_tensors
-
-
-class _StoreView(Protocol):
-    start: int
-    shape: tuple[int, ...]
-
-
-class LoRAStores(Protocol):
-    """What `lora_forward` reads of a LoRALinear (lora/layers.py): its layer's flat slot stores,
-    where this product's pieces sit in them, and each token's slot."""
-
-    a_store: torch.Tensor
-    b_store: torch.Tensor
-    token_slots: torch.Tensor
-    a_view: _StoreView
-    b_view: _StoreView
-    widths: list[int]
+from compiled_engine.linear.lora_op import LoRAStores, quantized_lora_linear
+from compiled_engine.linear.quantized_op import int8_activations_operator, native_operator, quantized_linear
+from compiled_engine.linear.quantized_weight import QuantizedWeight
 
 
 class _HoldsQuantizedWeight(nn.Module):
@@ -56,11 +34,10 @@ class _HoldsQuantizedWeight(nn.Module):
         self.register_buffer("data", weight.data)
         self.register_buffer("scales", weight.scales)
         self.register_buffer("offsets", weight.offsets)
-        self._width = weight.in_features
 
     @property
     def weight(self) -> QuantizedWeight:
-        return QuantizedWeight(self.format, self.data, self.scales, self.offsets, self.group_size, self._width)
+        return QuantizedWeight.of_tensors(self.data, self.scales, self.offsets, self.group_size)
 
 
 class QuantizedLinear(_HoldsQuantizedWeight):
@@ -89,18 +66,11 @@ class QuantizedLinear(_HoldsQuantizedWeight):
         return self.native is not None
 
     def lora_forward(self, x: torch.Tensor, lora: LoRAStores) -> torch.Tensor:
-        """This product plus each token's adapter delta, in one native call
-        (`compiled_engine::quantized_lora_linear_f32`, lora/layers.py), reading the slots from the
-        layer's flat stores as they are."""
-        slots, rank, _ = lora.b_view.shape
-        return torch.ops.compiled_engine.quantized_lora_linear_f32(
-            x, self.data, self.scales, self.offsets, self.bias, self.group_size, KERNEL_MAX_ROWS,
-            lora.a_store, lora.b_store, lora.token_slots, lora.a_view.start, lora.b_view.start,
-            slots, rank, lora.widths,
-        )  # fmt: skip
+        """This product plus each token's adapter delta, in one native call (linear/lora_op.py)."""
+        return quantized_lora_linear(x, self.weight, self.bias, lora)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return quantized_linear(x, self.data, self.scales, self.offsets, self.bias, self.group_size, self.native)
+        return quantized_linear(x, self.weight, self.bias, self.native)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, {self.format}, group_size={self.group_size}"
@@ -134,12 +104,7 @@ class Int8ActivationsLinear(QuantizedLinear):
         return cls(held.weight, held.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu":
-            out: torch.Tensor = self.int8_operator(
-                x, self.data, self.scales, self.offsets, self.bias, self.group_size, KERNEL_MAX_ROWS
-            )
-            return out
-        return super().forward(x)
+        return quantized_linear(x, self.weight, self.bias, self.int8_operator)
 
 
 class QuantizedEmbedding(_HoldsQuantizedWeight):
@@ -152,7 +117,7 @@ class QuantizedEmbedding(_HoldsQuantizedWeight):
         self.num_embeddings = weight.out_features
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return dequantize_tensors(self.data, self.scales, self.offsets, self.group_size, input_ids)
+        return self.weight.rows(input_ids)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.format}, group_size={self.group_size}"

@@ -1,4 +1,4 @@
-"""The product table: which kernel runs each linear product of the model.
+"""The kernel table: which kernel runs each linear product of the model.
 
 A product is described by its weight's kind (dense, or a quantized format), the device it lives
 on, whether it is a tensor-parallel shard (a DTensor) and whether the model runs compiled. The
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from compiled_engine.linear.packed_cpu import CpuLinear
+from compiled_engine.linear.quantized import Int8ActivationsLinear, QuantizedLinear
 from compiled_engine.model.layers import Linear
-from compiled_engine.model.packed_linear import CpuLinear
-from compiled_engine.quantization.modules import Int8ActivationsLinear, QuantizedLinear
 
 
 @dataclass(frozen=True)
@@ -78,10 +78,10 @@ def _int8_activations(held: nn.Module) -> nn.Module:
 # F.linear on the weight as loaded (under tensor parallelism, DTensor's sharded product).
 DENSE = Kernel("dense", _as_loaded)
 # The weight packed for oneDNN (its one copy where it can be): up to four rows the native kernel
-# over the packed copy, more rows oneDNN's GEMM (model/packed_linear.py).
+# over the packed copy, more rows oneDNN's GEMM (linear/packed_cpu.py).
 PACKED_CPU = Kernel("packed CPU", _packed_cpu)
 # The C++ operator straight from the quantized weight: up to 32 rows the direct kernels, more
-# rows dequantize-then-GEMM (quantization/ops.py); with LoRA, product and delta in one operator.
+# rows dequantize-then-GEMM (linear/quantized_op.py); with LoRA, product and delta in one operator.
 QUANTIZED_NATIVE = Kernel("quantized native", _quantized(native=True))
 # The same operator with x rounded to int8 in blocks of 32 for the direct kernel's integer dot
 # products (--cpu-activations int8, lossy); weights in groups of 16 stay exact.

@@ -11,7 +11,7 @@ wrap local tensors with `DTensor.from_local` instead of scattering full ones. Ou
 stores [out, in]: column-parallel is Shard(0), row-parallel Shard(1).
 
 A GGUF's quantized products (`QuantizedLinear`, which DTensor does not know) arrive sliced too
-(quantization/gguf.py): column-parallel they need nothing (replicated input, local features
+(weights/gguf_loader.py): column-parallel they need nothing (replicated input, local features
 out), row-parallel they run on the local input and are wrapped in `AllReduced`, which sums the
 ranks' partial outputs with a functional collective (traced whole under torch.compile).
 """
@@ -27,9 +27,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
+from compiled_engine.linear.install import replace
+from compiled_engine.linear.quantized import QuantizedLinear
 from compiled_engine.model.layers import DecoderModel, Linear
-from compiled_engine.products.walk import replace
-from compiled_engine.quantization.modules import QuantizedLinear
 
 
 def _wrap_local(module: nn.Module, mesh: DeviceMesh, weight: Shard | Replicate, bias: Shard | Replicate) -> None:

@@ -1,5 +1,5 @@
 /* Products of a few fp32 rows with an fp32 weight kept in oneDNN's blocked layout, the one copy
- * of the weight that the compiled CPU path holds (compiled_engine/model/packed_linear.py):
+ * of the weight that the compiled CPU path holds (compiled_engine/linear/packed_cpu.py):
  *
  *   y[r, o] = sum_i x[r, i] * w[o / B, i, o % B] + bias[o]   x [rows, in], y [rows, out]
  *

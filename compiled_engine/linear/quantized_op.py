@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from compiled_engine.linear.quantized_cpu_kernels import LIBRARY, QuantKernels, load_quant_kernels
+from compiled_engine.linear.quantized_weight import QuantizedWeight, unpack_int4
 from compiled_engine.native_build import KernelBuildError, TorchOperatorLibrary
-from compiled_engine.quantization.cpu_kernels import LIBRARY, QuantKernels, load_quant_kernels
-from compiled_engine.quantization.weights import dequantize_tensors, unpack_int4
 
 logger = logging.getLogger(__name__)
 
@@ -73,36 +73,21 @@ def cpu_kernels() -> QuantKernels | None:
         return None
 
 
-def reference_linear(
-    x: torch.Tensor,
-    data: torch.Tensor,
-    scales: torch.Tensor,
-    offsets: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    group_size: int,
-) -> torch.Tensor:
+def reference_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """The meaning of the product: dequantize in torch, then F.linear."""
-    weight = dequantize_tensors(data, scales, offsets, group_size).to(x.dtype)
-    return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+    return F.linear(x, weight.dequantize(x.dtype), None if bias is None else bias.to(x.dtype))
 
 
 ACTIVATION_BLOCK = 32  # activations rounded to int8 share one scale per block of this many
 
 
-def int8_activations_reference(
-    x: torch.Tensor,
-    data: torch.Tensor,
-    scales: torch.Tensor,
-    offsets: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    group_size: int,
-) -> torch.Tensor:
+def int8_activations_reference(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """The meaning of the int8-activation product (`quantized_linear_q8x_f32`'s direct rows), in
     torch: each row of x [rows, in] rounded to int8 in blocks of 32 (scale d = max|x| / 127,
     halves to even), each block's integer dot product with the integer weights scaled by
     d times its group's weight scale, plus offset_g times the exact sum of x over the group."""
     rows, width = x.shape
-    out = data.shape[0]
+    out, group_size, offsets = weight.out_features, weight.group_size, weight.offsets
     blocks = x.float().reshape(rows, width // ACTIVATION_BLOCK, ACTIVATION_BLOCK)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     # Divisions of two tensors: `127.0 / amax` would be 127 times amax's reciprocal, rounded twice,
@@ -111,10 +96,10 @@ def int8_activations_reference(
     d = amax / steps
     inverse = torch.where(amax > 0, steps / amax, torch.zeros_like(amax))
     xq = torch.round(blocks * inverse)  # halves to even, as the kernel's nearbyintf
-    q = (unpack_int4(data) if data.dtype == torch.uint8 else data).to(torch.float64)
+    q = (unpack_int4(weight.data) if weight.format == "int4" else weight.data).to(torch.float64)
     q = q.reshape(out, width // ACTIVATION_BLOCK, ACTIVATION_BLOCK)
     dots = torch.einsum("rbk,obk->rob", xq.double(), q)  # exact integers
-    block_scales = scales.repeat_interleave(group_size // ACTIVATION_BLOCK, dim=1)  # [out, blocks]
+    block_scales = weight.scales.repeat_interleave(group_size // ACTIVATION_BLOCK, dim=1)  # [out, blocks]
     y = (dots * (d.squeeze(-1)[:, None, :] * block_scales[None]).double()).sum(-1)
     if offsets is not None:
         sums = x.double().reshape(rows, width // group_size, group_size).sum(-1)
@@ -138,14 +123,15 @@ def run_quantized_linear(
     bias: torch.Tensor | None,
     group_size: int,
 ) -> torch.Tensor:
+    weight = QuantizedWeight.of_tensors(data, scales, offsets, group_size)
     if x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[0] > 0:
         kernels = cpu_kernels()
         if kernels is not None:
             if x.shape[0] <= KERNEL_MAX_ROWS:
-                return kernels.matmul_tensors(x, data, scales, offsets, bias, group_size)
-            return F.linear(x, kernels.dequantize_tensors(data, scales, offsets, group_size), bias)
+                return kernels.matmul_unchecked(x, weight, bias)
+            return F.linear(x, kernels.dequantize_unchecked(weight), bias)
     rows = x.reshape(-1, x.shape[-1])
-    return reference_linear(rows, data, scales, offsets, bias, group_size).reshape(*x.shape[:-1], data.shape[0])
+    return reference_linear(rows, weight, bias).reshape(*x.shape[:-1], weight.out_features)
 
 
 torch.library.impl("compiled_engine::quantized_linear", "CompositeExplicitAutograd")(run_quantized_linear)
@@ -164,17 +150,12 @@ def _quantized_linear_fake(
 
 
 def quantized_linear(
-    x: torch.Tensor,
-    data: torch.Tensor,
-    scales: torch.Tensor,
-    offsets: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    group_size: int,
-    native: torch._ops.OpOverload | None = None,
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, native: torch._ops.OpOverload | None = None
 ) -> torch.Tensor:
-    """x @ W.T + bias for the quantized weight W held in `data`, `scales` and `offsets` (int8
-    data: the int8 format; uint8: int4). `native`: the C++ operator (`native_operator()`), taken
-    for 2-D fp32 activations on the CPU."""
+    """x @ weight.T + bias. `native`: a C++ operator (`native_operator()`, or
+    `int8_activations_operator()`), taken for 2-D fp32 activations on the CPU. The operators take
+    the weight's tensors: this is where it is unpacked."""
+    data, scales, offsets, group_size = weight.data, weight.scales, weight.offsets, weight.group_size
     if native is not None and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu":
         return native(x, data, scales, offsets, bias, group_size, KERNEL_MAX_ROWS)
     return torch.ops.compiled_engine.quantized_linear(x, data, scales, offsets, bias, group_size)
