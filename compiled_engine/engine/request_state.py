@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from compiled_engine.engine.adapters import AdapterKey
-from compiled_engine.engine.grammars import GrammarSet, GrammarState
+from compiled_engine.engine.feature_state import AdapterKey, GrammarState
+from compiled_engine.engine.grammars import GrammarSet
 from compiled_engine.engine.output_text import SequenceText
 from compiled_engine.engine.outputs import CompletionOutput, PromptTokenLogprobs, RequestMetrics, RequestOutput
 from compiled_engine.engine.pooling import PoolingConfig, PoolingState

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from compiled_engine.engine.grammars import GrammarState
+from compiled_engine.engine.feature_state import GrammarState
 from compiled_engine.engine.sequence import FinishReason, Sequence
 from compiled_engine.engine.structured_outputs import StructuredOutputs
 from compiled_engine.errors import RequestError
