@@ -1,6 +1,6 @@
 """The adapter seam: weights a request may run with on top of the base model (LoRA, lora/).
 
-Two parts, picked once when the engine is built (engine/features.py):
+Two parts, picked once when the engine is built (engine/feature_plan.py):
 - an `AdapterInstall` puts per-token adapter products into the model before it is compiled and
   returns the `AdapterSlots` the runner sets before each forward (which slot each token uses);
 - an `AdapterSet` then serves requests: `admit` loads and holds a request's adapter and gives its

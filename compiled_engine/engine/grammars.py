@@ -1,6 +1,6 @@
 """The grammar seam: constraints on what a sequence may emit (structured outputs, structured/).
 
-A `GrammarSet` is picked once when the engine is built (engine/features.py). It gives each
+A `GrammarSet` is picked once when the engine is built (engine/feature_plan.py). It gives each
 constrained sequence a `GrammarState` when its request is admitted (`states`), the masks of a
 batch's sample rows before sampling (`masks`), and the verdict on each emitted token (`advance`):
 go on, stop (the grammar is complete), or abort (the grammar refused a token its own mask
