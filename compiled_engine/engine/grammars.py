@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from compiled_engine.engine.feature_state import GrammarState
-from compiled_engine.engine.structured_outputs import StructuredOutputs
+from compiled_engine.engine.sampling_params import StructuredOutputs
 
 if TYPE_CHECKING:
     from compiled_engine.engine.sequence import FinishReason, Sequence

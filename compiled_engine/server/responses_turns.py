@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from compiled_engine.engine.structured_outputs import StructuredOutputs
+from compiled_engine.engine.sampling_params import StructuredOutputs
 from compiled_engine.server.errors import ApiError
 from compiled_engine.server.responses_protocol import FunctionCallItem, OutputMessage, ResponseObject
 from compiled_engine.server.tool_parsers import ToolCallParser
