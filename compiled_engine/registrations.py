@@ -13,4 +13,4 @@ REGISTRY.drafters["ngram"] = NgramDrafter.plan
 REGISTRY.drafters["draft_model"] = DraftModelDrafter.plan
 REGISTRY.adapters["lora"] = LoRAPlan
 REGISTRY.grammars["llguidance"] = LLGuidanceGrammars
-REGISTRY.poolers["embed"] = EmbeddingPooler.plan
+REGISTRY.poolers["embed"] = EmbeddingPooler

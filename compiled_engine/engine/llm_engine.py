@@ -24,7 +24,6 @@ from compiled_engine.engine.feature_plan import plan_features
 from compiled_engine.engine.feature_state import PoolingState
 from compiled_engine.engine.memory_budget import return_freed_heap
 from compiled_engine.engine.outputs import RequestOutput
-from compiled_engine.engine.pooler import PoolingConfig
 from compiled_engine.engine.request_state import RequestState
 from compiled_engine.engine.request_validation import check_request, prompt_token_ids
 from compiled_engine.engine.sampler import TokenLogprobs, make_sampler
@@ -61,6 +60,7 @@ class LLMEngine:
         self.drafter = features.drafter.start(self.runner)
         self.adapters = features.adapters.start(self.runner.adapter_slots, self.runner.model_config)
         self.pooler = features.pooler
+        self.pooling = self.pooler.config  # what its clients are told (/v1/embeddings); None: it generates text
         return_freed_heap()
         has_tokenizer = (self.model_dir / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer(self.model_dir) if has_tokenizer else None
@@ -92,11 +92,6 @@ class LLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.runner.max_model_len
-
-    @property
-    def pooling(self) -> PoolingConfig | None:
-        """How it pools, for its clients (/v1/embeddings); None: it generates text."""
-        return self.pooler.config
 
     @property
     def speculative_stats(self) -> DraftStats | None:

@@ -1,13 +1,8 @@
 """The pooler seam: a prompt's hidden states pooled into one embedding (`--runner pooling`,
-pooling/).
-
-A `Pooler` is picked once when the engine is built (engine/feature_plan.py). It gives each
-sequence of an admitted request its pooling state (`states`), refusing the kind of request the
-engine does not serve; says whether the runner returns hidden states rather than logits
-(`pools`) and whether a sequence needs every prompt token's (`reads_whole_prompt`: its prompt
-then takes no prefix-cache hits); takes a step's hidden-state rows before sampling (`pool`); and
-hands over the embeddings of the sequences whose prompt is all in (`results`). Without pooling
-the engine runs `NoPooler`, which refuses a pooling request.
+pooling/). Picked once when the engine is built (engine/feature_plan.py): it gives each sequence
+of a request its pooling state, refusing the kind of request the engine does not serve; takes a
+step's hidden states before sampling; and hands over the embeddings of the sequences whose
+prompt is all in. Without pooling the engine runs `NoPooler`, which refuses a pooling request.
 """
 
 from __future__ import annotations
@@ -23,11 +18,12 @@ if TYPE_CHECKING:
 
     from compiled_engine.engine.sequence import Sequence
 
+Batch = list[tuple["Sequence", int]]  # each scheduled sequence with its new tokens
+
 
 @dataclass(frozen=True)
 class PoolingConfig:
-    """How a model pools (what a pooling engine tells its clients, as its server truncates and
-    renormalizes embeddings)."""
+    """How a model pools (its clients read it too: the server renormalizes truncated embeddings)."""
 
     mode: str = "last"  # one of POOLING_MODES (pooling/)
     normalize: bool = True
@@ -39,29 +35,23 @@ class PoolingConfig:
 
 class Pooler(Protocol):
     @property
-    def config(self) -> PoolingConfig | None:
-        """How it pools; None: the engine generates text."""
-        ...
+    def config(self) -> PoolingConfig | None: ...  # None: the engine generates text
 
     @property
-    def pools(self) -> bool:
-        """A step's rows are every new token's hidden state, to pool, not logits to sample."""
-        ...
+    def pools(self) -> bool: ...  # the runner returns every new token's hidden state, not logits
 
     def states(self, pooled: bool, n: int) -> list[PoolingState | None]:
-        """The pooling state of each of a new request's `n` sequences (`pooled`: a request to
-        pool, else to generate); a RequestError if this engine does not serve that kind."""
+        """Each of a new request's `n` sequences' state (`pooled`: a request to pool, else to
+        generate); a RequestError if the engine does not serve that kind."""
         ...
 
     def reads_whole_prompt(self, seq: Sequence) -> bool:
-        """Whether pooling `seq` needs every prompt token's hidden state (nothing cached)."""
+        """Pooling `seq` needs every prompt token's hidden state: its prompt takes no cache hits."""
         ...
 
-    def pool(
-        self, batch: list[tuple[Sequence, int]], rows: torch.Tensor
-    ) -> tuple[list[tuple[Sequence, int]], torch.Tensor]:
-        """After the forward, before `advance`: give each pooled sequence its new tokens' rows;
-        the sequences left to sample and their logits."""
+    def pool(self, batch: Batch, rows: torch.Tensor) -> tuple[Batch, torch.Tensor]:
+        """After the forward, before `advance`: each pooled sequence takes its new tokens' rows;
+        the sequences left to sample, and their logits."""
         ...
 
     def results(self, due: list[Sequence]) -> list[tuple[Sequence, list[float]]]:
@@ -83,9 +73,7 @@ class NoPooler:
     def reads_whole_prompt(self, seq: Sequence) -> bool:
         return False
 
-    def pool(
-        self, batch: list[tuple[Sequence, int]], rows: torch.Tensor
-    ) -> tuple[list[tuple[Sequence, int]], torch.Tensor]:
+    def pool(self, batch: Batch, rows: torch.Tensor) -> tuple[Batch, torch.Tensor]:
         return batch, rows
 
     def results(self, due: list[Sequence]) -> list[tuple[Sequence, list[float]]]:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from compiled_engine.engine.feature_state import PoolingState
-from compiled_engine.engine.pooler import PoolingConfig
+from compiled_engine.engine.pooler import Batch, PoolingConfig
 from compiled_engine.engine.sequence import Sequence
 from compiled_engine.errors import ModelConfigError, RequestError
 
@@ -75,8 +75,6 @@ class Pooling:
     count: int = 0
 
     def add(self, rows: torch.Tensor, start: int) -> None:
-        """The hidden states of the prompt tokens at positions start, start + 1, ...; a chunk
-        that starts at 0 starts over (a preempted sequence recomputes its prompt)."""
         rows = rows.float()
         if start == 0:
             self.total, self.count = None, 0
@@ -103,12 +101,8 @@ class EmbeddingPooler:
 
     pools = True
 
-    def __init__(self, config: PoolingConfig) -> None:
-        self.config = config
-
-    @classmethod
-    def plan(cls, model_dir: Path) -> EmbeddingPooler:
-        return cls(pooling_config(model_dir))
+    def __init__(self, model_dir: Path) -> None:
+        self.config = pooling_config(model_dir)
 
     def states(self, pooled: bool, n: int) -> list[PoolingState | None]:
         if not pooled:
@@ -118,9 +112,7 @@ class EmbeddingPooler:
     def reads_whole_prompt(self, seq: Sequence) -> bool:
         return self.config.needs_every_token
 
-    def pool(
-        self, batch: list[tuple[Sequence, int]], rows: torch.Tensor
-    ) -> tuple[list[tuple[Sequence, int]], torch.Tensor]:
+    def pool(self, batch: Batch, rows: torch.Tensor) -> tuple[Batch, torch.Tensor]:
         row = 0
         for seq, num_new in batch:
             assert seq.pooling is not None
