@@ -38,7 +38,7 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     `'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 3}'` on the command line,
     `LLM(speculative_config={...})` offline. EngineConfig holds it parsed (speculative/ runs it)."""
 
-    METHODS: ClassVar[tuple[str, ...]] = ("ngram", "draft_model")  # each a drafter (compiled_engine/features.py)
+    METHODS: ClassVar[tuple[str, ...]] = ("ngram", "draft_model")  # each a drafter (compiled_engine/registrations.py)
     MODEL_METHODS: ClassVar[tuple[str, ...]] = ("draft_model",)  # the methods that take a "model"
 
     method: str
@@ -167,7 +167,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # JSON of vLLM's --speculative-config, e.g. '{"method": "ngram", "num_speculative_tokens": 4}',
     # and held parsed (`speculative`); None: off.
     speculative_config: SpeculativeConfig | str | dict[str, Any] | None = None
-    # "generate" (text) or "pooling" (one embedding a prompt, engine/pooling.py; /v1/embeddings).
+    # "generate" (text) or "pooling" (one embedding a prompt, pooling/; /v1/embeddings).
     runner: str = "generate"
 
     def __post_init__(self) -> None:

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 from compiled_engine.config import EngineConfig
-from compiled_engine.engine.generator import GenerationResult, Generator
 from compiled_engine.engine.model_runner import ModelRunner
+from compiled_engine.engine.reference_loop import GenerationResult, Generator
 from compiled_engine.prompts import DEFAULT_PROMPTS, PromptSpec, load_prompts
 from compiled_engine.tokenizer import Tokenizer
 from compiled_engine.weights.source import resolve_model_dir

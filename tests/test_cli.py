@@ -9,7 +9,7 @@ import pytest
 
 from compiled_engine.cli import main
 from compiled_engine.config import EngineConfig
-from compiled_engine.engine.generator import GenerationResult, StepLogits
+from compiled_engine.engine.reference_loop import GenerationResult, StepLogits
 from compiled_engine.engine.sequence import FinishReason
 from compiled_engine.prompts import PromptSpec
 from compiled_engine.tokenizer import Tokenizer

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from compiled_engine.config import EngineConfig
-from compiled_engine.engine.generator import GenerationResult, Generator
 from compiled_engine.engine.model_runner import ModelRunner
+from compiled_engine.engine.reference_loop import GenerationResult, Generator
 from compiled_engine.engine.sequence import Sequence
 from compiled_engine.engine.step_inputs import StepInputs
 from compiled_engine.prompts import DEFAULT_PROMPTS

@@ -19,9 +19,10 @@ import torch
 
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine.llm_engine import LLMEngine
-from compiled_engine.engine.pooling import PoolingConfig, pooling_config
+from compiled_engine.engine.pooler import PoolingConfig
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.errors import ModelConfigError, RequestError
+from compiled_engine.pooling.embedding import pooling_config
 from tests.conftest import API_KEY
 from tests.server_process import ServerProcess, running_server
 

@@ -361,7 +361,7 @@ def test_an_engine_without_the_optional_features_runs_their_no_op_seams(tiny: LL
 def test_a_feature_nobody_registered_is_refused_by_name(tiny_model_factory: Callable[..., Path]) -> None:
     """The registry names what it has when a config asks for something it lacks."""
     from compiled_engine.config import EngineConfig
-    from compiled_engine.engine.features import REGISTRY, plan_features
+    from compiled_engine.engine.feature_plan import REGISTRY, plan_features
 
     config = EngineConfig(model=str(tiny_model_factory("llama")), speculative_config={"method": "ngram"})
     saved = REGISTRY.drafters.pop("ngram")

@@ -23,8 +23,8 @@ import torch
 from gguf import GGUFValueType as VT
 
 from compiled_engine.config import EngineConfig
-from compiled_engine.engine.generator import Generator
 from compiled_engine.engine.model_runner import ModelRunner
+from compiled_engine.engine.reference_loop import Generator
 from compiled_engine.errors import ModelLoadError, ModelSourceError
 from compiled_engine.linear.quantized import QuantizedEmbedding, QuantizedLinear
 from compiled_engine.model.config import ModelConfig

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
 
 from compiled_engine.config import EngineConfig
-from compiled_engine.engine.generator import Generator
 from compiled_engine.engine.model_runner import ModelRunner
+from compiled_engine.engine.reference_loop import Generator
 from compiled_engine.errors import ModelLoadError
 from compiled_engine.linear.quantized import QuantizedLinear
 from compiled_engine.linear.quantized_op import cpu_kernels, native_operator

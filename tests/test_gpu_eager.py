@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from compiled_engine.config import EngineConfig
-from compiled_engine.engine.generator import Generator
 from compiled_engine.engine.model_runner import ModelRunner
+from compiled_engine.engine.reference_loop import Generator
 from compiled_engine.errors import ModelSourceError
 from compiled_engine.tokenizer import Tokenizer
 from compiled_engine.weights.default_model import load_default_model_dir

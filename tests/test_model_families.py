@@ -15,8 +15,8 @@ import torch
 
 from compiled_engine import LoRARequest
 from compiled_engine.config import EngineConfig
-from compiled_engine.engine.generator import Generator
 from compiled_engine.engine.model_runner import ModelRunner
+from compiled_engine.engine.reference_loop import Generator
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.llm import LLM
 from compiled_engine.model.registry import config_from_model_dir

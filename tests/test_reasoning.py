@@ -216,7 +216,7 @@ def _takes(compiler: Any, spec: Any, text: str) -> tuple[bool, Any]:
 
 @pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
 def test_a_constraint_leaves_the_thinking_free_and_holds_for_the_answer(compiler: Any, parser: str) -> None:
-    from compiled_engine.engine.structured_outputs import StructuredOutputs
+    from compiled_engine.engine.sampling_params import StructuredOutputs
 
     spec = StructuredOutputs.of({"json": PERSON}, param="response_format")
     thinking = StructuredOutputs(json=spec.json, thinking=parser)

@@ -16,8 +16,8 @@ from compiled_engine.attention.backend import AttentionBackend, AttentionShape
 from compiled_engine.attention.selector import get_backend
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine import model_runner
-from compiled_engine.engine.generator import Generator
 from compiled_engine.engine.model_runner import ModelRunner
+from compiled_engine.engine.reference_loop import Generator
 from reference_oracle import ReferenceOracle
 
 VARIANTS = {

@@ -18,7 +18,7 @@ import torch
 
 from compiled_engine import LLM, SamplingParams
 from compiled_engine.engine.sampler import Sampler, SamplingBatch
-from compiled_engine.engine.structured_outputs import StructuredOutputs
+from compiled_engine.engine.sampling_params import StructuredOutputs
 from compiled_engine.errors import RequestError
 from tests.server_process import ServerProcess, running_server
 

@@ -16,8 +16,7 @@ import time
 from typing import Any
 
 from compiled_engine.engine.llm_engine import LLMEngine
-from compiled_engine.engine.sampling_params import SamplingParams
-from compiled_engine.engine.structured_outputs import StructuredOutputs
+from compiled_engine.engine.sampling_params import SamplingParams, StructuredOutputs
 from compiled_engine.structured.grammar_set import LLGuidanceGrammars
 
 TOPICS = ["the sea", "mountains", "bread", "trains", "the moon", "coffee", "bees", "libraries"]

@@ -1,6 +1,6 @@
 """The adapter seam: weights a request may run with on top of the base model (LoRA, lora/).
 
-Two parts, picked once when the engine is built (engine/features.py):
+Two parts, picked once when the engine is built (engine/feature_plan.py):
 - an `AdapterInstall` puts per-token adapter products into the model before it is compiled and
   returns the `AdapterSlots` the runner sets before each forward (which slot each token uses);
 - an `AdapterSet` then serves requests: `admit` loads and holds a request's adapter and gives its
@@ -17,22 +17,13 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from compiled_engine.engine.feature_state import AdapterKey
 from compiled_engine.errors import RequestError
 
 if TYPE_CHECKING:
     from compiled_engine.engine.sequence import Sequence
     from compiled_engine.model.config import ModelConfig
     from compiled_engine.model.layers import DecoderModel
-
-
-@dataclass(frozen=True)
-class AdapterKey:
-    """The adapter a sequence runs with: its name, and a digest of its files, which is its part
-    of the prefix-cache key (its K/V is never shared with the base model, another adapter, or
-    this one before its files changed)."""
-
-    name: str
-    digest: str
 
 
 class AdapterRequest(Protocol):

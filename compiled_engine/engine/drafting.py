@@ -6,7 +6,7 @@ later), so the scheduler sizes the step and its pages with them; `fill` after sc
 completes the drafts of the sequences that were scheduled and returns the distributions they
 were drawn from, which the verifier (engine/verifier.py) needs for rejection sampling. After a
 verify, `record` counts how the draft fared. Which drafter runs is picked once, when the engine
-is built (engine/features.py); without speculation it is `NoDrafter`.
+is built (engine/feature_plan.py); without speculation it is `NoDrafter`.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from compiled_engine.engine.adapters import AdapterRequest
 from compiled_engine.engine.grammars import GrammarSet
 from compiled_engine.engine.outputs import RequestOutput
-from compiled_engine.engine.pooling import PoolingConfig
+from compiled_engine.engine.pooler import PoolingConfig
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.tokenizer import Tokenizer

@@ -1,6 +1,6 @@
 """The grammar seam: constraints on what a sequence may emit (structured outputs, structured/).
 
-A `GrammarSet` is picked once when the engine is built (engine/features.py). It gives each
+A `GrammarSet` is picked once when the engine is built (engine/feature_plan.py). It gives each
 constrained sequence a `GrammarState` when its request is admitted (`states`), the masks of a
 batch's sample rows before sampling (`masks`), and the verdict on each emitted token (`advance`):
 go on, stop (the grammar is complete), or abort (the grammar refused a token its own mask
@@ -13,41 +13,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from compiled_engine.engine.structured_outputs import StructuredOutputs
+from compiled_engine.engine.feature_state import GrammarState
+from compiled_engine.engine.sampling_params import StructuredOutputs
 
 if TYPE_CHECKING:
     from compiled_engine.engine.sequence import FinishReason, Sequence
-
-
-class GrammarState(Protocol):
-    """One sequence's position in its grammar."""
-
-    def allowed(self) -> torch.Tensor:
-        """bool [vocab]: the tokens allowed next."""
-        ...
-
-    def valid_prefix(self, tokens: list[int]) -> int:
-        """How many of `tokens`, from the start, the grammar would take now."""
-        ...
-
-    def try_advance(self, token: int) -> bool:
-        """Consume `token` if the grammar takes it; False (and no change) if not."""
-        ...
-
-    def rollback(self, num_tokens: int) -> None: ...
-
-    def masks_along(self, draft: list[int]) -> list[torch.Tensor | None]:
-        """The allowed tokens at each of a draft's 1 + k verify rows."""
-        ...
-
-    def advance(self, token: int) -> bool:
-        """Consume an emitted token; False if the grammar refuses it."""
-        ...
-
-    @property
-    def finished(self) -> bool:
-        """The grammar is complete and allows nothing but the end."""
-        ...
 
 
 class GrammarSet(Protocol):

@@ -1,11 +1,11 @@
 """LLMEngine: one loop that owns every request. `add_request` and `abort_request` only queue
 work; `step` runs one iteration:
 
-    aborts -> drafter.propose -> schedule -> drafter.fill -> runner.run -> sample -> verify -> emit
+    aborts -> drafter.propose -> schedule -> drafter.fill -> runner.run -> pooler.pool -> sample -> verify -> emit
 
-The optional features (a drafter, an adapter set, a grammar set) are declared in engine/ and
-picked once, when the engine is built (engine/features.py); the loop calls them the same way
-whether they do anything or not."""
+The optional features (a drafter, an adapter set, a grammar set, a pooler) are declared in engine/
+and picked once, when the engine is built (engine/feature_plan.py); the loop calls them the same
+way whether they do anything or not."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ from compiled_engine.cache.events import CacheEvent
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine.adapters import AdapterRequest
 from compiled_engine.engine.drafting import DraftStats
-from compiled_engine.engine.features import plan_features
+from compiled_engine.engine.feature_plan import plan_features
+from compiled_engine.engine.feature_state import PoolingState
 from compiled_engine.engine.memory_budget import return_freed_heap
 from compiled_engine.engine.outputs import RequestOutput
-from compiled_engine.engine.pooling import PoolingConfig, pooling_config
 from compiled_engine.engine.request_state import RequestState
 from compiled_engine.engine.request_validation import check_request, prompt_token_ids
 from compiled_engine.engine.sampler import TokenLogprobs, make_sampler
@@ -59,6 +59,8 @@ class LLMEngine:
         )
         self.drafter = features.drafter.start(self.runner)
         self.adapters = features.adapters.start(self.runner.adapter_slots, self.runner.model_config)
+        self.pooler = features.pooler
+        self.pooling = self.pooler.config  # what its clients are told (/v1/embeddings); None: it generates text
         return_freed_heap()
         has_tokenizer = (self.model_dir / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer(self.model_dir) if has_tokenizer else None
@@ -71,7 +73,11 @@ class LLMEngine:
             self.runner.num_pages, self.runner.page_size, config.enable_prefix_caching, record_cache_events
         )
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.adapters.must_wait
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.adapters.must_wait,
+            self.pooler.reads_whole_prompt,
         )
         self.sampler = make_sampler(config.sampler, self.runner.device, config.seed)
         self.verifier = Verifier(self.sampler, self.grammars)
@@ -80,7 +86,6 @@ class LLMEngine:
         self._pending_aborts: set[str] = set()
         self.num_aborted_requests = 0  # requests ended before they finished: aborted, or in a failed step
         self._seq_ids = itertools.count()
-        self.pooling = pooling_config(self.model_dir) if config.runner == "pooling" else None
         if self.ranks is not None:  # all built: rank 0's idle broadcasts may start
             self.runner.send_while_idle(self.ranks.all_alive)
 
@@ -117,9 +122,9 @@ class LLMEngine:
         """Queue a request and return its id. An invalid one raises a RequestError (a PromptError
         for the prompt checks of request_validation, a LoRAError for its adapter) and leaves
         nothing queued. With `lora_request` it runs with that adapter, loaded now if new."""
-        if self.pooling is not None:
-            raise RequestError("this engine pools (runner pooling): it makes embeddings, not text")
-        return self._queue(prompt, params or SamplingParams(), request_id, cache_salt, lora_request)
+        params = params or SamplingParams()
+        poolings = self.pooler.states(False, params.n)  # a pooling engine refuses it
+        return self._queue(prompt, params, request_id, cache_salt, lora_request, poolings)
 
     def add_pooling_request(
         self,
@@ -130,10 +135,9 @@ class LLMEngine:
     ) -> str:
         """Queue a prompt to pool into one embedding (an engine with runner pooling); its last
         output carries `embedding`. The prompt checks are add_request's."""
-        if self.pooling is None:
-            raise RequestError("this engine generates text (runner generate): it makes no embeddings")
         params = SamplingParams(temperature=0.0, max_tokens=1)
-        return self._queue(prompt, params, request_id, cache_salt, lora_request, self.pooling)
+        poolings = self.pooler.states(True, params.n)  # a generating engine refuses it
+        return self._queue(prompt, params, request_id, cache_salt, lora_request, poolings)
 
     def _queue(
         self,
@@ -142,7 +146,7 @@ class LLMEngine:
         request_id: str | None,
         cache_salt: str | None,
         lora_request: AdapterRequest | None,
-        pooling: PoolingConfig | None = None,
+        poolings: list[PoolingState | None],
     ) -> str:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._requests:
@@ -156,7 +160,7 @@ class LLMEngine:
         request = RequestState.start(
             request_id, prompt, prompt_ids, params, self.tokenizer,
             seq_ids=self._seq_ids, rng=self._rng, eos_token_ids=self.eos_token_ids, cache_salt=cache_salt,
-            adapter=adapter, grammars=constraints, pooling=pooling,
+            adapter=adapter, grammars=constraints, poolings=poolings,
         )  # fmt: skip
         self._requests[request_id] = request
         for seq in request.seqs:
@@ -210,23 +214,26 @@ class LLMEngine:
             return self._collect_outputs()
 
     def _run_scheduled(self, out: SchedulerOutput) -> None:
-        """Draft, run the forward, sample and verify the scheduled sequences of one step."""
-        if self.pooling is not None:
-            self._pool_scheduled(out)
-            return
+        """Draft, run the forward, pool the pooled sequences' rows, sample and verify the others'
+        (an engine pools every sequence or none)."""
         scheduled = [item.seq for item in out.scheduled]
         with nvtx_range("draft"):
             draft_probs = self.drafter.fill(scheduled, self.scheduler.running)
         batch = [(item.seq, item.num_tokens) for item in out.scheduled]
-        logits = self.runner.run(batch, self.adapters.slots_for(scheduled), out.page_copies)
+        rows = self.runner.run(batch, self.adapters.slots_for(scheduled), out.page_copies, hidden=self.pooler.pools)
+        sampled, logits = self.pooler.pool(batch, rows)
         first_rows, row = {}, 0  # each sequence's first row to sample: it has 1 + drafts
-        for seq, num_new in batch:
+        for seq, num_new in sampled:
             count = logit_count(seq, num_new)  # its logits rows
             if seq.wants_prompt_logprobs:
                 self._requests[seq.request_id].record_prompt_logprobs(seq, logits[row : row + count])
             first_rows[seq.seq_id] = row + count - 1 - len(seq.draft_token_ids)
             row += count
         due = self.scheduler.advance(out)
+        for seq, embedding in self.pooler.results(due):  # its prompt is all in: it is done
+            self._requests[seq.request_id].embed(seq, embedding)
+            self.scheduler.finish(seq, FinishReason.STOP)
+        due = [seq for seq in due if not seq.is_finished]
         if due:
             with nvtx_range("sample"):
                 verified = self.verifier.verify(logits, first_rows, due, draft_probs)
@@ -238,27 +245,6 @@ class LLMEngine:
                 self.drafter.record(seq, proposed, accepted)
                 if not seq.is_finished:
                     self.scheduler.accept_draft(seq, accepted)
-
-    def _pool_scheduled(self, out: SchedulerOutput) -> None:
-        """Run the scheduled prompt chunks, pool their hidden states, and finish each sequence
-        whose prompt is all in with its embedding."""
-        batch = [(item.seq, item.num_tokens) for item in out.scheduled]
-        hidden = self.runner.run(
-            batch, self.adapters.slots_for([seq for seq, _ in batch]), out.page_copies, hidden=True
-        )
-        row = 0
-        for seq, num_new in batch:
-            assert seq.pooling is not None
-            seq.pooling.add(hidden[row : row + num_new], seq.num_computed_tokens)
-            row += num_new
-        now = time.perf_counter()
-        for seq in self.scheduler.advance(out):
-            assert seq.pooling is not None
-            request = self._requests[seq.request_id]
-            request.embedding = seq.pooling.result()
-            request.changed = True
-            seq.first_token_time = now
-            self.scheduler.finish(seq, FinishReason.STOP)
 
     def _apply_aborts(self) -> None:
         for request_id in self._pending_aborts:

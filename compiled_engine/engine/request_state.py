@@ -11,11 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from compiled_engine.engine.adapters import AdapterKey
-from compiled_engine.engine.grammars import GrammarSet, GrammarState
+from compiled_engine.engine.feature_state import AdapterKey, GrammarState, PoolingState
+from compiled_engine.engine.grammars import GrammarSet
 from compiled_engine.engine.output_text import SequenceText
 from compiled_engine.engine.outputs import CompletionOutput, PromptTokenLogprobs, RequestMetrics, RequestOutput
-from compiled_engine.engine.pooling import PoolingConfig, PoolingState
 from compiled_engine.engine.sampler import TokenLogprobs
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.engine.sequence import FinishReason, Sequence
@@ -53,13 +52,14 @@ class RequestState:
         cache_salt: str | None,
         adapter: AdapterKey | None,
         grammars: Iterable[GrammarState | None],
-        pooling: PoolingConfig | None,
+        poolings: Iterable[PoolingState | None],
     ) -> RequestState:
-        """A new request's state: its `params.n` completions (one a grammar state of `grammars`,
-        each its own seed: `params.seed` spread apart, else drawn from `rng`), no text yet."""
+        """A new request's state: its `params.n` completions (one a grammar state of `grammars`
+        and a pooling state of `poolings`, each its own seed: `params.seed` spread apart, else
+        drawn from `rng`), no text yet."""
         now = time.perf_counter()
         seqs: list[Sequence] = []
-        for index, grammar in enumerate(grammars):
+        for index, (grammar, pooling) in enumerate(zip(grammars, poolings, strict=True)):
             base_seed = params.seed if params.seed is not None else rng.getrandbits(63)
             seqs.append(
                 Sequence(
@@ -75,7 +75,7 @@ class RequestState:
                     arrival_time=now,
                     fork_of=seqs[0] if index else None,
                     grammar=grammar,
-                    pooling=PoolingState(pooling) if pooling is not None else None,
+                    pooling=pooling,
                 )
             )
         return cls(
@@ -113,6 +113,12 @@ class RequestState:
             zip(targets, picked[:, 0].tolist(), ranks, top_ids.tolist(), top_values.tolist(), strict=True)
         ):
             self.prompt_logprobs[start + 1 + j] = PromptTokenLogprobs(token, value, rank, ids, values)
+
+    def embed(self, seq: Sequence, embedding: list[float]) -> None:
+        """A pooled sequence's prompt is all in: its embedding is the request's output."""
+        self.embedding = embedding
+        self.changed = True
+        seq.first_token_time = time.perf_counter()
 
     def append_token(
         self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, now: float, grammars: GrammarSet

@@ -52,12 +52,16 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         must_wait: Callable[[Sequence, list[Sequence]], bool] = lambda seq, running: False,
+        reads_whole_prompt: Callable[[Sequence], bool] = lambda seq: False,
     ) -> None:
         """`must_wait(seq, running)`: whether a waiting sequence cannot join the running ones yet
         for a reason of its own, such as an adapter that would need a device slot while every
-        slot is taken (engine/adapters.py); it keeps its place, and the queue behind it goes on."""
+        slot is taken (engine/adapters.py); it keeps its place, and the queue behind it goes on.
+        `reads_whole_prompt(seq)`: whether its pooling needs every prompt token's hidden state
+        (engine/pooler.py), so that its prompt takes no prefix-cache hits."""
         self.block_manager = block_manager
         self.must_wait = must_wait
+        self.reads_whole_prompt = reads_whole_prompt
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -142,7 +146,7 @@ class Scheduler:
         if parent is not None and parent.status is SequenceStatus.RUNNING and seq.num_computed_tokens == 0:
             hits = parent.block_table[:full_prompt_pages]
             keys = parent.page_keys[: len(hits)]
-        elif seq.wants_prompt_logprobs or (seq.pooling is not None and seq.pooling.config.needs_every_token):
+        elif seq.wants_prompt_logprobs or self.reads_whole_prompt(seq):
             # every prompt token's logits (or hidden state, to pool) are needed: nothing cached
             hits, keys = [], []
         else:

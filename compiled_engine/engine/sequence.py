@@ -6,15 +6,10 @@ from __future__ import annotations
 import enum
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from compiled_engine.cache.events import salt_key
+from compiled_engine.engine.feature_state import AdapterKey, GrammarState, PoolingState
 from compiled_engine.engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from compiled_engine.engine.adapters import AdapterKey
-    from compiled_engine.engine.grammars import GrammarState
-    from compiled_engine.engine.pooling import PoolingState
 
 
 class FinishReason(enum.StrEnum):

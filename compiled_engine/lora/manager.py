@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from compiled_engine.config import EngineConfig
-from compiled_engine.engine.adapters import AdapterKey, AdapterRequest, AdapterSet, AdapterSlots, AdapterStats
+from compiled_engine.engine.adapters import AdapterRequest, AdapterSet, AdapterSlots, AdapterStats
+from compiled_engine.engine.feature_state import AdapterKey
 from compiled_engine.engine.sequence import Sequence
 from compiled_engine.lora.adapter import LoRAAdapter, LoRAError, load_adapter
 from compiled_engine.lora.layers import LoRASlots, install_lora

@@ -44,7 +44,7 @@ from compiled_engine.config import EngineConfig
 from compiled_engine.engine.adapters import AdapterRequest
 from compiled_engine.engine.async_engine import EngineStats, request_outputs
 from compiled_engine.engine.engine_client import ReplicaHealth, ServedModel, summed_stats
-from compiled_engine.engine.features import plan_features
+from compiled_engine.engine.feature_plan import plan_features
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.outputs import RequestOutput
 from compiled_engine.engine.sampling_params import SamplingParams

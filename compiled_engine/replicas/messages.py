@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from compiled_engine.cache.events import CacheEvent
 from compiled_engine.engine.async_engine import AddRequest, EngineStats
 from compiled_engine.engine.outputs import RequestOutput
-from compiled_engine.engine.pooling import PoolingConfig
+from compiled_engine.engine.pooler import PoolingConfig
 from compiled_engine.model.config import ModelConfig
 
 if TYPE_CHECKING:

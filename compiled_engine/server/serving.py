@@ -15,8 +15,7 @@ from litestar import Request
 
 from compiled_engine.engine.engine_client import EngineClient
 from compiled_engine.engine.outputs import RequestOutput
-from compiled_engine.engine.sampling_params import SamplingParams
-from compiled_engine.engine.structured_outputs import StructuredOutputs
+from compiled_engine.engine.sampling_params import SamplingParams, StructuredOutputs
 from compiled_engine.lora.manager import LoRARequest
 from compiled_engine.model.registry import family_of
 from compiled_engine.server.common.errors import ApiError

@@ -1,14 +1,10 @@
 """Drafts for speculative decoding: which sequences get one this step, how long, and the n-gram
 drafter (the engine's `Drafter`, engine/drafting.py, for the "ngram" method).
 
-Verification needs no probabilities from the proposer. Each of a sequence's 1 + k rows (its last
-token and its k draft tokens) is sampled by the ordinary sampler, as if the draft tokens before
-it had been generated; draft token i stands while it equals the token sampled at its row, and
-the first row that differs gives the sequence its next token instead. Each emitted token is thus
-a draw from the target model given the tokens before it, exactly as without speculation (for an
-n-gram draft this is rejection sampling with a draft probability of 1). With the sampler's
-seeded hash noise it is more: the same tokens, token for token, as the same request without
-speculation.
+An n-gram draft brings no probabilities: the verifier's greedy walk keeps the target's
+distribution, and with the sampler's seeded noise the very tokens of the same request without
+speculation. A draft model's sampled drafts bring theirs, for rejection sampling
+(engine/verifier.py says both).
 """
 
 from __future__ import annotations

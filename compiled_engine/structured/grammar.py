@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from compiled_engine.engine.structured_outputs import StructuredOutputs
+from compiled_engine.engine.sampling_params import StructuredOutputs
 from compiled_engine.errors import RequestError
 
 CACHE_SIZE = 512

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from compiled_engine.engine.grammars import GrammarState
+from compiled_engine.engine.feature_state import GrammarState
+from compiled_engine.engine.sampling_params import StructuredOutputs
 from compiled_engine.engine.sequence import FinishReason, Sequence
-from compiled_engine.engine.structured_outputs import StructuredOutputs
 from compiled_engine.errors import RequestError
 from compiled_engine.structured.grammar import GrammarCompiler
 

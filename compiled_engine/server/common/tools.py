@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from compiled_engine.engine.structured_outputs import StructuredOutputs
+from compiled_engine.engine.sampling_params import StructuredOutputs
 from compiled_engine.errors import RequestError
 from compiled_engine.server.common.deltas import ChoiceDelta
 from compiled_engine.server.common.tool_parsers import PARSERS, ToolCall, ToolCallParser, call_of

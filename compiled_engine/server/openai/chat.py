@@ -9,7 +9,7 @@ from litestar import Controller, Request, post
 from litestar.di import NamedDependency
 from litestar.params import Body
 
-from compiled_engine.engine.structured_outputs import StructuredOutputs
+from compiled_engine.engine.sampling_params import StructuredOutputs
 from compiled_engine.errors import RequestError
 from compiled_engine.server.common.engine_streams import event_stream, final_output, unless_disconnected
 from compiled_engine.server.common.errors import ApiError, request_error_handler

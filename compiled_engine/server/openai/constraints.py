@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from compiled_engine.engine.structured_outputs import StructuredOutputs
+from compiled_engine.engine.sampling_params import StructuredOutputs
 from compiled_engine.errors import RequestError
 from compiled_engine.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 

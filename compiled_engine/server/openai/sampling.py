@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from compiled_engine.engine.sampling_params import SamplingParams
-from compiled_engine.engine.structured_outputs import StructuredOutputs
+from compiled_engine.engine.sampling_params import SamplingParams, StructuredOutputs
 from compiled_engine.server.common.errors import ApiError
 from compiled_engine.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from compiled_engine.engine.structured_outputs import StructuredOutputs
+from compiled_engine.engine.sampling_params import StructuredOutputs
 from compiled_engine.server.common.errors import ApiError
 from compiled_engine.server.common.tool_parsers import ToolCallParser
 from compiled_engine.server.common.tools import ToolPlan, checked_tool_calls, tool_plan

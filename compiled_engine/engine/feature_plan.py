@@ -1,9 +1,9 @@
 """Which optional features an engine runs, picked once when it is built.
 
-The engine declares each seam (engine/drafting.py, engine/adapters.py, engine/grammars.py) and
-never imports a feature package. The feature packages register their implementations in
-`REGISTRY`; compiled_engine/features.py holds every registration line, and the package imports
-it first thing, so the registry is full before any engine is built.
+The engine declares each seam (engine/drafting.py, engine/adapters.py, engine/grammars.py,
+engine/pooler.py) and never imports a feature package. The feature packages register their
+implementations in `REGISTRY`; compiled_engine/registrations.py holds every registration line,
+and the package imports it first thing, so the registry is full before any engine is built.
 
 Building happens in two phases, because a draft model shares the target's page pool and adapters
 are put into the model before it is compiled: `plan_features` says what the runner must know
@@ -21,6 +21,7 @@ from compiled_engine.config import EngineConfig, SpeculativeConfig
 from compiled_engine.engine.adapters import AdapterSet, AdapterSlots, NoAdapters, install_no_adapters
 from compiled_engine.engine.drafting import Drafter, NoDrafter
 from compiled_engine.engine.grammars import GrammarSet
+from compiled_engine.engine.pooler import NoPooler, Pooler
 from compiled_engine.errors import ModelConfigError
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ T = TypeVar("T")
 DrafterFactory = Callable[[SpeculativeConfig, EngineConfig, Path], DrafterPlan]
 AdapterFactory = Callable[[EngineConfig], AdapterPlan]
 GrammarFactory = Callable[[Path | None, int, frozenset[int]], GrammarSet]  # tokenizer.json, vocab, eos ids
+PoolerFactory = Callable[[Path], Pooler]  # the model's directory
 
 
 @dataclass
@@ -60,6 +62,7 @@ class FeatureRegistry:
     drafters: dict[str, DrafterFactory] = field(default_factory=dict)  # by SpeculativeConfig.method
     adapters: dict[str, AdapterFactory] = field(default_factory=dict)  # "lora"
     grammars: dict[str, GrammarFactory] = field(default_factory=dict)  # "llguidance"
+    poolers: dict[str, PoolerFactory] = field(default_factory=dict)  # "embed"
 
 
 REGISTRY = FeatureRegistry()
@@ -85,11 +88,12 @@ class FeaturePlan:
     drafter: DrafterPlan
     adapters: AdapterPlan
     grammars: GrammarFactory
+    pooler: Pooler
 
 
 def plan_features(config: EngineConfig, model_dir: Path) -> FeaturePlan:
-    """The features `config` asks for. A drafter that cannot draft for this model fails here,
-    before any weight is read."""
+    """The features `config` asks for. A drafter that cannot draft for this model, or a pooling
+    the model's files do not describe, fails here, before any weight is read."""
     drafter: DrafterPlan = _NoDrafterPlan()
     if config.speculative is not None:
         drafter = _registered(REGISTRY.drafters, config.speculative.method, "speculative method")(
@@ -98,7 +102,10 @@ def plan_features(config: EngineConfig, model_dir: Path) -> FeaturePlan:
     adapters: AdapterPlan = _NoAdapterPlan()
     if config.enable_lora:
         adapters = _registered(REGISTRY.adapters, "lora", "adapter kind")(config)
-    return FeaturePlan(drafter, adapters, _registered(REGISTRY.grammars, "llguidance", "grammar set"))
+    pooler: Pooler = NoPooler()
+    if config.runner == "pooling":
+        pooler = _registered(REGISTRY.poolers, "embed", "pooler")(model_dir)
+    return FeaturePlan(drafter, adapters, _registered(REGISTRY.grammars, "llguidance", "grammar set"), pooler)
 
 
 def _registered(table: dict[str, T], name: str, what: str) -> T:

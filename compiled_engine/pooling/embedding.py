@@ -1,4 +1,5 @@
-"""Pooling a prompt's hidden states into one embedding (`--runner pooling`).
+"""Pooling a prompt's hidden states into one embedding (`--runner pooling`): the engine's pooler
+(engine/pooler.py), registered as "embed".
 
 How a model pools comes from its sentence-transformers files when it has them: `modules.json`
 names a Pooling module (its `config.json`: mean, CLS or last token) and, if the embeddings are
@@ -6,8 +7,8 @@ normalized, a Normalize module. Without them: the last token's hidden state, nor
 default for embedding models). The hidden states are the final norm's output, as transformers'
 `last_hidden_state`.
 
-A sequence's `PoolingState` takes its prompt's hidden states chunk by chunk as the scheduler
-runs them. Mean and CLS pooling need every prompt token's state, so such sequences take no
+A sequence's `Pooling` takes its prompt's hidden states chunk by chunk as the scheduler runs
+them. Mean and CLS pooling need every prompt token's state, so such sequences take no
 prefix-cache hits (as prompt logprobs); last-token pooling does, since the last token is always
 computed.
 """
@@ -21,20 +22,13 @@ from typing import Any
 
 import torch
 
-from compiled_engine.errors import ModelConfigError
+from compiled_engine.engine.feature_state import PoolingState
+from compiled_engine.engine.pooler import Batch, PoolingConfig
+from compiled_engine.engine.sequence import Sequence
+from compiled_engine.errors import ModelConfigError, RequestError
 
 POOLING_MODES = ("mean", "cls", "last")
 _ST_MODES = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls", "pooling_mode_lasttoken": "last"}
-
-
-@dataclass(frozen=True)
-class PoolingConfig:
-    mode: str = "last"  # one of POOLING_MODES
-    normalize: bool = True
-
-    @property
-    def needs_every_token(self) -> bool:
-        return self.mode != "last"
 
 
 def pooling_config(model_dir: Path) -> PoolingConfig:
@@ -73,16 +67,14 @@ def _read(path: Path) -> Any:
 
 
 @dataclass
-class PoolingState:
-    """One sequence's pooled hidden state so far."""
+class Pooling:
+    """One sequence's pooled hidden state so far (its `PoolingState`, engine/feature_state.py)."""
 
     config: PoolingConfig
     total: torch.Tensor | None = None  # mean: the sum so far; cls and last: the chosen row
     count: int = 0
 
     def add(self, rows: torch.Tensor, start: int) -> None:
-        """The hidden states of the prompt tokens at positions start, start + 1, ...; a chunk
-        that starts at 0 starts over (a preempted sequence recomputes its prompt)."""
         rows = rows.float()
         if start == 0:
             self.total, self.count = None, 0
@@ -102,3 +94,31 @@ class PoolingState:
         if self.config.normalize:
             pooled = torch.nn.functional.normalize(pooled, dim=-1)
         return [float(value) for value in pooled.cpu().tolist()]
+
+
+class EmbeddingPooler:
+    """Every request pools its prompt into one embedding, as the model's `config` says."""
+
+    pools = True
+
+    def __init__(self, model_dir: Path) -> None:
+        self.config = pooling_config(model_dir)
+
+    def states(self, pooled: bool, n: int) -> list[PoolingState | None]:
+        if not pooled:
+            raise RequestError("this engine pools (runner pooling): it makes embeddings, not text")
+        return [Pooling(self.config) for _ in range(n)]
+
+    def reads_whole_prompt(self, seq: Sequence) -> bool:
+        return self.config.needs_every_token
+
+    def pool(self, batch: Batch, rows: torch.Tensor) -> tuple[Batch, torch.Tensor]:
+        row = 0
+        for seq, num_new in batch:
+            assert seq.pooling is not None
+            seq.pooling.add(rows[row : row + num_new], seq.num_computed_tokens)
+            row += num_new
+        return [], rows[:0]  # nothing to sample
+
+    def results(self, due: list[Sequence]) -> list[tuple[Sequence, list[float]]]:
+        return [(seq, seq.pooling.result()) for seq in due if seq.pooling is not None]
