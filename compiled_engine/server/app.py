@@ -12,7 +12,6 @@ from litestar.logging.config import LoggingConfig
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import JsonRenderPlugin
 
-from compiled_engine.engine.engine_client import EngineClient
 from compiled_engine.errors import RequestError
 from compiled_engine.server.docs_page import PlainDocsRenderPlugin
 from compiled_engine.server.errors import handle_exception, request_error_handler
@@ -28,6 +27,7 @@ from compiled_engine.server.routes.responses import ResponsesController
 from compiled_engine.server.routes.tokenize import DetokenizeController, TokenizeController
 from compiled_engine.server.serving import Serving
 from compiled_engine.server.settings import DEFAULT_MAX_BODY_BYTES, ServerSettings
+from compiled_engine.serving.client import EngineClient
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "ServerSettings", "create_app"]
 

@@ -13,7 +13,6 @@ from typing import Any
 
 from litestar import Request
 
-from compiled_engine.engine.engine_client import EngineClient
 from compiled_engine.engine.outputs import RequestOutput
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.engine.structured_outputs import StructuredOutputs
@@ -27,6 +26,7 @@ from compiled_engine.server.responses_store import ResponseStore
 from compiled_engine.server.settings import ServerSettings
 from compiled_engine.server.structured import structured_outputs_of
 from compiled_engine.server.tool_parsers import tool_call_parser
+from compiled_engine.serving.client import EngineClient
 from compiled_engine.tokenizer import Tokenizer
 
 
