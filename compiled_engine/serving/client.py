@@ -1,23 +1,18 @@
 """What the server holds the engine by: one `EngineClient` over one engine handle (the engine on a
-thread of this process) or N (`serve --data-parallel-size N`: replica processes). The routes never
-ask which.
+thread of this process) or N (`serve --data-parallel-size N`: replica processes, a request going
+to the one `PrefixRouter` picks). The routes never ask which.
 
-Each request gets an asyncio stream; its outputs come in the reports of its engine's loop (on the
-loop's thread, or a replica's reader thread) and reach the stream through its event loop.
-Leaving a stream early (a client disconnect closes the async generator) aborts its request, whose
-pages the loop returns at its next step. Over N engines a request goes to the one `PrefixRouter`
-picks (the one that caches most of its prompt unless it is overloaded, else the least loaded).
+Each request gets an asyncio stream, fed from its engine's step reports (on the loop's thread, or
+a replica's reader thread); leaving it early (a client disconnect closes the generator) aborts
+the request. Stats are the loops' published snapshots, safe to read from any thread; requests sent
+and not yet taken in by a loop count as waiting at once.
 
-Stats are the loops' snapshots (engine/stats.py), safe to read from any thread: nothing here
-reads a live engine. Requests sent and not yet taken in by a loop count as waiting at once.
-
-An engine that dies is seen at once: its loop's failure when it reports it, a replica process's
-exit when its pipe closes. The watchdog sees the rest: a replica silent (no step report, no idle
-heartbeat) for `replica_heartbeat_timeout_s` (its process is then killed), or a lost
-tensor-parallel rank. A lost engine's requests end with EngineDeadError (a 503 before a stream's
-200, the API's error event after it), it leaves the routing, `/health` and `/metrics` report it
-down, and any others go on serving. Shutdown drains them all: no new requests, in-flight ones
-finish for the grace period, then the rest are aborted and the engines are stopped.
+An engine that dies is seen at once (its loop's failure, a replica's pipe closing) or by the
+watchdog (`EngineHandle.check`: a replica silent for `replica_heartbeat_timeout_s`, a lost
+tensor-parallel rank). Its requests end with EngineDeadError (a 503 before a stream's 200, the
+API's error event after it), it leaves the routing, `/health` and `/metrics` report it down, and
+any others go on serving. Shutdown drains: no new requests, in-flight ones finish for the grace
+period, the rest are aborted, then the engines stop.
 """
 
 from __future__ import annotations
@@ -30,7 +25,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -105,7 +100,6 @@ class EngineClient:
         self._accepting = True
         self._stopped = False
         self.router: PrefixRouter | None = None  # over several engines
-        self._served: ServedModel | None = None
         self._adapter_digests: dict[tuple[str, str], str] = {}  # by adapter name and path
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -127,22 +121,15 @@ class EngineClient:
                 replica.stats, replica.alive, replica.last_heard = message.stats, True, time.monotonic()
         if len(self._replicas) > 1:
             self.router = PrefixRouter(len(self._replicas), ready[0].page_size, DEFAULT_BALANCE_SLACK)
-        self._served = self._replicas[0].served()
+        self.served: ServedModel = self._replicas[0].served()
         if self.watched:
             threading.Thread(target=self._watch, name="engine-liveness", daemon=True).start()
 
     @property
-    def served(self) -> ServedModel:
-        if self._served is None:
-            raise EngineDeadError("the engine was never started")
-        return self._served
-
-    @property
     def engine(self) -> LLMEngine:
-        """The engine, where one runs in this process (a thread handle): for logs and benches."""
-        engine = self._replicas[0].engine if len(self._replicas) == 1 else None
-        if engine is None:
-            raise AttributeError("the engines run in replica processes")
+        """The engine of a client over one thread handle: for logs and benches."""
+        engine = self._replicas[0].engine
+        assert engine is not None and len(self._replicas) == 1, "the engines run in replica processes"
         return engine
 
     @property
@@ -234,16 +221,20 @@ class EngineClient:
             replica = self._choose(keys)
             replica.adds_sent += 1
             self._streams[request_id] = _Stream(asyncio.get_running_loop(), stream, replica)
-        forget = functools.partial(self._forget, request_id)
+        finished = False
         try:
             self._send(replica, AddRequest(request_id, prompt, params, cache_salt, lora_request, pooling))
-        except EngineDeadError:
-            forget()
-            raise
-        outputs = _request_outputs(stream, functools.partial(self.abort, request_id), forget)
-        async with contextlib.aclosing(outputs):
-            async for output in outputs:
-                yield output
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):  # the engine has forgotten the request
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:  # a caller that leaves first (the generator closed at a yield) aborts it
+            if not finished:
+                self.abort(request_id)
+            self._forget(request_id)
 
     async def _page_keys(
         self, prompt: str | list[int], cache_salt: str | None, lora_request: AdapterRequest | None
@@ -438,29 +429,6 @@ class EngineClient:
             self._deliver(request_id, EngineDeadError(error))
         for call in lost_calls:
             _settle(call, None, EngineDeadError(error))
-
-
-async def _request_outputs(
-    stream: asyncio.Queue[RequestOutput | BaseException], abort: Callable[[], None], forget: Callable[[], None]
-) -> AsyncGenerator[RequestOutput, None]:
-    """A request's outputs from the queue its engine delivers them to, up to the finished one. An
-    error in the queue is raised (the engine has already forgotten the request); a caller that
-    leaves first (the generator closed at a yield) aborts it. `forget` runs at the end either way."""
-    finished = False
-    try:
-        while True:
-            item = await stream.get()
-            if isinstance(item, BaseException):
-                finished = True
-                raise item
-            finished = item.finished
-            yield item
-            if finished:
-                return
-    finally:
-        if not finished:
-            abort()
-        forget()
 
 
 def _settle(call: _PendingCall, result: Any, error: BaseException | None) -> None:
