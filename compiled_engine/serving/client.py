@@ -258,8 +258,6 @@ class EngineClient:
     def _choose(self, keys: list[int]) -> EngineHandle:
         """The engine for a request (under the lock)."""
         if self.router is None:
-            if not self._replicas[0].alive:
-                raise self._dead()
             return self._replicas[0]
         try:
             route = self.router.choose(keys)
