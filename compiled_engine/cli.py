@@ -199,8 +199,8 @@ def _api_keys(flags: list[str] | None) -> tuple[str, ...]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from compiled_engine.replicas.kv_events import KVEventsConfig
     from compiled_engine.server.launch import run_server
+    from compiled_engine.serving.kv_events import KVEventsConfig
 
     return run_server(
         engine_config_from_args(args),

@@ -141,7 +141,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # each tensor-parallel rank its share of the cores (parallel/threads.py).
     cpu_threads: int | None = None
     # Engine replicas behind one server, each on its share of the cores or its own GPUs
-    # (replicas/; `serve` only: an LLMEngine is one replica).
+    # (serving/; `serve` only: an LLMEngine is one replica).
     data_parallel_size: int = 1
     distributed_timeout_s: float = 60.0  # a collective that waits longer fails (a rank died or hung)
     # A data-parallel replica that sends nothing (no step report, no idle heartbeat) for longer is

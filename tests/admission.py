@@ -9,31 +9,34 @@ from contextlib import contextmanager
 from typing import Any
 
 from compiled_engine.config import EngineConfig
-from compiled_engine.engine.async_engine import AsyncEngine
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.server.app import ServerSettings, create_app
+from compiled_engine.serving.client import EngineClient
+from compiled_engine.serving.handle import ThreadHandle
 
 KEY = "in-process-key"
 
 
-def overloaded(engine: AsyncEngine) -> None:
+def overloaded(engine: EngineClient) -> None:
     engine.max_waiting_requests = 0
 
 
-def draining(engine: AsyncEngine) -> None:
+def draining(engine: EngineClient) -> None:
     engine.stop_accepting()
 
 
 # In this order: a draining engine never takes requests again.
-REFUSALS: list[tuple[int, Callable[[AsyncEngine], None]]] = [(429, overloaded), (503, draining)]
+REFUSALS: list[tuple[int, Callable[[EngineClient], None]]] = [(429, overloaded), (503, draining)]
 
 
 @contextmanager
-def in_process_app(model: str) -> Iterator[tuple[AsyncEngine, Any]]:
+def in_process_app(model: str) -> Iterator[tuple[EngineClient, Any]]:
     """The engine and a test client of the app over it (`model`: the served name; key: KEY)."""
     from litestar.testing import TestClient
 
-    engine = AsyncEngine(lambda: LLMEngine(EngineConfig(enforce_eager=True, kv_cache_memory_gib=0.05)), 8)
+    engine = EngineClient(
+        [ThreadHandle(lambda: LLMEngine(EngineConfig(enforce_eager=True, kv_cache_memory_gib=0.05)))], 8
+    )
     engine.start()
     try:
         with TestClient(create_app(engine, ServerSettings(model, api_keys=(KEY,)))) as client:

@@ -1,5 +1,5 @@
-"""AsyncEngine without HTTP: streams, early exit aborts, overload, a dead loop, shutdown, stats
-read from other threads."""
+"""The engine client over a thread handle, without HTTP: streams, early exit aborts, overload, a
+dead loop, shutdown, stats read from other threads."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 
 from compiled_engine.config import EngineConfig
-from compiled_engine.engine.async_engine import AsyncEngine, EngineStats
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.outputs import RequestOutput
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.engine.sequence import Sequence
+from compiled_engine.engine.stats import EngineStats
 from compiled_engine.errors import (
     CompiledEngineError,
     EngineDeadError,
@@ -26,30 +26,32 @@ from compiled_engine.errors import (
     EngineShuttingDownError,
     RequestError,
 )
+from compiled_engine.serving.client import EngineClient
+from compiled_engine.serving.handle import ThreadHandle
 from tests.waiting import wait_until
 
 
 @pytest.fixture
-def engine(tiny_model_factory: Callable[..., Path]) -> Iterator[AsyncEngine]:
+def engine(tiny_model_factory: Callable[..., Path]) -> Iterator[EngineClient]:
     core = LLMEngine(EngineConfig(model=str(tiny_model_factory("llama")), page_size=4, num_pages=64))
-    async_engine = AsyncEngine(core, max_waiting_requests=4)
+    async_engine = EngineClient([ThreadHandle(core)], max_waiting_requests=4)
     async_engine.start()
     yield async_engine
     async_engine.shutdown(grace_s=1)
 
 
-async def collect(engine: AsyncEngine, prompt: list[int], params: SamplingParams) -> list[RequestOutput]:
+async def collect(engine: EngineClient, prompt: list[int], params: SamplingParams) -> list[RequestOutput]:
     return [output async for output in engine.generate(prompt, params)]
 
 
-def test_streams_to_the_end_and_matches_the_offline_engine(engine: AsyncEngine) -> None:
+def test_streams_to_the_end_and_matches_the_offline_engine(engine: EngineClient) -> None:
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     outputs = asyncio.run(collect(engine, [5, 6, 7], params))
     assert outputs[-1].finished and len(outputs[-1].token_ids) == 6
     assert [len(o.token_ids) for o in outputs] == list(range(1, 7))
 
 
-def test_leaving_early_aborts_and_frees_pages(engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_leaving_early_aborts_and_frees_pages(engine: EngineClient, monkeypatch: pytest.MonkeyPatch) -> None:
     """The stream's early exit is what aborts it: a spy on `abort` sees it, and the engine counts
     the request as aborted (the tiny model could otherwise finish its 100 tokens and free the
     pages anyway)."""
@@ -74,19 +76,19 @@ def test_leaving_early_aborts_and_frees_pages(engine: AsyncEngine, monkeypatch: 
     assert len(aborted) == 1 and stats.aborted_requests == before + 1
 
 
-def test_invalid_request_raises_the_engine_error(engine: AsyncEngine) -> None:
+def test_invalid_request_raises_the_engine_error(engine: EngineClient) -> None:
     with pytest.raises(RequestError, match="the prompt is empty"):
         asyncio.run(collect(engine, [], SamplingParams()))
     assert engine.is_alive
 
 
-def test_overload_is_refused(engine: AsyncEngine) -> None:
+def test_overload_is_refused(engine: EngineClient) -> None:
     engine.max_waiting_requests = 0
     with pytest.raises(EngineOverloadedError, match="already waiting"):
         asyncio.run(collect(engine, [1, 2], SamplingParams(max_tokens=2)))
 
 
-def test_a_dead_loop_fails_requests_instead_of_hanging(engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_dead_loop_fails_requests_instead_of_hanging(engine: EngineClient, monkeypatch: pytest.MonkeyPatch) -> None:
     def broken_step() -> list[RequestOutput]:
         raise RuntimeError("device lost")
 
@@ -98,7 +100,7 @@ def test_a_dead_loop_fails_requests_instead_of_hanging(engine: AsyncEngine, monk
         asyncio.run(collect(engine, [1, 2], SamplingParams(max_tokens=2)))
 
 
-def test_shutdown_stops_admission(engine: AsyncEngine) -> None:
+def test_shutdown_stops_admission(engine: EngineClient) -> None:
     engine.shutdown(grace_s=1)
     with pytest.raises((EngineShuttingDownError, EngineDeadError)):
         asyncio.run(collect(engine, [1, 2], SamplingParams(max_tokens=2)))
@@ -112,7 +114,7 @@ def test_a_build_function_builds_the_engine_on_the_loop_thread(tiny_model_factor
         built_on.append(threading.current_thread().name)
         return LLMEngine(EngineConfig(model=model_dir, page_size=4, num_pages=64))
 
-    async_engine = AsyncEngine(build)
+    async_engine = EngineClient([ThreadHandle(build)])
     async_engine.start()
     try:
         assert built_on == ["engine-loop"]
@@ -125,7 +127,7 @@ def test_a_build_function_builds_the_engine_on_the_loop_thread(tiny_model_factor
 
 
 def test_a_failing_build_is_raised_by_start(tmp_path: Path) -> None:
-    async_engine = AsyncEngine(lambda: LLMEngine(EngineConfig(model=str(tmp_path / "missing"))))
+    async_engine = EngineClient([ThreadHandle(lambda: LLMEngine(EngineConfig(model=str(tmp_path / "missing"))))])
     with pytest.raises(CompiledEngineError, match="missing"):
         async_engine.start()
     assert not async_engine.is_alive
@@ -188,7 +190,7 @@ def test_stats_from_other_threads_never_read_the_live_scheduler(tiny_model_facto
     core = LLMEngine(EngineConfig(model=str(tiny_model_factory("llama")), page_size=4, num_pages=64))
     guard = LoopOnlyReads()
     guard.install(core)
-    engine = AsyncEngine(core, max_waiting_requests=64)
+    engine = EngineClient([ThreadHandle(core)], max_waiting_requests=64)
     engine.start()
     stop, reads, errors = threading.Event(), [0], []
 
@@ -236,7 +238,7 @@ def test_stats_from_other_threads_never_read_the_live_scheduler(tiny_model_facto
 
 
 def test_stats_are_current_when_a_request_ends_and_count_requests_not_yet_taken_in(
-    engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+    engine: EngineClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The loop publishes before it delivers: when a request's last output is handed over,
     `stats()` already shows it gone and its pages free. Requests sent while the loop is busy (here

@@ -18,7 +18,7 @@ from compiled_engine.cache.events import AllPagesCleared, PagesRemoved, PageStor
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.sampling_params import SamplingParams
-from compiled_engine.replicas.kv_events import UINT64, KVEventsConfig, ZmqEventPublisher, wire_events
+from compiled_engine.serving.kv_events import UINT64, KVEventsConfig, ZmqEventPublisher, wire_events
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -28,8 +28,8 @@ import pytest
 import zmq
 
 from compiled_engine.cache.events import AllPagesCleared, PagesRemoved, PageStored
-from compiled_engine.replicas import kv_events
-from compiled_engine.replicas.kv_events import UINT64, KVEventsConfig, ZmqEventPublisher
+from compiled_engine.serving import kv_events
+from compiled_engine.serving.kv_events import UINT64, KVEventsConfig, ZmqEventPublisher
 
 # -- vLLM v0.34.0's schema (commit 62d4bc3c7): names, order, defaults and options as vLLM has them --
 

@@ -24,8 +24,9 @@ from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.errors import EngineDeadError, PromptError, PromptProblem
 from compiled_engine.lora.adapter import LoRAError
 from compiled_engine.lora.manager import LoRARequest
-from compiled_engine.replicas.front_end import DataParallelEngine
-from compiled_engine.replicas.messages import AbortRequest
+from compiled_engine.serving.client import EngineClient
+from compiled_engine.serving.messages import AbortRequest
+from compiled_engine.serving.replica import replica_handles
 from tests.test_lora import _peft_adapter
 from tests.waiting import wait_until
 
@@ -40,7 +41,7 @@ def _refuse(engine: LLMEngine) -> None:
 
 
 @pytest.fixture(scope="module")
-def front_end(tiny_model_factory: Callable[..., Path]) -> Iterator[DataParallelEngine]:
+def front_end(tiny_model_factory: Callable[..., Path]) -> Iterator[EngineClient]:
     config = EngineConfig(
         model=str(tiny_model_factory("llama")),
         enforce_eager=True,
@@ -49,7 +50,7 @@ def front_end(tiny_model_factory: Callable[..., Path]) -> Iterator[DataParallelE
         data_parallel_size=2,
         enable_lora=True,
     )
-    engine = DataParallelEngine(config)
+    engine = EngineClient(replica_handles(config))
     engine.start()
     yield engine
     engine.shutdown(grace_s=5)
@@ -70,7 +71,7 @@ def _one_engines_ids(config: EngineConfig, prompts: list[list[int]], params: Sam
 
 
 async def _last(
-    engine: DataParallelEngine, prompt: list[int], params: SamplingParams, adapter: LoRARequest | None = None
+    engine: EngineClient, prompt: list[int], params: SamplingParams, adapter: LoRARequest | None = None
 ) -> RequestOutput:
     final = None
     async for output in engine.generate(prompt, params, lora_request=adapter):
@@ -79,7 +80,7 @@ async def _last(
     return final
 
 
-def test_requests_spread_and_match_one_engine(front_end: DataParallelEngine) -> None:
+def test_requests_spread_and_match_one_engine(front_end: EngineClient) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     prompts = [[5, 17, 42, 99, 7 + i] for i in range(6)]
 
@@ -88,7 +89,7 @@ def test_requests_spread_and_match_one_engine(front_end: DataParallelEngine) -> 
 
     outputs = asyncio.run(run())
     assert {output.engine_index for output in outputs} == {0, 1}
-    one = msgspec.structs.replace(front_end.config, data_parallel_size=1)
+    one = msgspec.structs.replace(front_end._replicas[0].config, data_parallel_size=1)
     assert [output.outputs[0].token_ids for output in outputs] == _one_engines_ids(one, prompts, params)
     stats = front_end.engine_stats()
     assert set(stats) == {0, 1}
@@ -97,11 +98,13 @@ def test_requests_spread_and_match_one_engine(front_end: DataParallelEngine) -> 
 
 
 def test_an_adapters_repeated_prompt_goes_back_to_the_replica_that_cached_it(
-    front_end: DataParallelEngine, tmp_path: Path
+    front_end: EngineClient, tmp_path: Path
 ) -> None:
     """The front end keys an adapter's pages as its replica does (name and a digest of the files),
     so the second run of a prompt finds its pages; an adapter it cannot read still runs, by load."""
-    adapter = LoRARequest("tiny", str(_peft_adapter(Path(front_end.config.model), tmp_path / "tiny", seed=1)))
+    adapter = LoRARequest(
+        "tiny", str(_peft_adapter(Path(front_end._replicas[0].config.model), tmp_path / "tiny", seed=1))
+    )
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     prompt = [(7 * i) % 200 + 3 for i in range(24)]  # 6 pages of 4
 
@@ -129,7 +132,7 @@ def _hold_until(release: str, pid: int, engine: LLMEngine) -> int:
 
 
 def test_a_message_to_a_replica_busy_in_a_step_is_queued_not_waited_for(
-    front_end: DataParallelEngine, tmp_path: Path
+    front_end: EngineClient, tmp_path: Path
 ) -> None:
     """A message larger than the pipe holds waits for the replica to read it, which it does only
     between steps: the front end's send (on the server's event loop) must not wait with it."""
@@ -149,14 +152,14 @@ def test_a_message_to_a_replica_busy_in_a_step_is_queued_not_waited_for(
     assert asyncio.run(_last(front_end, [4, 5, 6], SamplingParams(max_tokens=2))).finished  # both serve on
 
 
-def test_an_invalid_request_fails_with_the_replicas_error_whole(front_end: DataParallelEngine) -> None:
+def test_an_invalid_request_fails_with_the_replicas_error_whole(front_end: EngineClient) -> None:
     with pytest.raises(PromptError) as refused:
         asyncio.run(_last(front_end, [10**6], SamplingParams(max_tokens=2)))
     assert refused.value.problem is PromptProblem.OUT_OF_VOCABULARY and refused.value.param == "prompt"
     assert front_end.num_waiting() == 0  # nothing left queued
 
 
-def test_a_call_runs_on_every_replica(front_end: DataParallelEngine) -> None:
+def test_a_call_runs_on_every_replica(front_end: EngineClient) -> None:
     assert asyncio.run(front_end.call(functools.partial(_pages_plus, 1))) == 33
     with pytest.raises(ValueError, match="refused on purpose"):
         asyncio.run(front_end.call(_refuse))
@@ -164,7 +167,7 @@ def test_a_call_runs_on_every_replica(front_end: DataParallelEngine) -> None:
 
 def test_a_replica_that_cannot_start_stops_the_start_with_its_reason(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-model"
-    engine = DataParallelEngine(EngineConfig(model=str(missing), enforce_eager=True, data_parallel_size=2))
+    engine = EngineClient(replica_handles(EngineConfig(model=str(missing), enforce_eager=True, data_parallel_size=2)))
     with pytest.raises(EngineDeadError, match="replica 0 failed to start") as failed:
         engine.start()
     assert "no-such-model" in str(failed.value)
@@ -181,7 +184,7 @@ def test_replicas_of_two_tensor_parallel_ranks_each(tiny_model_factory: Callable
         data_parallel_size=2,
         tensor_parallel_size=2,
     )
-    engine = DataParallelEngine(config)
+    engine = EngineClient(replica_handles(config))
     engine.start()
     try:
         params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -214,7 +217,7 @@ def test_a_replica_whose_loop_fails_leaves_at_once_and_its_counters_stay_in_the_
     config = EngineConfig(
         model=str(tiny_model_factory("llama")), enforce_eager=True, page_size=4, num_pages=16, data_parallel_size=2
     )
-    engine = DataParallelEngine(config)
+    engine = EngineClient(replica_handles(config))
     engine.start()
     try:
         params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
@@ -240,7 +243,7 @@ def test_with_every_replica_lost_the_engine_is_dead_and_says_why(tiny_model_fact
     config = EngineConfig(
         model=str(tiny_model_factory("llama")), enforce_eager=True, page_size=4, num_pages=16, data_parallel_size=2
     )
-    engine = DataParallelEngine(config)
+    engine = EngineClient(replica_handles(config))
     engine.start()
     try:
         engine.kill_replica(0)
@@ -272,7 +275,7 @@ def test_a_stopped_replica_is_lost_after_its_heartbeat_timeout_and_the_other_ser
         data_parallel_size=2,
         replica_heartbeat_timeout_s=3.0,
     )
-    engine = DataParallelEngine(config)
+    engine = EngineClient(replica_handles(config))
     engine.start()
     stopped = engine._replicas[1].process
     try:

@@ -12,10 +12,9 @@ import pytest
 
 from compiled_engine.cache.block_manager import BlockManager
 from compiled_engine.cache.events import AllPagesCleared, PagesRemoved, PageStored, prompt_page_keys, salt_key
-from compiled_engine.engine.async_engine import EngineStats
-from compiled_engine.engine.engine_client import SummedDraftStats, summed_stats
-from compiled_engine.replicas.placement import Placement, cpu_placements, cuda_placements, threads_for
-from compiled_engine.replicas.routing import PrefixRouter
+from compiled_engine.engine.stats import EngineStats, SummedDraftStats, summed_stats
+from compiled_engine.serving.placement import Placement, cpu_placements, cuda_placements, threads_for
+from compiled_engine.serving.routing import PrefixRouter
 
 PAGE = 4
 

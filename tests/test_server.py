@@ -557,12 +557,13 @@ def test_a_draining_or_dead_server_refuses_new_requests_with_503_and_is_not_read
     from litestar.testing import TestClient
 
     from compiled_engine.config import EngineConfig
-    from compiled_engine.engine.async_engine import AsyncEngine
     from compiled_engine.engine.llm_engine import LLMEngine
     from compiled_engine.server.app import ServerSettings, create_app
+    from compiled_engine.serving.client import EngineClient
+    from compiled_engine.serving.handle import ThreadHandle
 
     config = EngineConfig(enforce_eager=True, kv_cache_memory_gib=0.05)
-    engine = AsyncEngine(lambda: LLMEngine(config), 8)
+    engine = EngineClient([ThreadHandle(lambda: LLMEngine(config))], 8)
     engine.start()
     try:
         with TestClient(create_app(engine, ServerSettings("tiny"))) as client:

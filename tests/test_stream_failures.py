@@ -19,9 +19,11 @@ import pytest
 import uvicorn
 
 from compiled_engine.config import EngineConfig
-from compiled_engine.engine.async_engine import AsyncEngine, EngineStats
 from compiled_engine.engine.llm_engine import LLMEngine
+from compiled_engine.engine.stats import EngineStats
 from compiled_engine.server.app import ServerSettings, create_app
+from compiled_engine.serving.client import EngineClient
+from compiled_engine.serving.handle import ThreadHandle
 from tests.server_process import free_port
 
 MODEL = "tiny"
@@ -61,7 +63,7 @@ class FailingServer:
     official SDKs talk to it over HTTP)."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        self.loop = AsyncEngine(engine, 8)
+        self.loop = EngineClient([ThreadHandle(engine)], 8)
         self.loop.start()
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"

@@ -47,13 +47,13 @@ from compiled_engine.bench.speculative import bench_speculative_runs
 from compiled_engine.bench.structured import bench_structured_runs
 from compiled_engine.bench.workload import Workload, random_workload
 from compiled_engine.config import DTYPES
-from compiled_engine.engine.async_engine import AsyncEngine
-from compiled_engine.engine.engine_client import EngineClient
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine_options import add_engine_options, engine_config_from_args
 from compiled_engine.errors import CompiledEngineError
 from compiled_engine.model.registry import config_from_model_dir
-from compiled_engine.replicas.front_end import DataParallelEngine
+from compiled_engine.serving.client import EngineClient
+from compiled_engine.serving.handle import ThreadHandle
+from compiled_engine.serving.replica import replica_handles
 from compiled_engine.weights.gguf import gguf_file
 from compiled_engine.weights.source import resolve_model_dir
 
@@ -521,11 +521,11 @@ def bench_serve(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     client: EngineClient | None = None
     engine = None
     if not args.base_url and config.data_parallel_size > 1:
-        front_end = DataParallelEngine(config, max_waiting_requests=4096)
+        front_end = EngineClient(replica_handles(config), max_waiting_requests=4096)
         front_end.start()
         client = front_end
-    elif not args.base_url:  # built on its loop thread, which runs all its steps (see AsyncEngine)
-        async_engine = AsyncEngine(lambda: _engine(args), max_waiting_requests=4096)
+    elif not args.base_url:  # built on its loop thread, which runs all its steps (see ThreadHandle)
+        async_engine = EngineClient([ThreadHandle(lambda: _engine(args))], max_waiting_requests=4096)
         async_engine.start()
         client, engine = async_engine, async_engine.engine
     from compiled_engine.server.launch import serve_in_background  # the server stack only where it serves
@@ -540,7 +540,7 @@ def bench_serve(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     dtype = engine.runner.dtype if engine is not None else DTYPES[args.dtype or "float32"]
     baseline = args.baseline.replace("-", "_")
     if args.baseline == "one-engine":
-        single = AsyncEngine(lambda: _engine(args, data_parallel_size=1), max_waiting_requests=4096)
+        single = EngineClient([ThreadHandle(lambda: _engine(args, data_parallel_size=1))], max_waiting_requests=4096)
         single.start()
         with serve_in_background(single) as single_url:
             alone = _drive(single_url, plan, args, console, "one engine", vocab)

@@ -1,6 +1,6 @@
 """Request validation: every check on a prompt that needs the model (its tokenizer, its
 vocabulary, its context length), in one place. Each failure is a PromptError naming the problem
-and the request field at fault, so every front end (LLM, AsyncEngine, the HTTP server) reports
+and the request field at fault, so every front end (LLM, the engine client, the HTTP server) reports
 the same thing in the same words. SamplingParams checks its own fields when it is built: those
 need no model."""
 

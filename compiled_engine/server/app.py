@@ -13,7 +13,6 @@ from litestar.logging.config import LoggingConfig
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import JsonRenderPlugin
 
-from compiled_engine.engine.engine_client import EngineClient
 from compiled_engine.errors import RequestError
 from compiled_engine.server.anthropic.routes import MessagesController
 from compiled_engine.server.common.errors import handle_exception, request_error_handler
@@ -29,6 +28,7 @@ from compiled_engine.server.routes.docs_page import PlainDocsRenderPlugin
 from compiled_engine.server.routes.health import HealthController, MetricsController
 from compiled_engine.server.serving import Serving
 from compiled_engine.server.settings import DEFAULT_MAX_BODY_BYTES, ServerSettings
+from compiled_engine.serving.client import EngineClient
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "ServerSettings", "create_app"]
 

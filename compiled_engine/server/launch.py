@@ -16,14 +16,13 @@ import uvicorn
 
 from compiled_engine.cache.events import CacheEvent
 from compiled_engine.config import EngineConfig
-from compiled_engine.engine.async_engine import AsyncEngine
-from compiled_engine.engine.engine_client import EngineClient
 from compiled_engine.engine.llm_engine import LLMEngine
-from compiled_engine.errors import EngineDeadError
-from compiled_engine.replicas.front_end import DataParallelEngine
-from compiled_engine.replicas.kv_events import KVEventsConfig, ZmqEventPublisher
-from compiled_engine.replicas.replica import build_engine
 from compiled_engine.server.app import ServerSettings, create_app
+from compiled_engine.serving.client import EngineClient
+from compiled_engine.serving.handle import ThreadHandle
+from compiled_engine.serving.kv_events import KVEventsConfig, ZmqEventPublisher
+from compiled_engine.serving.loop import build_engine
+from compiled_engine.serving.replica import replica_handles
 
 logger = logging.getLogger("compiled_engine.server")
 
@@ -57,8 +56,8 @@ def run_server(
     publishers = _EventPublishers(kv_events, config)
     async_engine: EngineClient
     if config.data_parallel_size > 1:
-        front_end = DataParallelEngine(
-            config, lora_modules, max_waiting_requests, publishers.publish, log_format=log_format
+        front_end = EngineClient(
+            replica_handles(config, lora_modules, log_format), max_waiting_requests, publishers.publish
         )
         front_end.start()
         async_engine = front_end
@@ -97,18 +96,14 @@ def run_server(
         log_config=None if log_format == "json" else uvicorn.config.LOGGING_CONFIG,
     )
     server = _DrainingServer(config_, async_engine.stop_accepting, shutdown_grace_s, async_engine.abort_all)
-    single = async_engine.engine if isinstance(async_engine, AsyncEngine) else None
-    if single is None or single.ranks is not None:
+    if async_engine.watched:
         threading.Thread(
             target=_exit_when_the_loop_dies, args=(async_engine, server), name="engine-watchdog", daemon=True
         ).start()
     try:
         server.run()
     finally:
-        if single is not None:
-            single.shutdown()
-        else:
-            async_engine.shutdown(grace_s=0)  # drained already, unless uvicorn never started
+        async_engine.shutdown(grace_s=0)  # drained already, unless uvicorn never started
         publishers.close()
     return 1 if async_engine.error is not None else 0
 
@@ -143,14 +138,13 @@ class _EventPublishers:
 
 def _start_engine(
     config: EngineConfig, lora_modules: dict[str, str], max_waiting_requests: int, publishers: _EventPublishers
-) -> AsyncEngine:
+) -> EngineClient:
     """The engine loop, started, with the adapters of `--lora-modules` loaded."""
     record = publishers.enabled
-    sink = functools.partial(publishers.publish, 0) if record else None
-    # The engine is built on the loop thread that will run it (see AsyncEngine).
-    async_engine = AsyncEngine(
-        functools.partial(build_engine, config, lora_modules, record), max_waiting_requests, sink
-    )
+    sink = publishers.publish if record else None
+    # The engine is built on the loop thread that will run it (see serving/handle.py).
+    handle = ThreadHandle(functools.partial(build_engine, config, lora_modules, record))
+    async_engine = EngineClient([handle], max_waiting_requests, sink)
     async_engine.start()
     return async_engine
 
@@ -176,19 +170,10 @@ def _exit_when_the_loop_dies(
     async_engine: EngineClient, server: uvicorn.Server, poll_s: float = 1.0, not_ready_s: float = 2.0
 ) -> None:
     """With tensor parallelism a lost rank cannot be brought back from this process: once a
-    worker is gone (checked every `poll_s`, even when idle) or the loop has died, report not
+    worker is gone (the client's watchdog checks, even when idle) or the loop has died, report not
     ready for a moment (load balancers see it), then exit non-zero. With data-parallel replicas,
     the same once the last one is gone."""
-    group = async_engine.engine.ranks if isinstance(async_engine, AsyncEngine) else None
-    while True:
-        if group is not None:
-            try:
-                group.check_alive()
-            except EngineDeadError as exc:
-                assert isinstance(async_engine, AsyncEngine)
-                async_engine.fail(exc)
-        if not async_engine.is_alive:
-            break
+    while async_engine.is_alive:
         time.sleep(poll_s)
     if async_engine.error is not None:
         logger.error("the engine died (%s); the server exits", async_engine.error)

@@ -23,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
-from compiled_engine.engine.async_engine import EngineStats
 from compiled_engine.engine.drafting import DraftStats
 from compiled_engine.engine.outputs import RequestMetrics, RequestOutput
+from compiled_engine.engine.stats import EngineStats
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_BUCKETS = (1, 8, 32, 128, 512, 2048, 8192)

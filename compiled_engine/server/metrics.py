@@ -14,7 +14,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from compiled_engine.engine.engine_client import EngineClient
 from compiled_engine.engine.outputs import RequestOutput
 from compiled_engine.engine.sequence import FinishReason
 from compiled_engine.server.metric_table import (
@@ -25,6 +24,7 @@ from compiled_engine.server.metric_table import (
     REQUEST_HISTOGRAMS,
     Kind,
 )
+from compiled_engine.serving.client import EngineClient
 
 KNOWN_PATHS = ("/health", "/ready", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
 

@@ -13,7 +13,6 @@ from typing import Any
 
 from litestar import Request
 
-from compiled_engine.engine.engine_client import EngineClient
 from compiled_engine.engine.outputs import RequestOutput
 from compiled_engine.engine.sampling_params import SamplingParams, StructuredOutputs
 from compiled_engine.lora.manager import LoRARequest
@@ -27,6 +26,7 @@ from compiled_engine.server.openai.constraints import structured_outputs_of
 from compiled_engine.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from compiled_engine.server.responses.store import ResponseStore
 from compiled_engine.server.settings import ServerSettings
+from compiled_engine.serving.client import EngineClient
 from compiled_engine.tokenizer import Tokenizer
 
 
