@@ -27,8 +27,8 @@ from gguf import GGMLQuantizationType as QT
 
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine.generator import Generator
-from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.errors import ModelLoadError
+from compiled_engine.executor.runner import Runner
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.gguf import BLOCK_TYPES, check_tensor, read_gguf_header, read_tensor
 from compiled_engine.model.gguf_dir import prepare_gguf_dir
@@ -211,7 +211,7 @@ def test_whole_files_keep_every_matrix_quantized_and_give_transformers_greedy_id
     for name in ("gate_up_proj", "down_proj"):
         assert isinstance(model.get_submodule(f"layers.1.mlp.{name}"), QuantizedLinear), name
     assert isinstance(model.lm_head, QuantizedLinear)
-    runner = ModelRunner(prepared, EngineConfig(model=str(prepared), page_size=4, num_pages=64, enforce_eager=True))
+    runner = Runner(prepared, EngineConfig(model=str(prepared), page_size=4, num_pages=64, enforce_eager=True))
     ids = torch.randint(3, config.vocab_size, (24,), generator=torch.Generator().manual_seed(1)).tolist()
     [ours] = Generator(runner).generate([ids], 8, record_logits=True)
     reference = transformers_model(file_type)

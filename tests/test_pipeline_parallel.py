@@ -20,11 +20,11 @@ import torch
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.sampling_params import SamplingParams
-from compiled_engine.engine.step_inputs import StepInputs
 from compiled_engine.engine.weight_loading import load_weights
+from compiled_engine.executor.pipeline import ParallelLayout, stage_layers
+from compiled_engine.executor.step import StepInputs
 from compiled_engine.model.checkpoint import CheckpointTensor
 from compiled_engine.model.config import ModelConfig
-from compiled_engine.parallel.pipeline import ParallelLayout, stage_layers
 from compiled_engine.quantization import gguf as gguf_loading
 from tests.test_model_families import VARIANTS
 from tests.test_tensor_parallel import PROMPTS, _assert_same, _fields, _generate, _in_child, dead_worker_message

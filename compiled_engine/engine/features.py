@@ -26,7 +26,7 @@ from compiled_engine.errors import ModelConfigError
 if TYPE_CHECKING:
     import torch
 
-    from compiled_engine.engine.model_runner import ModelRunner, SharedPool
+    from compiled_engine.executor.runner import Runner, SharedPool
     from compiled_engine.model.config import ModelConfig
     from compiled_engine.model.layers import DecoderModel
 
@@ -37,7 +37,7 @@ class DrafterPlan(Protocol):
         """What the drafter's own model adds to each page and to the memory budget (None: nothing)."""
         ...
 
-    def start(self, runner: ModelRunner) -> Drafter: ...
+    def start(self, runner: Runner) -> Drafter: ...
 
 
 class AdapterPlan(Protocol):
@@ -68,7 +68,7 @@ REGISTRY = FeatureRegistry()
 class _NoDrafterPlan:
     shared_pool = None
 
-    def start(self, runner: ModelRunner) -> Drafter:
+    def start(self, runner: Runner) -> Drafter:
         return NoDrafter()
 
 

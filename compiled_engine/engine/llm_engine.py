@@ -1,7 +1,7 @@
 """LLMEngine: one loop that owns every request. `add_request` and `abort_request` only queue
 work; `step` runs one iteration:
 
-    aborts -> drafter.propose -> schedule -> drafter.fill -> runner.run -> sample -> verify -> emit
+    aborts -> drafter.propose -> schedule -> drafter.fill -> runner.execute -> sample -> verify -> emit
 
 The optional features (a drafter, an adapter set, a grammar set) are declared in engine/ and
 picked once, when the engine is built (engine/features.py); the loop calls them the same way
@@ -21,7 +21,6 @@ from compiled_engine.config import EngineConfig
 from compiled_engine.engine.adapters import AdapterRequest
 from compiled_engine.engine.drafting import DraftStats
 from compiled_engine.engine.features import plan_features
-from compiled_engine.engine.memory_budget import return_freed_heap
 from compiled_engine.engine.outputs import RequestOutput
 from compiled_engine.engine.pooling import PoolingConfig, pooling_config
 from compiled_engine.engine.request_state import RequestState
@@ -30,13 +29,15 @@ from compiled_engine.engine.sampler import TokenLogprobs, make_sampler
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.engine.scheduler import Scheduler, SchedulerOutput
 from compiled_engine.engine.sequence import FinishReason, Sequence
-from compiled_engine.engine.step_inputs import logit_count
-from compiled_engine.engine.tp_worker import start_runner
+from compiled_engine.engine.step_inputs import logit_count, step_inputs
 from compiled_engine.engine.verifier import Verifier
 from compiled_engine.errors import RequestError
+from compiled_engine.executor.kv_pool import return_freed_heap
+from compiled_engine.executor.ranks import start_runner
+from compiled_engine.executor.step import HiddenStates, Logits, Wants
+from compiled_engine.executor.threads import set_threads
 from compiled_engine.model.packed_linear import packed_bytes
 from compiled_engine.model.source import resolve_model_dir
-from compiled_engine.parallel.threads import set_threads
 from compiled_engine.profiling import nvtx_range
 from compiled_engine.tokenizer import Tokenizer
 
@@ -218,7 +219,11 @@ class LLMEngine:
         with nvtx_range("draft"):
             draft_probs = self.drafter.fill(scheduled, self.scheduler.running)
         batch = [(item.seq, item.num_tokens) for item in out.scheduled]
-        logits = self.runner.run(batch, self.adapters.slots_for(scheduled), out.page_copies)
+        with nvtx_range("prepare inputs"):
+            inputs = step_inputs(batch, self.adapters.slots_for(scheduled), out.page_copies)
+        output = self.runner.execute(inputs)
+        assert isinstance(output, Logits)  # rank 0's runner answers
+        logits = output.rows
         first_rows, row = {}, 0  # each sequence's first row to sample: it has 1 + drafts
         for seq, num_new in batch:
             count = logit_count(seq, num_new)  # its logits rows
@@ -243,9 +248,12 @@ class LLMEngine:
         """Run the scheduled prompt chunks, pool their hidden states, and finish each sequence
         whose prompt is all in with its embedding."""
         batch = [(item.seq, item.num_tokens) for item in out.scheduled]
-        hidden = self.runner.run(
-            batch, self.adapters.slots_for([seq for seq, _ in batch]), out.page_copies, hidden=True
-        )
+        with nvtx_range("prepare inputs"):
+            slots = self.adapters.slots_for([seq for seq, _ in batch])
+            inputs = step_inputs(batch, slots, out.page_copies, Wants.HIDDEN_STATES)
+        output = self.runner.execute(inputs)
+        assert isinstance(output, HiddenStates)  # rank 0's runner answers
+        hidden = output.rows
         row = 0
         for seq, num_new in batch:
             assert seq.pooling is not None
