@@ -43,9 +43,7 @@ PROMPTS = [p.text for p in DEFAULT_PROMPTS]
 CPU = torch.device("cpu")
 
 
-def _runner(
-    model_dir: Path, compiled: bool, quantization: str | None = None, compile_cache: bool = False
-) -> Runner:
+def _runner(model_dir: Path, compiled: bool, quantization: str | None = None, compile_cache: bool = False) -> Runner:
     """compile_cache False (most tests here): plain torch.compile, traced in this process, so
     Dynamo's counters see every graph; the saved traces have tests of their own below."""
     config = EngineConfig(

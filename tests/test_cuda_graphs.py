@@ -196,9 +196,7 @@ def test_every_captured_size_replays_like_eager_on_cuda(
         "llama", hidden_size=256, num_attention_heads=4
     )  # head_dim 64, which FlashInfer runs
     config = dict(model=str(model_dir), device="cuda", kv_cache_memory_gib=0.05, max_num_seqs=20)
-    graphed = Runner(
-        model_dir, EngineConfig(**config, dtype=dtype, enforce_eager=False, attention_backend=backend)
-    )  # type: ignore[arg-type]  # the tests default to eager
+    graphed = Runner(model_dir, EngineConfig(**config, dtype=dtype, enforce_eager=False, attention_backend=backend))  # type: ignore[arg-type]  # the tests default to eager
     eager = Runner(model_dir, EngineConfig(**config, dtype=dtype, enforce_eager=True, attention_backend="torch"))  # type: ignore[arg-type]
     reference = Runner(
         model_dir, EngineConfig(**config, dtype="float32", enforce_eager=True, attention_backend="torch")

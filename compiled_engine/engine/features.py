@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from compiled_engine.config import EngineConfig, SpeculativeConfig
-from compiled_engine.engine.adapters import AdapterSet, AdapterSlots, NoAdapters, install_no_adapters
+from compiled_engine.engine.adapters import AdapterSet, NoAdapters
 from compiled_engine.engine.drafting import Drafter, NoDrafter
 from compiled_engine.engine.grammars import GrammarSet
 from compiled_engine.errors import ModelConfigError
+from compiled_engine.executor.prepare import AdapterSlots, install_no_adapters
 
 if TYPE_CHECKING:
     import torch

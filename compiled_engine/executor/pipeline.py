@@ -16,7 +16,7 @@ same TP rank of the next; the last stage's TP rank 0 answers rank 0.
 
 Sends are asynchronous (`isend`) and finished at the end of the step (`StageLinks.finish`), so a
 stage goes on to the next micro-batch while the next stage works on the one it sent: that is what
-keeps the stages busy in a batched step (the runner splits it, executor/runner.py).
+keeps the stages busy in a batched step (the stage's runner splits it, executor/stage_runner.py).
 """
 
 from __future__ import annotations

@@ -9,12 +9,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from compiled_engine.cache_paths import compiled_dir, inductor_dir
-from compiled_engine.engine.adapters import AdapterInstall, AdapterSlots
 from compiled_engine.executor.compilation import ModelForward, model_forward, use_compile_cache
 from compiled_engine.executor.frame_arena import install_frame_arena
 from compiled_engine.executor.pipeline import StageLinks, link_stage
@@ -25,22 +25,45 @@ from compiled_engine.parallel.plan import parallelize
 from compiled_engine.products.walk import install_products
 
 
+class AdapterSlots(Protocol):
+    def set_tokens(self, query_lens: list[int], seq_slots: list[int] | None, padded_tokens: int = 0) -> None:
+        """The next forward's tokens: sequence s runs `query_lens[s]` of them on slot
+        `seq_slots[s]` (-1 or None: the base model); padding rows up to `padded_tokens` use none."""
+        ...
+
+
+class AdapterInstall(Protocol):
+    """The adapter seam's rewrite (engine/adapters.py): its products put into the model, and the
+    slots the runner sets before each forward. `max_tokens`: the most one forward runs."""
+
+    def __call__(
+        self, model: DecoderModel, config: ModelConfig, max_tokens: int, dtype: torch.dtype
+    ) -> AdapterSlots: ...
+
+
+class NoAdapterSlots:
+    def set_tokens(self, query_lens: list[int], seq_slots: list[int] | None, padded_tokens: int = 0) -> None:
+        pass
+
+
+def install_no_adapters(model: DecoderModel, config: ModelConfig, max_tokens: int, dtype: torch.dtype) -> AdapterSlots:
+    return NoAdapterSlots()
+
+
 @dataclass(frozen=True)
 class PreparePlan:
     """What to apply to a loaded model."""
 
-    model_config: ModelConfig
-    dtype: torch.dtype
     mesh: DeviceMesh | None  # this rank's tensor-parallel group; None: the model stays whole
     compiled: bool  # compiled kernels and a compiled forward; False: eager
     cpu_activations: str
-    install_adapters: AdapterInstall
-    adapter_tokens: int  # the most tokens one forward runs (the adapter buffers' rows)
+    adapters: Callable[[DecoderModel], AdapterSlots]  # an AdapterInstall with its arguments
     # What names this model's saved traces besides its modules (executor/precompiled.py); None:
     # traced at every start.
     trace_key: list[str] | None
-    whole_forward: bool  # one compiled one-token forward (False: a pipeline stage, layer by layer)
-    links: StageLinks | None  # a pipeline stage's sends and receives; None: not a stage
+    # A pipeline stage's sends and receives (its layers compiled one by one, with no one-token
+    # forward of the whole model); None: not a stage.
+    links: StageLinks | None
 
 
 @dataclass(frozen=True)
@@ -56,7 +79,7 @@ def prepare(model: DecoderModel, plan: PreparePlan, run_alone: Callable[[Prepare
     if plan.mesh is not None:
         parallelize(model, plan.mesh)
     install_products(model, plan.compiled, plan.cpu_activations)
-    slots = plan.install_adapters(model, plan.model_config, plan.adapter_tokens, plan.dtype)
+    slots = plan.adapters(model)
     prepared = PreparedModel(_compile(model, plan), slots)
     run_alone(prepared)
     if plan.links is not None:  # each stage compiled and warmed up alone; now linked
@@ -71,4 +94,4 @@ def _compile(model: DecoderModel, plan: PreparePlan) -> ModelForward:
     saved_dir: Path | None = None
     if plan.trace_key is not None:  # named by the model as the kernels and adapters left it
         saved_dir = artifact_dir(compiled_dir(), [*model_signature(model), *plan.trace_key])
-    return model_forward(model, compiled=True, saved_dir=saved_dir, whole_forward=plan.whole_forward)
+    return model_forward(model, compiled=True, saved_dir=saved_dir, whole_forward=plan.links is None)

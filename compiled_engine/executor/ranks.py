@@ -12,10 +12,10 @@ from pathlib import Path
 import torch.distributed as dist
 
 from compiled_engine.config import EngineConfig
-from compiled_engine.engine.adapters import AdapterInstall
 from compiled_engine.executor.distributed import Idle, broadcast_step, init_ranks
 from compiled_engine.executor.launch import RankGroup
 from compiled_engine.executor.pipeline import ParallelLayout, stage_layers
+from compiled_engine.executor.prepare import AdapterInstall
 from compiled_engine.executor.runner import Runner, SharedPool
 from compiled_engine.executor.stage_runner import StageRunner
 from compiled_engine.executor.step import StepInputs
@@ -42,14 +42,10 @@ def start_runner(
     return Runner(model_dir, config, ranks.shard, ranks.mesh, shared_pool, install_adapters, ranks.layout), ranks
 
 
-def receive_step() -> StepInputs | Idle | None:
-    """What rank 0 broadcasts next: a step, Idle (no step yet), or None (stop)."""
-    step: StepInputs | Idle | None = broadcast_step(None)
-    return step
-
-
 def serve_as_worker(runner: Runner) -> None:
-    while (inputs := receive_step()) is not None:
+    """Run each step rank 0 broadcasts (Idle: no step yet) until it sends None (stop)."""
+    inputs: StepInputs | Idle | None
+    while (inputs := broadcast_step(None)) is not None:
         if not isinstance(inputs, Idle):
             runner.execute(inputs)  # a rank other than 0: nothing comes back
 

@@ -31,14 +31,13 @@ from compiled_engine.attention.selector import get_backend
 from compiled_engine.cache.block_manager import PageCopy
 from compiled_engine.cache.kv_cache import KVCacheSpec, is_fp8
 from compiled_engine.config import EngineConfig
-from compiled_engine.engine.adapters import AdapterInstall, install_no_adapters
 from compiled_engine.engine.weight_loading import load_weights
 from compiled_engine.executor.compilation import CompiledForward
 from compiled_engine.executor.cuda_graphs import MAX_CAPTURE_SIZE, CudaGraphRunner, DecodeBuffers, capture_sizes
 from compiled_engine.executor.distributed import StepSender
 from compiled_engine.executor.kv_pool import context_limit, kv_budget_bytes, size_kv_pool
 from compiled_engine.executor.pipeline import ParallelLayout, StageLinks, stage_layers
-from compiled_engine.executor.prepare import PreparedModel, PreparePlan, prepare
+from compiled_engine.executor.prepare import AdapterInstall, PreparedModel, PreparePlan, install_no_adapters, prepare
 from compiled_engine.executor.step import HiddenStates, Logits, NoOutput, StepInputs, StepOutput, Wants
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.layers import DecoderModel
@@ -107,11 +106,12 @@ class Runner:
         # CPU only for now: saved traces replayed inside CUDA graphs have not run on a GPU yet.
         saved = compiled and config.compile_cache and self.device.type == "cpu" and not self.is_stage
         self.links = StageLinks(self.layout, config.distributed_timeout_s) if self.is_stage else None
+        max_tokens = max(config.max_num_batched_tokens, WARM_UP_TOKENS, MAX_CAPTURE_SIZE)
         plan = PreparePlan(
-            self.model_config, self.dtype, mesh if shard.size > 1 else None, compiled, config.cpu_activations,
-            install_adapters, max(config.max_num_batched_tokens, WARM_UP_TOKENS, MAX_CAPTURE_SIZE),
+            mesh if shard.size > 1 else None, compiled, config.cpu_activations,
+            lambda model: install_adapters(model, self.model_config, max_tokens, self.dtype),
             trace_key=[repr(self.model_config), self.weights_description, str(self.dtype)] if saved else None,
-            whole_forward=not self.is_stage, links=self.links,
+            links=self.links,
         )  # fmt: skip
         prepare(self.model, plan, lambda prepared: self._start(prepared, config, limit))
         self.steps: StepSender | None = None  # rank 0 of several: its steps go to the other ranks
@@ -176,7 +176,9 @@ class Runner:
         num_pages = config.num_pages
         if num_pages is None:
             extra = self.shared_pool
-            budget = kv_budget_bytes(config, self.device, lambda: self._measure_cuda(config, limit), extra.reserved_bytes)
+            budget = kv_budget_bytes(
+                config, self.device, lambda: self._measure_cuda(config, limit), extra.reserved_bytes
+            )
             num_pages = budget // (self.kv_spec.bytes_per_page + extra.bytes_per_page)
         if self.layout.world_size > 1:
             found = torch.tensor([num_pages], dtype=torch.int64, device=self.device)
@@ -316,7 +318,6 @@ class Runner:
         oracle comparisons read; `execute` samples only each sequence's last)."""
         input_ids, positions, metadata = self._tensors(inputs)
         return self._hidden(input_ids, positions, self.kv_cache, metadata, inputs.lora_slots)
-
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> StepOutput:
