@@ -20,7 +20,7 @@ from pathlib import Path
 CACHE_ENV = "COMPILED_ENGINE_CACHE"
 MODELS_ENV = "COMPILED_ENGINE_MODELS"
 # Inductor's own choice of cache directory; the engine sets it to `CacheLayout.inductor` unless the
-# user already did (engine/compilation.py).
+# user already did (executor/compilation.py).
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 
@@ -55,7 +55,7 @@ class CacheLayout:
 
     @property
     def compiled(self) -> Path:
-        """The compiled model's saved traces (engine/precompiled.py), one directory per model."""
+        """The compiled model's saved traces (executor/precompiled.py), one directory per model."""
         return self.root / "compiled"
 
     def environment(self) -> dict[str, str]:

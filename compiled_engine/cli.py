@@ -121,7 +121,7 @@ def _build_native_kernels() -> None:
     import time
 
     from compiled_engine.attention.native_decode import load_native_decode, load_native_operator
-    from compiled_engine.engine.frame_arena import install_frame_arena
+    from compiled_engine.executor.frame_arena import install_frame_arena
     from compiled_engine.linear.lora_op import native_lora_kernel
     from compiled_engine.linear.packed_cpu import blocked_gemv_operator
     from compiled_engine.linear.quantized_op import cpu_kernels, native_operator
@@ -255,7 +255,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def _torchrun_worker_rank() -> int | None:
     """Under torchrun, the rank of this process when it is not rank 0."""
-    from compiled_engine.parallel.launch import under_torchrun
+    from compiled_engine.executor.launch import under_torchrun
 
     rank = int(os.environ.get("RANK", "0"))
     return rank if under_torchrun() and rank > 0 else None
@@ -263,8 +263,8 @@ def _torchrun_worker_rank() -> int | None:
 
 def _run_torchrun_worker(args: argparse.Namespace) -> int:
     """Ranks 1..N-1 under torchrun run the model's shard; rank 0 runs the command itself."""
-    from compiled_engine.engine.tp_worker import run_worker
-    from compiled_engine.parallel.pipeline import ParallelLayout
+    from compiled_engine.executor.pipeline import ParallelLayout
+    from compiled_engine.executor.ranks import run_worker
     from compiled_engine.weights.source import resolve_model_dir
 
     rank = _torchrun_worker_rank()

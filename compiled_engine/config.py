@@ -129,16 +129,16 @@ class EngineConfig(msgspec.Struct, frozen=True):
     enforce_eager: bool | None = None
     cuda_graphs: bool = True  # decode through captured CUDA graphs (CUDA only, not with eager)
     # Compiled: save the traced model at the first start and load it at the next ones
-    # (engine/precompiled.py); False traces it at every start.
+    # (executor/precompiled.py); False traces it at every start.
     compile_cache: bool = True
     tensor_parallel_size: int = 1  # ranks each layer's products are split across (parallel/)
-    # Stages the layers are split across, each a slice of them (parallel/pipeline.py); the engine
+    # Stages the layers are split across, each a slice of them (executor/pipeline.py); the engine
     # runs pipeline_parallel_size x tensor_parallel_size ranks.
     pipeline_parallel_size: int = 1
     # Micro-batches a pipeline step is cut into, at most (None: one per stage).
     pipeline_micro_batches: int | None = None
     # CPU threads for each of the engine's processes; None: torch's default for one process, and
-    # each tensor-parallel rank its share of the cores (parallel/threads.py).
+    # each tensor-parallel rank its share of the cores (executor/threads.py).
     cpu_threads: int | None = None
     # Engine replicas behind one server, each on its share of the cores or its own GPUs
     # (serving/; `serve` only: an LLMEngine is one replica).

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 from compiled_engine.config import EngineConfig
-from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.engine.reference_loop import GenerationResult, Generator
+from compiled_engine.executor.runner import Runner
 from compiled_engine.prompts import DEFAULT_PROMPTS, PromptSpec, load_prompts
 from compiled_engine.tokenizer import Tokenizer
 from compiled_engine.weights.source import resolve_model_dir
@@ -84,7 +84,7 @@ def verify(config: EngineConfig, prompts_file: Path | None, chat: bool, max_toke
             print(f"{len(problems)} disagreements with transformers' reading of the GGUF", file=sys.stderr)
             return 1
         print(summary)
-    runner = ModelRunner(model_dir, config)
+    runner = Runner(model_dir, config)
     prompt_ids = []
     for i, spec in enumerate(specs):
         encoded = tokenizer.encode_prompt(spec.text, spec.chat)

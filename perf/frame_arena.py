@@ -1,5 +1,5 @@
 """Batch-1 decode of the default model, compiled, with the frame-stack arena cache
-(compiled_engine/engine/frame_arena.py) on and off, at chosen extra Python stack depths: whether
+(compiled_engine/executor/frame_arena.py) on and off, at chosen extra Python stack depths: whether
 a step maps and unmaps the interpreter's 16 KiB frame-stack chunks depends on the depth it runs
 at.
 
@@ -42,7 +42,7 @@ def decoding_engine() -> Any:
 
 
 def chunks_a_step(engine: Any, steps: int) -> float:
-    from compiled_engine.engine.frame_arena import frame_arena_counts
+    from compiled_engine.executor.frame_arena import frame_arena_counts
 
     before = frame_arena_counts()
     for _ in range(steps):
@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24, help="decode steps per block")
     parser.add_argument("--rounds", type=int, default=6, help="blocks per setting and depth, alternated")
     args = parser.parse_args()
-    from compiled_engine.engine.frame_arena import set_frame_arena_enabled
+    from compiled_engine.executor.frame_arena import set_frame_arena_enabled
 
     sys.setrecursionlimit(10_000)
     engine = decoding_engine()

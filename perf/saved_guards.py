@@ -1,6 +1,6 @@
 """What evaluating the saved traces' guards costs a decode step: batch-1 decode of the default
 model (or --model), one engine and one request, its steps taken in turn with the guards
-evaluated at every call (as they were) and once per call signature (engine/precompiled.py).
+evaluated at every call (as they were) and once per call signature (executor/precompiled.py).
 
     .venv/bin/python perf/saved_guards.py
     .venv/bin/python perf/saved_guards.py --rounds 5 --output-len 300
@@ -14,9 +14,9 @@ import time
 from typing import Any
 
 from compiled_engine.config import EngineConfig
-from compiled_engine.engine import precompiled
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.sampling_params import SamplingParams
+from compiled_engine.executor import precompiled
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ import torch
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.sampling_params import SamplingParams
-from compiled_engine.parallel.threads import threads_per_process
+from compiled_engine.executor.threads import threads_per_process
 
 
 def main() -> None:

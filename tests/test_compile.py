@@ -22,15 +22,15 @@ from compiled_engine.attention import op as attention_op
 from compiled_engine.attention.metadata import AttentionMetadata
 from compiled_engine.cache_paths import CACHE_ENV, INDUCTOR_CACHE_ENV
 from compiled_engine.config import ENFORCE_EAGER_ENV, EngineConfig
-from compiled_engine.engine.compilation import (
+from compiled_engine.engine.llm_engine import LLMEngine
+from compiled_engine.engine.sampling_params import SamplingParams
+from compiled_engine.executor.compilation import (
     CompiledForward,
     use_compile_cache,
 )
-from compiled_engine.engine.llm_engine import LLMEngine
-from compiled_engine.engine.model_runner import ModelRunner
-from compiled_engine.engine.precompiled import PrecompiledFunction, artifact_dir, call_signature, model_signature
-from compiled_engine.engine.sampling_params import SamplingParams
-from compiled_engine.engine.step_inputs import StepInputs
+from compiled_engine.executor.precompiled import PrecompiledFunction, artifact_dir, call_signature, model_signature
+from compiled_engine.executor.runner import Runner
+from compiled_engine.executor.step import StepInputs
 from compiled_engine.linear import packed_cpu as packed_linear
 from compiled_engine.linear.packed_cpu import CpuLinear
 from compiled_engine.prompts import DEFAULT_PROMPTS
@@ -43,9 +43,7 @@ PROMPTS = [p.text for p in DEFAULT_PROMPTS]
 CPU = torch.device("cpu")
 
 
-def _runner(
-    model_dir: Path, compiled: bool, quantization: str | None = None, compile_cache: bool = False
-) -> ModelRunner:
+def _runner(model_dir: Path, compiled: bool, quantization: str | None = None, compile_cache: bool = False) -> Runner:
     """compile_cache False (most tests here): plain torch.compile, traced in this process, so
     Dynamo's counters see every graph; the saved traces have tests of their own below."""
     config = EngineConfig(
@@ -55,7 +53,7 @@ def _runner(
         quantization=quantization,
         compile_cache=compile_cache,
     )
-    return ModelRunner(model_dir, config)
+    return Runner(model_dir, config)
 
 
 def _batches(vocab: int) -> list[list[tuple[int, int, int, list[int]]]]:
@@ -72,7 +70,7 @@ def _batches(vocab: int) -> list[list[tuple[int, int, int, list[int]]]]:
 
 
 @torch.inference_mode()
-def _run_steps(runner: ModelRunner, tokens: dict[int, list[int]]) -> list[torch.Tensor]:
+def _run_steps(runner: Runner, tokens: dict[int, list[int]]) -> list[torch.Tensor]:
     outs = []
     for step in _batches(runner.model_config.vocab_size):
         ids: list[int] = []
@@ -83,7 +81,7 @@ def _run_steps(runner: ModelRunner, tokens: dict[int, list[int]]) -> list[torch.
         inputs = StepInputs(
             ids, positions, [new for _, _, new, _ in step], [c + n for _, c, n, _ in step], [t for *_, t in step]
         )
-        logits = runner.execute(inputs)
+        logits = runner.execute(inputs).rows
         assert logits is not None
         outs.append(logits)
     return outs
@@ -293,7 +291,7 @@ def test_a_compiled_decode_step_is_one_compiled_entry_and_one_attention_plan(
     monkeypatch.setattr(attention_op, "install_plan", recording_install)
     runner.execute(StepInputs(list(range(3, 8)), list(range(5)), [5], [5], [[0]]))  # the prompt
     with torch.profiler.profile() as prof:
-        logits = runner.execute(StepInputs([9], [5], [1], [6], [[0]]))
+        logits = runner.execute(StepInputs([9], [5], [1], [6], [[0]])).rows
     assert logits is not None and logits.shape == (1, runner.model_config.vocab_size)
     entries = [e for e in prof.events() if e.name.startswith("Torch-Compiled Region")]
     # the forward, and the head's one-row graph where this machine keeps its weight in two copies
@@ -308,7 +306,7 @@ def test_a_compiled_decode_step_is_one_compiled_entry_and_one_attention_plan(
         assert attended == [prepared[0]] * 3 + [prepared[1]] * 3
 
 
-# -- saved traces (engine/precompiled.py) ---------------------------------------------------------
+# -- saved traces (executor/precompiled.py) ---------------------------------------------------------
 
 
 def _eager_run(
@@ -321,7 +319,7 @@ def _eager_run(
     return model_dir, tokens, _run_steps(_runner(model_dir, compiled=False), tokens)
 
 
-def _entry_sources(runner: ModelRunner) -> dict[str, str]:
+def _entry_sources(runner: Runner) -> dict[str, str]:
     assert isinstance(runner.forward, CompiledForward)
     return {name: entry.source for name, entry in runner.forward.entries().items()}
 
@@ -382,7 +380,7 @@ def test_a_gguf_of_mixed_types_saves_one_trace_per_kind_of_layer_and_loads_them_
 
 
 def _assert_own_logits(
-    runner: ModelRunner, tokens: dict[int, list[int]], own: list[torch.Tensor], other: list[torch.Tensor]
+    runner: Runner, tokens: dict[int, list[int]], own: list[torch.Tensor], other: list[torch.Tensor]
 ) -> None:
     """The runner's logits on `_batches` are its own model's eager ones, far from the other model's."""
     for got, want, elsewhere in zip(_run_steps(runner, tokens), own, other, strict=True):
@@ -477,7 +475,7 @@ def test_a_saved_trace_that_does_not_load_is_compiled_again(
     (damaged,) = (tmp_path / "compiled").rglob("one_token_forward.bin")
     damaged.write_bytes(b"not a saved trace")
     torch._dynamo.reset()
-    with caplog.at_level("INFO", logger="compiled_engine.engine.precompiled"):
+    with caplog.at_level("INFO", logger="compiled_engine.executor.precompiled"):
         runner = _runner(model_dir, compiled=True, compile_cache=True)
     head = {"head": "loaded"} if "head" in _entry_sources(runner) else {}  # two copies of the head here
     assert _entry_sources(runner) == {"layer": "loaded", "one-token forward": "compiled and saved", **head}
@@ -505,7 +503,7 @@ def test_a_call_the_saved_guards_refuse_runs_through_plain_torch_compile(
     torch.testing.assert_close(loading(x), x * 2 + 1)  # another length: the token dimension is dynamic
     assert loading.source == "loaded"
     counters.clear()
-    with caplog.at_level("WARNING", logger="compiled_engine.engine.precompiled"):
+    with caplog.at_level("WARNING", logger="compiled_engine.executor.precompiled"):
         doubles = torch.arange(3, dtype=torch.float64)
         torch.testing.assert_close(loading(doubles), doubles * 2 + 1)
     assert "guards refuse a call" in caplog.text and "dtype mismatch" in caplog.text
@@ -547,8 +545,8 @@ def test_saved_guards_are_evaluated_once_per_call_signature(tmp_path: Path, monk
 
 def test_saved_traces_are_keyed_by_the_model_and_its_configuration(tiny_model_factory: Callable[..., Path]) -> None:
     root = Path("/nonexistent")
-    llama = ModelRunner(tiny_model_factory("llama"), EngineConfig(enforce_eager=True)).model
-    qwen3 = ModelRunner(tiny_model_factory("qwen3"), EngineConfig(enforce_eager=True)).model
+    llama = Runner(tiny_model_factory("llama"), EngineConfig(enforce_eager=True)).model
+    qwen3 = Runner(tiny_model_factory("qwen3"), EngineConfig(enforce_eager=True)).model
     assert artifact_dir(root, model_signature(llama)) == artifact_dir(root, model_signature(llama))
     assert artifact_dir(root, model_signature(llama)) != artifact_dir(root, model_signature(qwen3))
     assert artifact_dir(root, [*model_signature(llama), "float32"]) != artifact_dir(

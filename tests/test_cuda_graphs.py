@@ -17,14 +17,14 @@ from compiled_engine.attention.native_decode import load_native_decode
 from compiled_engine.attention.paged import TorchPlan
 from compiled_engine.attention.torch_backend import TorchAttentionBackend
 from compiled_engine.config import EngineConfig
-from compiled_engine.engine.cuda_graphs import (
+from compiled_engine.executor.cuda_graphs import (
     CudaGraphRunner,
     DecodeBuffers,
     capture_sizes,
     padded_size,
 )
-from compiled_engine.engine.model_runner import ModelRunner
-from compiled_engine.engine.step_inputs import StepInputs
+from compiled_engine.executor.runner import Runner
+from compiled_engine.executor.step import NoOutput, StepInputs, Wants
 from tests.cuda_graph_stand_ins import RecordingGraph, use_stand_ins
 
 CPU = torch.device("cpu")
@@ -85,7 +85,7 @@ def test_padded_decode_batch_in_static_buffers_matches_the_batch_alone(tiny_mode
     """What a graph replays, run eagerly on CPU: 3 sequences padded to 4 rows give the logits of
     the 3 sequences run without padding, and the padding writes only the scratch page."""
     model_dir = tiny_model_factory("llama")
-    runner = ModelRunner(
+    runner = Runner(
         model_dir,
         EngineConfig(model=str(model_dir), enforce_eager=True, num_pages=12, page_size=4, attention_backend="torch"),
     )
@@ -100,7 +100,7 @@ def test_padded_decode_batch_in_static_buffers_matches_the_batch_alone(tiny_mode
     before = runner.kv_cache.clone()
 
     last = [p[-1] for p in prompts]
-    alone = runner.execute(StepInputs(last, [n - 1 for n in lens], [1] * 3, lens, tables))
+    alone = runner.execute(StepInputs(last, [n - 1 for n in lens], [1] * 3, lens, tables)).rows
     after_alone = runner.kv_cache.clone()
     runner.kv_cache.copy_(before)
 
@@ -196,11 +196,9 @@ def test_every_captured_size_replays_like_eager_on_cuda(
         "llama", hidden_size=256, num_attention_heads=4
     )  # head_dim 64, which FlashInfer runs
     config = dict(model=str(model_dir), device="cuda", kv_cache_memory_gib=0.05, max_num_seqs=20)
-    graphed = ModelRunner(
-        model_dir, EngineConfig(**config, dtype=dtype, enforce_eager=False, attention_backend=backend)
-    )  # type: ignore[arg-type]  # the tests default to eager
-    eager = ModelRunner(model_dir, EngineConfig(**config, dtype=dtype, enforce_eager=True, attention_backend="torch"))  # type: ignore[arg-type]
-    reference = ModelRunner(
+    graphed = Runner(model_dir, EngineConfig(**config, dtype=dtype, enforce_eager=False, attention_backend=backend))  # type: ignore[arg-type]  # the tests default to eager
+    eager = Runner(model_dir, EngineConfig(**config, dtype=dtype, enforce_eager=True, attention_backend="torch"))  # type: ignore[arg-type]
+    reference = Runner(
         model_dir, EngineConfig(**config, dtype="float32", enforce_eager=True, attention_backend="torch")
     )  # type: ignore[arg-type]
     assert graphed.backend.name == backend
@@ -213,13 +211,13 @@ def test_every_captured_size_replays_like_eager_on_cuda(
         positions = [length - 1 for length in lens]
         used_tables = [t[: -(-length // graphed.page_size)] for t, length in zip(tables, lens, strict=True)]
         inputs = StepInputs(tokens, positions, [1] * n, lens, used_tables)
-        want = eager.execute(inputs)
+        want = eager.execute(inputs).rows
         got = graphed.graphs.replay(tokens, positions, used_tables)
         assert got is not None
         if dtype == "float32":
             torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
             continue
-        allowed = 2 * relative_row_error(want, reference.execute(inputs)) + 0.02
+        allowed = 2 * relative_row_error(want, reference.execute(inputs).rows) + 0.02
         error = relative_row_error(got, want)
         assert (error < allowed).all(), f"batch {n}: row errors {error.tolist()}, allowed {allowed.tolist()}"
         if n > 1:  # the bound still catches a mix-up between rows
@@ -241,10 +239,11 @@ def test_a_pooling_step_runs_eagerly_on_every_rank(tiny_model_factory: Callable[
     hidden states) or on any other rank (which asks for nothing): the step says it pools, so
     tensor-parallel ranks all run the same eager forward and its all-reduces."""
     model_dir = tiny_model_factory("llama")
-    runner = ModelRunner(model_dir, EngineConfig(model=str(model_dir), enforce_eager=True, num_pages=8, page_size=4))
+    runner = Runner(model_dir, EngineConfig(model=str(model_dir), enforce_eager=True, num_pages=8, page_size=4))
     runner.graphs = _GraphsThatMustNotReplay()  # type: ignore[assignment]
-    step = StepInputs([5, 9], [0, 0], [1, 1], [1, 1], [[0], [1]], hidden_states=True)
+    step = StepInputs([5, 9], [0, 0], [1, 1], [1, 1], [[0], [1]], wants=Wants.HIDDEN_STATES)
     assert step.decode_only
-    hidden = runner.execute(step)
+    hidden = runner.execute(step).rows
     assert hidden is not None and hidden.shape == (2, runner.model_config.hidden_size)
-    assert runner.execute(step, logits=False) is None  # another rank's part
+    runner.answers = False  # another rank's part
+    assert isinstance(runner.execute(step), NoOutput)

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from compiled_engine.config import EngineConfig
-from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.engine.reference_loop import GenerationResult, Generator
 from compiled_engine.engine.sequence import Sequence
-from compiled_engine.engine.step_inputs import StepInputs
+from compiled_engine.engine.step_inputs import step_inputs
+from compiled_engine.executor.runner import Runner
 from compiled_engine.prompts import DEFAULT_PROMPTS
 from compiled_engine.tokenizer import Tokenizer
 from compiled_engine.verify import report_divergence
@@ -27,7 +27,7 @@ MAX_TOKENS = 64
 @dataclass
 class Run:
     tokenizer: Tokenizer
-    runner: ModelRunner
+    runner: Runner
     generator: Generator
     oracle: ReferenceOracle
     prompt_ids: list[list[int]]
@@ -55,7 +55,7 @@ def reference(default_model_dir: Path, default_oracle: ReferenceOracle) -> Refer
 @pytest.fixture(scope="module", params=["gguf-q4_1", pytest.param("dense-fp32", marks=pytest.mark.full)])
 def run(request: pytest.FixtureRequest, default_model_dir: Path, reference: Reference) -> Run:
     quantization = None if request.param == "gguf-q4_1" else "none"
-    runner = ModelRunner(default_model_dir, EngineConfig(kv_cache_memory_gib=0.25, quantization=quantization))
+    runner = Runner(default_model_dir, EngineConfig(kv_cache_memory_gib=0.25, quantization=quantization))
     assert runner.weights_description.startswith("GGUF" if quantization is None else "dense")
     generator = Generator(runner)
     stop = reference.tokenizer.eos_token_ids
@@ -105,7 +105,7 @@ def test_logits_at_every_prompt_position_close_to_oracle(run: Run) -> None:
     seq = Sequence(10_000, ids)
     run.generator.block_manager.grow(seq.block_table, len(ids))
     try:
-        hidden = run.runner.hidden_states(StepInputs.from_batch([(seq, len(ids))]))
+        hidden = run.runner.hidden_states(step_inputs([(seq, len(ids))]))
         ours = run.runner.forward.logits(hidden)
     finally:
         run.generator.block_manager.free(seq.block_table)

@@ -318,7 +318,7 @@ def test_an_error_inside_a_forward_ends_that_steps_requests_and_returns_every_pa
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     ids = [engine.add_request([5, 6, 7, 8, 9], params) for _ in range(2)]
     engine.step()  # both prefill
-    run = engine.runner.run
+    run = engine.runner.execute
     calls = {"n": 0}
 
     def failing(*args: Any, **kwargs: Any) -> Any:
@@ -327,7 +327,7 @@ def test_an_error_inside_a_forward_ends_that_steps_requests_and_returns_every_pa
             raise RuntimeError("a kernel failed")
         return run(*args, **kwargs)
 
-    monkeypatch.setattr(engine.runner, "run", failing)
+    monkeypatch.setattr(engine.runner, "execute", failing)
     engine.step()
     with pytest.raises(RuntimeError, match="a kernel failed"):
         engine.step()

@@ -21,7 +21,7 @@ import torch
 from compiled_engine.attention.backend import FULL_ATTENTION, AttentionShape, LayerKind
 from compiled_engine.attention.metadata import AttentionMetadata, GraphMetadata
 from compiled_engine.attention.torch_backend import TorchAttentionBackend
-from compiled_engine.engine.cuda_graphs import CudaGraphRunner, DecodeBuffers
+from compiled_engine.executor.cuda_graphs import CudaGraphRunner, DecodeBuffers
 from tests.cuda_graph_stand_ins import RecordingGraph, use_stand_ins
 
 CPU = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""The frame-stack arena cache (engine/frame_arena.py): Python's frame-stack chunks come back
+"""The frame-stack arena cache (executor/frame_arena.py): Python's frame-stack chunks come back
 from it instead of from mmap, the model runner installs it, and a failed build leaves Python's own
 allocator with a warning (where Python's C headers are not installed, the engine runs so, and the
 tests of the cache skip)."""
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from compiled_engine.engine import frame_arena
-from compiled_engine.engine.frame_arena import (
+from compiled_engine.executor import frame_arena
+from compiled_engine.executor.frame_arena import (
     FrameArenaCounts,
     frame_arena_counts,
     install_frame_arena,
@@ -93,11 +93,11 @@ def test_the_model_runner_installs_it(tiny_model_factory: Callable[..., Path]) -
         from pathlib import Path
 
         from compiled_engine.config import EngineConfig
-        from compiled_engine.engine.frame_arena import frame_arena_counts
-        from compiled_engine.engine.model_runner import ModelRunner
+        from compiled_engine.executor.frame_arena import frame_arena_counts
+        from compiled_engine.executor.runner import Runner
 
         assert frame_arena_counts() is None
-        ModelRunner(Path({str(model_dir)!r}), EngineConfig(page_size=4, num_pages=16, enforce_eager=True, device="cpu"))
+        Runner(Path({str(model_dir)!r}), EngineConfig(page_size=4, num_pages=16, enforce_eager=True, device="cpu"))
         print(frame_arena_counts() is not None)
         """
     )

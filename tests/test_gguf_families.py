@@ -23,9 +23,9 @@ import torch
 from gguf import GGUFValueType as VT
 
 from compiled_engine.config import EngineConfig
-from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.engine.reference_loop import Generator
 from compiled_engine.errors import ModelLoadError, ModelSourceError
+from compiled_engine.executor.runner import Runner
 from compiled_engine.linear.quantized import QuantizedEmbedding, QuantizedLinear
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.registry import config_from_dict, config_from_model_dir, family_of
@@ -203,7 +203,7 @@ def test_engine_on_the_prepared_gguf_matches_transformers(name: str, fmt: str, p
     tokenizer = json.loads((prepared / "tokenizer.json").read_text())
     assert tokenizer == json.loads((FIXTURES / name / "tokenizer.json").read_text())
     config = EngineConfig(model=str(prepared), page_size=4, num_pages=64, enforce_eager=True)
-    runner = ModelRunner(prepared, config)
+    runner = Runner(prepared, config)
     ids = prompt(runner.model_config.vocab_size)
     [ours] = Generator(runner).generate([ids], NEW_TOKENS, record_logits=True)
     want_ids, want_logits = reference_greedy(reference(name, fmt), ids, NEW_TOKENS)

@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
 
 from compiled_engine.config import EngineConfig
-from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.engine.reference_loop import Generator
 from compiled_engine.errors import ModelLoadError
+from compiled_engine.executor.runner import Runner
 from compiled_engine.linear.quantized import QuantizedLinear
 from compiled_engine.linear.quantized_op import cpu_kernels, native_operator
 from compiled_engine.linear.quantized_weight import QuantizedWeight, concat_rows
@@ -211,7 +211,7 @@ def test_whole_files_keep_every_matrix_quantized_and_give_transformers_greedy_id
     for name in ("gate_up_proj", "down_proj"):
         assert isinstance(model.get_submodule(f"layers.1.mlp.{name}"), QuantizedLinear), name
     assert isinstance(model.lm_head, QuantizedLinear)
-    runner = ModelRunner(prepared, EngineConfig(model=str(prepared), page_size=4, num_pages=64, enforce_eager=True))
+    runner = Runner(prepared, EngineConfig(model=str(prepared), page_size=4, num_pages=64, enforce_eager=True))
     ids = torch.randint(3, config.vocab_size, (24,), generator=torch.Generator().manual_seed(1)).tolist()
     [ours] = Generator(runner).generate([ids], 8, record_logits=True)
     reference = transformers_model(file_type)

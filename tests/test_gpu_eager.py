@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from compiled_engine.config import EngineConfig
-from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.engine.reference_loop import Generator
 from compiled_engine.errors import ModelSourceError
+from compiled_engine.executor.runner import Runner
 from compiled_engine.tokenizer import Tokenizer
 from compiled_engine.weights.default_model import load_default_model_dir
 
@@ -24,7 +24,7 @@ def test_tiny_llama_fp32_on_cuda_matches_cpu(tiny_model_factory: Callable[..., P
     prompts = [[5, 17, 42, 99, 3], list(range(10, 50))]
     results = {}
     for device in ("cpu", "cuda"):
-        runner = ModelRunner(model_dir, EngineConfig(device=device, dtype="float32", page_size=4, num_pages=64))
+        runner = Runner(model_dir, EngineConfig(device=device, dtype="float32", page_size=4, num_pages=64))
         results[device] = Generator(runner).generate(prompts, 16, record_logits=True)
     for cpu, gpu in zip(results["cpu"], results["cuda"], strict=True):
         assert cpu.token_ids == gpu.token_ids
@@ -37,7 +37,7 @@ def test_default_model_bf16_on_cuda_answers_paris() -> None:
         default_model_dir = load_default_model_dir()
     except ModelSourceError as exc:  # the device machine has no network to prepare it
         pytest.skip(str(exc))
-    runner = ModelRunner(default_model_dir, EngineConfig(device="cuda", kv_cache_memory_gib=0.25))
+    runner = Runner(default_model_dir, EngineConfig(device="cuda", kv_cache_memory_gib=0.25))
     assert runner.dtype == torch.bfloat16
     tokenizer = Tokenizer(default_model_dir)
     prompt = tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])

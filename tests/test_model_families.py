@@ -15,9 +15,9 @@ import torch
 
 from compiled_engine import LoRARequest
 from compiled_engine.config import EngineConfig
-from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.engine.reference_loop import Generator
 from compiled_engine.engine.sampling_params import SamplingParams
+from compiled_engine.executor.runner import Runner
 from compiled_engine.llm import LLM
 from compiled_engine.model.registry import config_from_model_dir
 from reference_oracle import ReferenceOracle
@@ -135,7 +135,7 @@ def test_alone_and_after_a_prefix_cache_hit_past_the_window(
 
 @torch.inference_mode()
 def test_eager_logits_at_every_step_match_transformers(variant: tuple[str, Path], oracle: ReferenceOracle) -> None:
-    runner = ModelRunner(variant[1], EngineConfig(model=str(variant[1]), page_size=4, num_pages=64, enforce_eager=True))
+    runner = Runner(variant[1], EngineConfig(model=str(variant[1]), page_size=4, num_pages=64, enforce_eager=True))
     prompt = _prompts(320, seed=2)[0]
     [ours] = Generator(runner).generate([prompt], 8, record_logits=True)
     golden = oracle.greedy(prompt, 8)

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from compiled_engine.config import EngineConfig
-from compiled_engine.engine.model_runner import ModelRunner
-from compiled_engine.engine.step_inputs import StepInputs
+from compiled_engine.executor.runner import Runner
+from compiled_engine.executor.step import StepInputs
 from compiled_engine.linear import packed_cpu as packing
 from compiled_engine.linear.packed_cpu import (
     BLOCK_WIDTHS,
@@ -273,8 +273,8 @@ def test_the_compiled_model_holds_each_weight_once_packed_and_the_eager_one_dens
 ) -> None:
     model_dir = tiny_model_factory("qwen3", max_position_embeddings=64, tie_word_embeddings=tied)
 
-    def build(compiled: bool) -> tuple[ModelRunner, list[Linear]]:
-        runner = ModelRunner(
+    def build(compiled: bool) -> tuple[Runner, list[Linear]]:
+        runner = Runner(
             model_dir, EngineConfig(model=str(model_dir), enforce_eager=not compiled, kv_cache_memory_gib=0.02)
         )
         return runner, [m for layer in runner.model.layers for m in layer.modules() if isinstance(m, Linear)]

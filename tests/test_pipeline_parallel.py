@@ -20,10 +20,10 @@ import torch
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.engine.sampling_params import SamplingParams
-from compiled_engine.engine.step_inputs import StepInputs
+from compiled_engine.executor.pipeline import ParallelLayout, stage_layers
+from compiled_engine.executor.step import StepInputs
 from compiled_engine.model.checkpoint import CheckpointTensor
 from compiled_engine.model.registry import config_from_model_dir
-from compiled_engine.parallel.pipeline import ParallelLayout, stage_layers
 from compiled_engine.weights import gguf_loader as gguf_loading
 from compiled_engine.weights.load import load_weights
 from tests.test_model_families import VARIANTS

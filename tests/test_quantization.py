@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from compiled_engine.bench.runs import model_weight_bytes
 from compiled_engine.config import EngineConfig
-from compiled_engine.engine.model_runner import ModelRunner
-from compiled_engine.engine.step_inputs import StepInputs
+from compiled_engine.executor.runner import Runner
+from compiled_engine.executor.step import StepInputs
 from compiled_engine.linear import quantized_cpu_kernels as cpu_kernels
 from compiled_engine.linear import quantized_op as ops
 from compiled_engine.linear.quantize import QuantizationScheme, quantize, quantize_int4, quantize_int8, quantize_model
@@ -284,7 +284,7 @@ def test_a_model_quantized_at_load_equals_its_dequantized_twin(
         enforce_eager=True,
         kv_cache_memory_gib=0.01,
     )
-    runner = ModelRunner(model_dir, config)
+    runner = Runner(model_dir, config)
     model = runner.model
     linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     assert len(linears) == 4 * model.config.num_layers + (1 if head else 0)
@@ -295,7 +295,7 @@ def test_a_model_quantized_at_load_equals_its_dequantized_twin(
         quantized = runner.forward.logits(runner.hidden_states(inputs))
         _dense_twin(model)
         twin = runner.forward.logits(runner.hidden_states(inputs))
-        dense = ModelRunner(model_dir, EngineConfig(model=str(model_dir), enforce_eager=True, kv_cache_memory_gib=0.01))
+        dense = Runner(model_dir, EngineConfig(model=str(model_dir), enforce_eager=True, kv_cache_memory_gib=0.01))
         original = dense.forward.logits(dense.hidden_states(inputs))
     torch.testing.assert_close(quantized, twin, rtol=1e-4, atol=1e-4)
     assert (quantized - original).abs().max() > 1e-4  # the quantization really changed the weights
@@ -305,7 +305,7 @@ def test_quantize_model_refuses_a_width_the_group_does_not_divide_and_changes_no
     tiny_model_factory: Callable[..., Path],
 ) -> None:
     model_dir = tiny_model_factory("llama", max_position_embeddings=64)
-    runner = ModelRunner(model_dir, EngineConfig(model=str(model_dir), enforce_eager=True, kv_cache_memory_gib=0.01))
+    runner = Runner(model_dir, EngineConfig(model=str(model_dir), enforce_eager=True, kv_cache_memory_gib=0.01))
     with pytest.raises(
         QuantizationError, match=r"layers\.0\.self_attn\.qkv_proj: int4 group size 128 .*divides the row width 64"
     ):
@@ -324,7 +324,7 @@ def test_int4_weights_take_under_a_third_of_the_fp32_bytes(tiny_model_factory: C
 
     def resident(**options: object) -> int:
         config = EngineConfig(model=str(model_dir), enforce_eager=True, kv_cache_memory_gib=0.01, **options)  # type: ignore[arg-type]
-        return model_weight_bytes(ModelRunner(model_dir, config).model)
+        return model_weight_bytes(Runner(model_dir, config).model)
 
     dense, int4 = resident(), resident(quantization="int4")
     assert int4 < dense / 3

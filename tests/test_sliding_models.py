@@ -15,9 +15,9 @@ import torch
 from compiled_engine.attention.backend import AttentionBackend, AttentionShape
 from compiled_engine.attention.selector import get_backend
 from compiled_engine.config import EngineConfig
-from compiled_engine.engine import model_runner
-from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.engine.reference_loop import Generator
+from compiled_engine.executor import runner as model_runner
+from compiled_engine.executor.runner import Runner
 from reference_oracle import ReferenceOracle
 
 VARIANTS = {
@@ -43,7 +43,7 @@ def test_greedy_ids_match_transformers(tiny_model_factory: Callable[..., Path], 
     model_type, overrides = VARIANTS[variant]
     model_dir = tiny_model_factory(model_type, seed=3, **overrides)
     config = EngineConfig(model=str(model_dir), page_size=4, num_pages=128, attention_backend=backend)
-    runner = ModelRunner(model_dir, config)
+    runner = Runner(model_dir, config)
     assert runner.backend.name == backend  # no fallback: both run the layers' kinds
     oracle = ReferenceOracle(model_dir)
     g = torch.Generator().manual_seed(1)
@@ -69,7 +69,7 @@ def test_the_runner_gives_the_backend_the_layer_kinds(
         return get_backend(name, shape)
 
     monkeypatch.setattr(model_runner, "get_backend", recording_get_backend)
-    runner = ModelRunner(model_dir, EngineConfig(page_size=4, num_pages=32, enforce_eager=True))
+    runner = Runner(model_dir, EngineConfig(page_size=4, num_pages=32, enforce_eager=True))
     [shape] = shapes
     assert shape.layer_kinds == KINDS[variant]
     assert shape.softmax_scale == runner.model_config.softmax_scale

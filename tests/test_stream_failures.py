@@ -84,7 +84,7 @@ class FailingServer:
 
 @pytest.fixture
 def failing_app(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> Iterator[FailingServer]:
-    monkeypatch.setattr(engine.runner, "run", FailingForward(engine.runner.run, FORWARDS_BEFORE_FAILING))
+    monkeypatch.setattr(engine.runner, "execute", FailingForward(engine.runner.execute, FORWARDS_BEFORE_FAILING))
     server = FailingServer(engine)
     yield server
     server.close()
@@ -204,7 +204,7 @@ def test_the_openai_sdk_reads_a_failed_responses_stream(failing_app: FailingServ
 def test_a_failure_before_the_first_output_is_still_a_status(failing_app: FailingServer) -> None:
     """The contract's other half: a request that fails before its first output gets an HTTP
     status (here 503), not a stream."""
-    failing_app.loop.engine.runner.run.left = 0  # type: ignore[attr-defined]
+    failing_app.loop.engine.runner.execute.left = 0  # type: ignore[attr-defined]
     body = {**BODIES["/v1/chat/completions"], "stream": True}
     reply = httpx.post(f"{failing_app.url}/v1/chat/completions", json=body, timeout=60)
     assert reply.status_code == 503 and reply.json()["error"]["type"] == "service_unavailable"

@@ -238,13 +238,13 @@ def _fields(config: EngineConfig) -> dict[str, Any]:
 def test_uneven_head_counts_are_refused_before_anything_starts(
     tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from compiled_engine.engine import tp_worker
+    from compiled_engine.executor import ranks
 
     def must_not_run(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("a rank was started or a weight read before the head counts were checked")
 
-    monkeypatch.setattr(tp_worker.RankGroup, "start", must_not_run)
-    monkeypatch.setattr(tp_worker, "ModelRunner", must_not_run)
+    monkeypatch.setattr(ranks.RankGroup, "start", must_not_run)
+    monkeypatch.setattr(ranks, "Runner", must_not_run)
     model_dir = str(tiny_model_factory("llama"))  # 4 query heads, 2 KV heads, intermediate 128
     with pytest.raises(
         ModelConfigError, match=r"--tensor-parallel-size 3 must divide num_attention_heads=4, num_key_value_heads=2"
@@ -415,8 +415,8 @@ def test_stopping_a_group_waits_for_its_workers_unless_one_is_lost(lost: bool) -
     """All alive: each worker gets the grace period to leave after rank 0's stop message (and is
     killed if it stays). One lost: the others wait in a collective that cannot complete, so they
     are killed at once, and the stop message, which would wait for the lost rank, is not sent."""
-    from compiled_engine.parallel.launch import RankGroup
-    from compiled_engine.parallel.pipeline import ParallelLayout
+    from compiled_engine.executor.launch import RankGroup
+    from compiled_engine.executor.pipeline import ParallelLayout
 
     workers = [StandInWorker("tp-rank-1", alive=not lost), StandInWorker("tp-rank-2", alive=True)]
     group = RankGroup(ParallelLayout(0, 1, 3), None, workers)  # type: ignore[arg-type]  # no mesh needed to stop
@@ -474,7 +474,7 @@ def test_server_with_a_lost_worker_reports_not_ready_and_exits_non_zero(tmp_path
 
 
 def test_each_cpu_rank_takes_its_share_of_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
-    from compiled_engine.parallel import threads
+    from compiled_engine.executor import threads
 
     monkeypatch.setattr(threads.os, "sched_getaffinity", lambda _: set(range(6)), raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from compiled_engine.config import EngineConfig
-from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.engine.reference_loop import Generator
 from compiled_engine.engine.sequence import Sequence
-from compiled_engine.engine.step_inputs import StepInputs
+from compiled_engine.engine.step_inputs import step_inputs
+from compiled_engine.executor.runner import Runner
 from reference_oracle import ReferenceOracle
 
 VARIANTS = {
@@ -49,7 +49,7 @@ def model_dir(request: pytest.FixtureRequest, tiny_model_factory: Callable[..., 
 
 
 def test_greedy_ids_match_transformers(model_dir: Path) -> None:
-    runner = ModelRunner(model_dir, EngineConfig(model=str(model_dir), page_size=4, num_pages=128))
+    runner = Runner(model_dir, EngineConfig(model=str(model_dir), page_size=4, num_pages=128))
     oracle = ReferenceOracle(model_dir)
     prompts = _prompts(runner.model_config.vocab_size, seed=1)
     results = Generator(runner).generate(prompts, 24, record_logits=True)
@@ -62,16 +62,16 @@ def test_greedy_ids_match_transformers(model_dir: Path) -> None:
 
 @torch.inference_mode()
 def test_logits_at_every_position_match_transformers(model_dir: Path) -> None:
-    runner = ModelRunner(model_dir, EngineConfig(page_size=4, num_pages=64))
+    runner = Runner(model_dir, EngineConfig(page_size=4, num_pages=64))
     oracle = ReferenceOracle(model_dir)
     prompt = _prompts(runner.model_config.vocab_size, seed=2)[-1]
     seq = Sequence(0, prompt, block_table=list(range(60, 51, -1)))
-    ours = runner.forward.logits(runner.hidden_states(StepInputs.from_batch([(seq, len(prompt))])))
+    ours = runner.forward.logits(runner.hidden_states(step_inputs([(seq, len(prompt))])))
     torch.testing.assert_close(ours, oracle.logits(prompt), atol=1e-4, rtol=1e-4)
 
 
 def test_batch_equals_each_alone(model_dir: Path) -> None:
-    runner = ModelRunner(model_dir, EngineConfig(page_size=4, num_pages=128))
+    runner = Runner(model_dir, EngineConfig(page_size=4, num_pages=128))
     generator = Generator(runner)
     prompts = _prompts(runner.model_config.vocab_size, seed=3)
     batched = generator.generate(prompts, 16)
@@ -85,7 +85,7 @@ def test_bfloat16_run_stays_close_to_float32(tiny_model_factory: Callable[..., P
     prompt = _prompts(320, seed=4)[2]
     logits = {}
     for dtype in ("float32", "bfloat16"):
-        runner = ModelRunner(model_dir, EngineConfig(dtype=dtype, page_size=4, num_pages=32))
+        runner = Runner(model_dir, EngineConfig(dtype=dtype, page_size=4, num_pages=32))
         assert runner.kv_cache.dtype == runner.model.embed_tokens.weight.dtype == getattr(torch, dtype)
         [result] = Generator(runner).generate([prompt], 1, record_logits=True)
         assert result.prefill_logits is not None and result.prefill_logits.dtype == torch.float32

@@ -79,7 +79,7 @@ class AttentionMetadata:
 @dataclass(frozen=True)
 class GraphMetadata:
     """A decode batch of `num_seqs` rows (one new token each) held in static device buffers that
-    are rewritten before every CUDA-graph replay (engine/cuda_graphs.py). It has no host lists on
+    are rewritten before every CUDA-graph replay (executor/cuda_graphs.py). It has no host lists on
     purpose: a captured graph replays only device work, so a backend must not plan from values
     that would be frozen at capture time."""
 

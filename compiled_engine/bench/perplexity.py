@@ -34,8 +34,8 @@ from compiled_engine.bench.environment import environment
 from compiled_engine.bench.hf_baseline import BaselineUnavailable, load_hf
 from compiled_engine.bench.llama_cpp_baseline import load_llama_cpp
 from compiled_engine.engine.llm_engine import LLMEngine
-from compiled_engine.engine.step_inputs import StepInputs
 from compiled_engine.engine_options import add_engine_options, engine_config_from_args
+from compiled_engine.executor.step import StepInputs
 from compiled_engine.tokenizer import Tokenizer
 from compiled_engine.weights.gguf import gguf_file
 from compiled_engine.weights.source import resolve_model_dir

@@ -1,8 +1,9 @@
 """The adapter seam: weights a request may run with on top of the base model (LoRA, lora/).
 
 Two parts, picked once when the engine is built (engine/feature_plan.py):
-- an `AdapterInstall` puts per-token adapter products into the model before it is compiled and
-  returns the `AdapterSlots` the runner sets before each forward (which slot each token uses);
+- an `AdapterInstall` (executor/prepare.py) puts per-token adapter products into the model before
+  it is compiled and returns the `AdapterSlots` the runner sets before each forward (which slot
+  each token uses);
 - an `AdapterSet` then serves requests: `admit` loads and holds a request's adapter and gives its
   typed part of the prefix-cache key, `must_wait` keeps a sequence out while the step's slots
   are full of other adapters, `slots_for` assigns the slots of a batch, `release` lets go.
@@ -15,15 +16,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-import torch
-
 from compiled_engine.engine.feature_state import AdapterKey
 from compiled_engine.errors import RequestError
 
 if TYPE_CHECKING:
     from compiled_engine.engine.sequence import Sequence
-    from compiled_engine.model.config import ModelConfig
-    from compiled_engine.model.layers import DecoderModel
 
 
 class AdapterRequest(Protocol):
@@ -45,19 +42,6 @@ class AdapterStats:
     waiting: tuple[str, ...]  # adapters of waiting ones
 
 
-class AdapterSlots(Protocol):
-    def set_tokens(self, query_lens: list[int], seq_slots: list[int] | None, padded_tokens: int = 0) -> None:
-        """The next forward's tokens: sequence s runs `query_lens[s]` of them on slot
-        `seq_slots[s]` (-1 or None: the base model); padding rows up to `padded_tokens` use none."""
-        ...
-
-
-class AdapterInstall(Protocol):
-    def __call__(
-        self, model: DecoderModel, config: ModelConfig, max_tokens: int, dtype: torch.dtype
-    ) -> AdapterSlots: ...
-
-
 class AdapterSet(Protocol):
     def admit(self, request: AdapterRequest | None) -> AdapterKey | None:
         """Load the adapter `request` names if new, and hold it until `release`; None: the base
@@ -75,15 +59,6 @@ class AdapterSet(Protocol):
         ...
 
     def stats(self, running: list[Sequence], waiting: Iterable[Sequence]) -> AdapterStats | None: ...
-
-
-class NoAdapterSlots:
-    def set_tokens(self, query_lens: list[int], seq_slots: list[int] | None, padded_tokens: int = 0) -> None:
-        pass
-
-
-def install_no_adapters(model: DecoderModel, config: ModelConfig, max_tokens: int, dtype: torch.dtype) -> AdapterSlots:
-    return NoAdapterSlots()
 
 
 class NoAdapters:

@@ -18,7 +18,7 @@ import torch
 from compiled_engine.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from compiled_engine.engine.model_runner import ModelRunner
+    from compiled_engine.executor.runner import Runner
 
 
 class DraftStats(Protocol):
@@ -40,7 +40,7 @@ class Drafter(Protocol):
         ...
 
     @property
-    def runners(self) -> list[ModelRunner]:
+    def runners(self) -> list[Runner]:
         """The model runners it holds beside the engine's (their weights and pages count too)."""
         ...
 
@@ -70,7 +70,7 @@ class NoDrafter:
         return None
 
     @property
-    def runners(self) -> list[ModelRunner]:
+    def runners(self) -> list[Runner]:
         return []
 
     def propose(self, running: list[Sequence], max_model_len: int) -> None:

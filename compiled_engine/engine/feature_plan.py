@@ -18,16 +18,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from compiled_engine.config import EngineConfig, SpeculativeConfig
-from compiled_engine.engine.adapters import AdapterSet, AdapterSlots, NoAdapters, install_no_adapters
+from compiled_engine.engine.adapters import AdapterSet, NoAdapters
 from compiled_engine.engine.drafting import Drafter, NoDrafter
 from compiled_engine.engine.grammars import GrammarSet
 from compiled_engine.engine.pooler import NoPooler, Pooler
 from compiled_engine.errors import ModelConfigError
+from compiled_engine.executor.prepare import AdapterSlots, install_no_adapters
 
 if TYPE_CHECKING:
     import torch
 
-    from compiled_engine.engine.model_runner import ModelRunner, SharedPool
+    from compiled_engine.executor.runner import Runner, SharedPool
     from compiled_engine.model.config import ModelConfig
     from compiled_engine.model.layers import DecoderModel
 
@@ -38,7 +39,7 @@ class DrafterPlan(Protocol):
         """What the drafter's own model adds to each page and to the memory budget (None: nothing)."""
         ...
 
-    def start(self, runner: ModelRunner) -> Drafter: ...
+    def start(self, runner: Runner) -> Drafter: ...
 
 
 class AdapterPlan(Protocol):
@@ -71,7 +72,7 @@ REGISTRY = FeatureRegistry()
 class _NoDrafterPlan:
     shared_pool = None
 
-    def start(self, runner: ModelRunner) -> Drafter:
+    def start(self, runner: Runner) -> Drafter:
         return NoDrafter()
 
 

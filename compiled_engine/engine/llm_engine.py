@@ -1,7 +1,7 @@
 """LLMEngine: one loop that owns every request. `add_request` and `abort_request` only queue
 work; `step` runs one iteration:
 
-    aborts -> drafter.propose -> schedule -> drafter.fill -> runner.run -> pooler.pool -> sample -> verify -> emit
+    aborts -> drafter.propose -> schedule -> drafter.fill -> runner.execute -> pooler.pool -> sample -> verify -> emit
 
 The optional features (a drafter, an adapter set, a grammar set, a pooler) are declared in engine/
 and picked once, when the engine is built (engine/feature_plan.py); the loop calls them the same
@@ -22,7 +22,6 @@ from compiled_engine.engine.adapters import AdapterRequest
 from compiled_engine.engine.drafting import DraftStats
 from compiled_engine.engine.feature_plan import plan_features
 from compiled_engine.engine.feature_state import PoolingState
-from compiled_engine.engine.memory_budget import return_freed_heap
 from compiled_engine.engine.outputs import RequestOutput
 from compiled_engine.engine.request_state import RequestState
 from compiled_engine.engine.request_validation import check_request, prompt_token_ids
@@ -30,12 +29,14 @@ from compiled_engine.engine.sampler import TokenLogprobs, make_sampler
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.engine.scheduler import Scheduler, SchedulerOutput
 from compiled_engine.engine.sequence import FinishReason, Sequence
-from compiled_engine.engine.step_inputs import logit_count
-from compiled_engine.engine.tp_worker import start_runner
+from compiled_engine.engine.step_inputs import logit_count, step_inputs
 from compiled_engine.engine.verifier import Verifier
 from compiled_engine.errors import RequestError
+from compiled_engine.executor.kv_pool import return_freed_heap
+from compiled_engine.executor.ranks import start_runner
+from compiled_engine.executor.step import NoOutput
+from compiled_engine.executor.threads import set_threads
 from compiled_engine.linear.packed_cpu import packed_bytes
-from compiled_engine.parallel.threads import set_threads
 from compiled_engine.profiling import nvtx_range
 from compiled_engine.tokenizer import Tokenizer
 from compiled_engine.weights.source import resolve_model_dir
@@ -220,8 +221,11 @@ class LLMEngine:
         with nvtx_range("draft"):
             draft_probs = self.drafter.fill(scheduled, self.scheduler.running)
         batch = [(item.seq, item.num_tokens) for item in out.scheduled]
-        rows = self.runner.run(batch, self.adapters.slots_for(scheduled), out.page_copies, hidden=self.pooler.pools)
-        sampled, logits = self.pooler.pool(batch, rows)
+        with nvtx_range("prepare inputs"):
+            inputs = step_inputs(batch, self.adapters.slots_for(scheduled), out.page_copies, self.pooler.wants)
+        output = self.runner.execute(inputs)
+        assert not isinstance(output, NoOutput)  # rank 0's runner answers
+        sampled, logits = self.pooler.pool(batch, output.rows)
         first_rows, row = {}, 0  # each sequence's first row to sample: it has 1 + drafts
         for seq, num_new in sampled:
             count = logit_count(seq, num_new)  # its logits rows

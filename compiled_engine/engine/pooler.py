@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from compiled_engine.engine.feature_state import PoolingState
 from compiled_engine.errors import RequestError
+from compiled_engine.executor.step import Wants
 
 if TYPE_CHECKING:
     import torch
@@ -38,7 +39,7 @@ class Pooler(Protocol):
     def config(self) -> PoolingConfig | None: ...  # None: the engine generates text
 
     @property
-    def pools(self) -> bool: ...  # the runner returns every new token's hidden state, not logits
+    def wants(self) -> Wants: ...  # what the runner returns: logits, or every new token's hidden state
 
     def states(self, pooled: bool, n: int) -> list[PoolingState | None]:
         """Each of a new request's `n` sequences' state (`pooled`: a request to pool, else to
@@ -63,7 +64,7 @@ class NoPooler:
     """An engine that generates text: a request to pool is refused."""
 
     config = None
-    pools = False
+    wants = Wants.LOGITS
 
     def states(self, pooled: bool, n: int) -> list[PoolingState | None]:
         if pooled:

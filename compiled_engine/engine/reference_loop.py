@@ -13,11 +13,13 @@ from dataclasses import dataclass, field
 import torch
 
 from compiled_engine.cache.block_manager import BlockManager
-from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.engine.request_validation import check_prompt
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.engine.sequence import FinishReason, Sequence, SequenceStatus
+from compiled_engine.engine.step_inputs import ScheduledBatch, step_inputs
 from compiled_engine.errors import RequestError
+from compiled_engine.executor.runner import Runner
+from compiled_engine.executor.step import Logits
 
 TOP_K_RECORDED = 5
 
@@ -57,11 +59,16 @@ class GenerationTimings:
 
 
 class Generator:
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: Runner) -> None:
         self.runner = runner
         self.block_manager = BlockManager(runner.num_pages, runner.page_size)
         self._seq_ids = itertools.count()
         self.last_timings = GenerationTimings()
+
+    def _logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        output = self.runner.execute(step_inputs(batch))
+        assert isinstance(output, Logits)  # one rank: it answers
+        return output.rows
 
     def validate_prompt(self, prompt: list[int], max_tokens: int) -> None:
         if max_tokens < 1:
@@ -86,7 +93,7 @@ class Generator:
             batch = [(seq, seq.num_tokens) for seq in seqs]
             for seq in seqs:
                 self.block_manager.grow(seq.block_table, seq.num_tokens)
-            logits = self.runner.run(batch)
+            logits = self._logits(batch)
             timings.prefill_ms = timings.ttft_ms = (time.perf_counter() - started) * 1000
             if record_logits:
                 for i, seq in enumerate(seqs):
@@ -97,7 +104,7 @@ class Generator:
                 for seq in running:
                     self.block_manager.grow(seq.block_table, seq.num_tokens)
                 batch = [(seq, 1) for seq in running]
-                logits = self.runner.run(batch)
+                logits = self._logits(batch)
                 self._advance(batch, logits, results, record_logits)
                 timings.decode_ms += (time.perf_counter() - step_start) * 1000
                 timings.decode_steps += 1

@@ -40,7 +40,7 @@ def check_prompt(prompt_ids: list[int], max_tokens: int, vocab_size: int, max_mo
     """A PromptError unless the prompt is non-empty, inside the vocabulary, and fits the context
     together with `max_tokens` (at least 1: SamplingParams refuses less).
 
-    max_model_len never exceeds what the KV cache holds (ModelRunner), so a request that passes
+    max_model_len never exceeds what the KV cache holds (Runner), so a request that passes
     always fits alone and preemption can always make progress."""
     if not prompt_ids:
         raise PromptError("the prompt is empty", PromptProblem.EMPTY)

@@ -19,9 +19,10 @@ from pathlib import Path
 import torch
 
 from compiled_engine.config import EngineConfig
-from compiled_engine.engine.adapters import AdapterRequest, AdapterSet, AdapterSlots, AdapterStats
+from compiled_engine.engine.adapters import AdapterRequest, AdapterSet, AdapterStats
 from compiled_engine.engine.feature_state import AdapterKey
 from compiled_engine.engine.sequence import Sequence
+from compiled_engine.executor.prepare import AdapterSlots
 from compiled_engine.lora.adapter import LoRAAdapter, LoRAError, load_adapter
 from compiled_engine.lora.layers import LoRASlots, install_lora
 from compiled_engine.model.config import ModelConfig

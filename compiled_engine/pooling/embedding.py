@@ -26,6 +26,7 @@ from compiled_engine.engine.feature_state import PoolingState
 from compiled_engine.engine.pooler import Batch, PoolingConfig
 from compiled_engine.engine.sequence import Sequence
 from compiled_engine.errors import ModelConfigError, RequestError
+from compiled_engine.executor.step import Wants
 
 POOLING_MODES = ("mean", "cls", "last")
 _ST_MODES = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls", "pooling_mode_lasttoken": "last"}
@@ -99,7 +100,7 @@ class Pooling:
 class EmbeddingPooler:
     """Every request pools its prompt into one embedding, as the model's `config` says."""
 
-    pools = True
+    wants = Wants.HIDDEN_STATES
 
     def __init__(self, model_dir: Path) -> None:
         self.config = pooling_config(model_dir)

@@ -3,7 +3,7 @@
 On the CPU the cores this process may use (`os.sched_getaffinity`) are split into contiguous
 shares, one a replica (with fewer cores than replicas, replicas share them round robin); each
 replica pins itself to its share before its engine starts, and its tensor-parallel ranks split
-that share again (parallel/threads.py). On CUDA replica i takes the GPUs i*TP .. (i+1)*TP-1 of
+that share again (executor/threads.py). On CUDA replica i takes the GPUs i*TP .. (i+1)*TP-1 of
 those visible, by setting CUDA_VISIBLE_DEVICES before CUDA starts in its process.
 """
 

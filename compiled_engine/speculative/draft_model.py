@@ -3,7 +3,7 @@ a sequence, one forward per token, and the target verifies them in its one forwa
 
 The draft keeps its K/V under the target's page ids: its own page pool tensor, indexed by the
 sequences' block tables, so one page in the BlockManager holds a token range of both models and
-the pool is sized for both (ModelRunner's SharedPool). The scheduler therefore knows nothing of
+the pool is sized for both (Runner's SharedPool). The scheduler therefore knows nothing of
 the draft; pages rolled back or freed are freed for both.
 
 The draft runs only when a sequence speculates, and catches up then: each sequence's draft K/V
@@ -31,11 +31,11 @@ import torch
 from compiled_engine.cache.kv_cache import KVCacheSpec
 from compiled_engine.config import EngineConfig, SpeculativeConfig
 from compiled_engine.engine.drafting import DraftProbs
-from compiled_engine.engine.model_runner import ModelRunner, SharedPool
 from compiled_engine.engine.sampler import Sampler, SamplingBatch, gumbel_noise
 from compiled_engine.engine.sequence import Sequence
-from compiled_engine.engine.step_inputs import StepInputs
 from compiled_engine.errors import ModelConfigError
+from compiled_engine.executor.runner import Runner, SharedPool
+from compiled_engine.executor.step import Logits, StepInputs, Wants
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.registry import config_from_model_dir
 from compiled_engine.speculative.drafts import SpeculativeStats, propose_drafts, record_verify
@@ -99,7 +99,7 @@ class DraftModel:
             speculative_config=None,
             tensor_parallel_size=1,
         )
-        self.runner = ModelRunner(plan.model_dir, config)
+        self.runner = Runner(plan.model_dir, config)
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.sampler = Sampler()  # the torch sampler: every draw follows the sequence's seed
         self._written: dict[int, tuple[int, int]] = {}  # seq id -> (its preemptions, draft K/V written)
@@ -188,8 +188,10 @@ class DraftModel:
             [len(ids) for ids in tokens],
             ends,
             [list(seq.block_table) for seq in seqs],
+            wants=Wants.LOGITS if want_logits else Wants.NOTHING,
         )
-        return self.runner.execute(inputs, logits=want_logits)
+        output = self.runner.execute(inputs)
+        return output.rows if isinstance(output, Logits) else None
 
     def _draw(
         self,
@@ -251,7 +253,7 @@ class DraftModelDrafter:
         return DraftModelPlan(config, engine_config, plan)
 
     @property
-    def runners(self) -> list[ModelRunner]:
+    def runners(self) -> list[Runner]:
         return [self.model.runner]
 
     def propose(self, running: list[Sequence], max_model_len: int) -> None:
@@ -277,7 +279,7 @@ class DraftModelPlan:
     def shared_pool(self) -> SharedPool:
         return self.draft.shared_pool
 
-    def start(self, runner: ModelRunner) -> DraftModelDrafter:
+    def start(self, runner: Runner) -> DraftModelDrafter:
         """The draft model, on this rank alone, keeps its K/V under the runner's page ids."""
         model = DraftModel(self.draft, self.engine_config, runner.num_pages, runner.max_model_len)
         return DraftModelDrafter(self.config, model)

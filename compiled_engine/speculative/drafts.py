@@ -15,8 +15,8 @@ from pathlib import Path
 
 from compiled_engine.config import EngineConfig, SpeculativeConfig
 from compiled_engine.engine.drafting import DraftProbs
-from compiled_engine.engine.model_runner import ModelRunner
 from compiled_engine.engine.sequence import Sequence
+from compiled_engine.executor.runner import Runner
 from compiled_engine.speculative.ngram import propose_ngram
 
 DraftOf = Callable[[SpeculativeConfig, Sequence, int], list[int]]  # a sequence's draft of at most k tokens
@@ -111,11 +111,11 @@ class NgramDrafter:
 
     shared_pool = None  # as a plan: no model of its own
 
-    def start(self, runner: ModelRunner) -> NgramDrafter:
+    def start(self, runner: Runner) -> NgramDrafter:
         return self
 
     @property
-    def runners(self) -> list[ModelRunner]:
+    def runners(self) -> list[Runner]:
         return []
 
     def propose(self, running: list[Sequence], max_model_len: int) -> None:

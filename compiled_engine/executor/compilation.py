@@ -41,7 +41,7 @@ from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from torch.distributed.tensor import DTensor
 
 from compiled_engine.cache_paths import INDUCTOR_CACHE_ENV
-from compiled_engine.engine.precompiled import PrecompiledFunction, model_signature
+from compiled_engine.executor.precompiled import PrecompiledFunction, model_signature
 from compiled_engine.linear.packed_cpu import CpuLinear
 from compiled_engine.model.layers import DecoderLayer, DecoderModel, soft_cap
 

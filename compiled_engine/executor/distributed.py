@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from compiled_engine.parallel.pipeline import ParallelLayout
+from compiled_engine.executor.pipeline import ParallelLayout
 
 logger = logging.getLogger(__name__)
 

@@ -1,11 +1,12 @@
-"""ModelRunner: owns the model, its attention backend and the KV page pool; turns a scheduled batch
-of (sequence, new-token count) into input tensors and the backend's plan, runs the forward, and
-returns each sequence's next-token logits.
+"""Runner: owns the model, its attention backend and the KV page pool; runs one step's
+`StepInputs` and says what came back (`StepOutput`: the logits of the rows to sample, every
+token's hidden states for pooling, or nothing on a rank other than 0). A pipeline stage is a
+runner of its own (executor/stage_runner.py).
 
-Construction is a sequence of named steps, in the order they depend on each other: choose the
-attention backend, load (and with tensor parallelism shard) the weights, install the products'
-kernels and the LoRA slots (linear/install.py), compile and warm up, size and allocate the KV
-pool, capture the decode CUDA graphs.
+Construction, in the order the steps depend on each other: choose the attention backend, load
+this rank's weights, rewrite the model (executor/prepare.py: shard, kernels, adapters, compile,
+and after the forwards the rank runs alone, the stage links). Those forwards: warm up, size and
+allocate the KV pool, capture the decode CUDA graphs.
 """
 
 from __future__ import annotations
@@ -29,23 +30,17 @@ from compiled_engine.attention.op import attention_forward
 from compiled_engine.attention.selector import get_backend
 from compiled_engine.cache.block_manager import PageCopy
 from compiled_engine.cache.kv_cache import KVCacheSpec, is_fp8
-from compiled_engine.cache_paths import compiled_dir, inductor_dir
 from compiled_engine.config import EngineConfig
-from compiled_engine.engine.adapters import AdapterInstall, install_no_adapters
-from compiled_engine.engine.compilation import CompiledForward, ModelForward, model_forward, use_compile_cache
-from compiled_engine.engine.cuda_graphs import MAX_CAPTURE_SIZE, CudaGraphRunner, DecodeBuffers, capture_sizes
-from compiled_engine.engine.frame_arena import install_frame_arena
-from compiled_engine.engine.memory_budget import kv_budget_bytes
-from compiled_engine.engine.precompiled import artifact_dir, model_signature
-from compiled_engine.engine.step_inputs import ScheduledBatch, StepInputs
-from compiled_engine.errors import ModelConfigError
-from compiled_engine.linear.install import install_kernels
-from compiled_engine.linear.tensor_parallel import parallelize
+from compiled_engine.executor.compilation import CompiledForward
+from compiled_engine.executor.cuda_graphs import MAX_CAPTURE_SIZE, CudaGraphRunner, DecodeBuffers, capture_sizes
+from compiled_engine.executor.distributed import StepSender
+from compiled_engine.executor.kv_pool import context_limit, kv_budget_bytes, size_kv_pool
+from compiled_engine.executor.pipeline import ParallelLayout, StageLinks, stage_layers
+from compiled_engine.executor.prepare import AdapterInstall, PreparedModel, PreparePlan, install_no_adapters, prepare
+from compiled_engine.executor.step import HiddenStates, Logits, NoOutput, StepInputs, StepOutput, Wants
 from compiled_engine.model.layers import DecoderModel
 from compiled_engine.model.registry import config_from_model_dir
 from compiled_engine.model.shard import NO_SHARD, TPShard
-from compiled_engine.parallel.distributed import StepSender
-from compiled_engine.parallel.pipeline import ParallelLayout, StageLinks, link_stage, stage_layers
 from compiled_engine.profiling import nvtx_range
 from compiled_engine.weights.load import load_weights
 
@@ -63,7 +58,11 @@ class SharedPool:
     reserved_bytes: int = 0
 
 
-class ModelRunner:
+class Runner:
+    # A pipeline stage (StageRunner) holds only its layers, compiles them one by one and waits on
+    # its neighbours each step: no saved traces (made for whole forwards), no CUDA graphs.
+    is_stage = False
+
     def __init__(
         self,
         model_dir: Path,
@@ -74,23 +73,21 @@ class ModelRunner:
         install_adapters: AdapterInstall = install_no_adapters,
         layout: ParallelLayout | None = None,
     ) -> None:
-        """`shard` and `mesh`: this rank's part of a tensor-parallel model (parallel/).
+        """`shard` and `mesh`: this rank's part of a tensor-parallel model (executor/ranks.py).
         `shared_pool`: what a second model under the same page ids adds (a draft model).
         `install_adapters`: puts the adapter products into the model before it is compiled
-        (engine/adapters.py). `layout`: this rank's place among the engine's ranks (its pipeline
-        stage; None: the only rank, or a tensor-parallel one as `shard` says)."""
-        install_frame_arena()  # a step's Python calls stay off mmap at any stack depth
+        (engine/adapters.py). `layout`: this rank's place among the engine's ranks (None: the
+        only rank, or a tensor-parallel one as `shard` says)."""
         self.shard = shard
         self.layout = layout or ParallelLayout(shard.rank, 1, shard.size)
-        self.links: StageLinks | None = None  # a pipeline stage's sends and receives (linked last)
-        self.micro_batches = config.pipeline_micro_batches or self.layout.pipeline_size
+        self.answers = self.layout.rank == 0  # rank 0 alone gets a step's logits or hidden states
         self.shared_pool = shared_pool or SharedPool()
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
-        self.model_config = config_from_model_dir(model_dir)
         self.page_size = config.page_size
-        self.max_model_len = self._context_limit(config)
-        self.model_config = self.model_config.for_context(self.max_model_len)
+        model_config = config_from_model_dir(model_dir)
+        limit = context_limit(config, model_config)  # until the KV pool is sized
+        self.model_config = model_config.for_context(limit)
         self.stage_layers = stage_layers(self.model_config.num_layers, self.layout.pipeline_size, self.layout.stage)
         self.kv_spec = KVCacheSpec(
             len(self.stage_layers),
@@ -100,41 +97,47 @@ class ModelRunner:
             config.resolved_kv_cache_dtype(),
         )
         self.backend = self._choose_backend(config)
-        self.model = self._load(model_dir, config, mesh)
+        self.model = self._load(model_dir, config)
+        if shard.size > 1 and mesh is None:
+            raise ValueError("a tensor-parallel shard needs its device mesh")
         if config.cpu_activations != "fp32" and self.device.type != "cpu":
             raise ValueError(f"--cpu-activations {config.cpu_activations} runs on the CPU only, not {self.device.type}")
-        install_kernels(self.model, not config.resolved_enforce_eager(), config.cpu_activations)
+        compiled = not config.resolved_enforce_eager()
+        # CPU only for now: saved traces replayed inside CUDA graphs have not run on a GPU yet.
+        saved = compiled and config.compile_cache and self.device.type == "cpu" and not self.is_stage
+        self.links = StageLinks(self.layout, config.distributed_timeout_s) if self.is_stage else None
         max_tokens = max(config.max_num_batched_tokens, WARM_UP_TOKENS, MAX_CAPTURE_SIZE)
-        self.adapter_slots = install_adapters(self.model, self.model_config, max_tokens, self.dtype)
-        self.forward, self.compile_seconds = self._compile_and_warm_up(config)
-        # With tensor parallelism every rank captures the same sizes in the same order and replays
-        # the same padded size each step (`execute`), so the all-reduces match.
-        self.use_cuda_graphs = (
-            self.forward.compiled
-            and self.layout.pipeline_size == 1  # a stage's step waits on its neighbours: not graphed
-            and config.cuda_graphs
-            and self.device.type == "cuda"
-            and self.backend.supports_cuda_graphs
-        )
-        self.num_pages = self._size_kv_pool(config)
-        self.kv_cache = self._allocate_kv_pool()
-        self.graphs = self._capture_graphs(config) if self.use_cuda_graphs else None
-        if self.layout.pipeline_size > 1:  # each stage compiled and warmed up alone; now linked
-            self.links = StageLinks(self.layout, config.distributed_timeout_s)
-            link_stage(self.model, self.links)
+        plan = PreparePlan(
+            mesh if shard.size > 1 else None, compiled, config.cpu_activations,
+            lambda model: install_adapters(model, self.model_config, max_tokens, self.dtype),
+            trace_key=[repr(self.model_config), self.weights_description, str(self.dtype)] if saved else None,
+            links=self.links,
+        )  # fmt: skip
+        prepare(self.model, plan, lambda prepared: self._start(prepared, config, limit))
         self.steps: StepSender | None = None  # rank 0 of several: its steps go to the other ranks
         if self.layout.world_size > 1 and self.layout.rank == 0:
             self.steps = StepSender(config.distributed_timeout_s)
 
     # -- construction ---------------------------------------------------------------------------
 
-    def _context_limit(self, config: EngineConfig) -> int:
-        limit = config.max_model_len or self.model_config.max_position_embeddings
-        if limit > self.model_config.max_position_embeddings:
-            raise ModelConfigError(
-                f"max_model_len={limit} exceeds the model's max_position_embeddings={self.model_config.max_position_embeddings}"
-            )
-        return limit
+    def _start(self, prepared: PreparedModel, config: EngineConfig, limit: int) -> None:
+        """The forwards this rank runs alone once the model is compiled: warm up, size and
+        allocate the KV pool (measuring the device's memory), capture the decode CUDA graphs."""
+        self.forward, self.adapter_slots = prepared.forward, prepared.adapter_slots
+        self.compile_seconds = self._warm_up_compiled() if self.forward.compiled else 0.0
+        # With tensor parallelism every rank captures the same sizes in the same order and replays
+        # the same padded size each step (`execute`), so the all-reduces match.
+        self.use_cuda_graphs = (
+            self.forward.compiled
+            and not self.is_stage  # a stage's step waits on its neighbours: not graphed
+            and config.cuda_graphs
+            and self.device.type == "cuda"
+            and self.backend.supports_cuda_graphs
+        )
+        pages = self._agreed_pages(config, limit)
+        self.pool = size_kv_pool(pages, self.page_size, limit, config.max_model_len is not None)
+        self.kv_cache = self._allocate_kv_pool()
+        self.graphs = self._capture_graphs(config) if self.use_cuda_graphs else None
 
     def _choose_backend(self, config: EngineConfig) -> AttentionBackend[Any]:
         model = self.model_config
@@ -148,72 +151,39 @@ class ModelRunner:
         )  # fmt: skip
         return get_backend(config.attention_backend, shape)
 
-    def _load(self, model_dir: Path, config: EngineConfig, mesh: DeviceMesh | None) -> DecoderModel:
-        layers = self.stage_layers if self.layout.pipeline_size > 1 else None  # read and hold no others
+    def _load(self, model_dir: Path, config: EngineConfig) -> DecoderModel:
+        layers = self.stage_layers if self.is_stage else None  # read and hold no others
         loaded = load_weights(model_dir, self.model_config, config, self.dtype, self.device, self.shard, layers)
         logger.info("weights: %s", loaded.description)
         self.weights_description = loaded.description
-        model = loaded.model
-        if self.shard.size > 1:
-            if mesh is None:
-                raise ValueError("a tensor-parallel shard needs its device mesh")
-            parallelize(model, mesh)
-        return model
+        return loaded.model
 
-    def _compile_and_warm_up(self, config: EngineConfig) -> tuple[ModelForward, float]:
-        compiled = not config.resolved_enforce_eager()
-        if not compiled:
-            return model_forward(self.model, compiled=False), 0.0
-        use_compile_cache(inductor_dir())
-        saved_dir = None
-        # CPU only for now: saved traces replayed inside CUDA graphs have not run on a GPU yet.
-        # Not for a pipeline stage: its one-token steps run the layers one by one, which the
-        # saved layer trace (made for steps of several tokens) does not take.
-        if config.compile_cache and self.device.type == "cpu" and self.layout.pipeline_size == 1:
-            key = [*model_signature(self.model), repr(self.model_config), self.weights_description, str(self.dtype)]
-            saved_dir = artifact_dir(compiled_dir(), key)
-        whole = self.layout.pipeline_size == 1
-        forward = model_forward(self.model, compiled=True, saved_dir=saved_dir, whole_forward=whole)
-        self.forward = forward
+    def _warm_up_compiled(self) -> float:
         started = time.perf_counter()
         self.warm_up(self._scratch_cache(WARM_UP_TOKENS))
         seconds = time.perf_counter() - started
-        assert isinstance(forward, CompiledForward)
+        assert isinstance(self.forward, CompiledForward)
         sources = ", ".join(
             f"{name} {entry.source}" + (f" in {entry.seconds:.1f} s" if entry.source != "traced" else "")
-            for name, entry in forward.entries().items()
+            for name, entry in self.forward.entries().items()
         )
         logger.info("torch.compile: model compiled and warmed up in %.1f s (%s)", seconds, sources)
-        return forward, seconds
+        return seconds
 
-    def _size_kv_pool(self, config: EngineConfig) -> int:
-        """The pages the scheduler may hand out; lowers max_model_len (with a warning) to what
-        they hold, unless the user set it, in which case it must fit."""
+    def _agreed_pages(self, config: EngineConfig, limit: int) -> int:
+        """The pool's pages: as set, or what the memory budget holds; with several ranks, the
+        fewest any can hold (every rank the same page count)."""
         num_pages = config.num_pages
         if num_pages is None:
             extra = self.shared_pool
-            budget = kv_budget_bytes(config, self.device, lambda: self._measure_cuda(config), extra.reserved_bytes)
+            budget = kv_budget_bytes(
+                config, self.device, lambda: self._measure_cuda(config, limit), extra.reserved_bytes
+            )
             num_pages = budget // (self.kv_spec.bytes_per_page + extra.bytes_per_page)
-        if self.layout.world_size > 1:  # every rank the same page count: the fewest any can hold
+        if self.layout.world_size > 1:
             found = torch.tensor([num_pages], dtype=torch.int64, device=self.device)
             dist.all_reduce(found, op=dist.ReduceOp.MIN)
             num_pages = int(found.item())
-        capacity = num_pages * self.page_size
-        if capacity < self.max_model_len:
-            if config.max_model_len is not None:
-                raise ModelConfigError(
-                    f"max_model_len={self.max_model_len} needs {self.max_model_len} tokens of KV cache, but "
-                    f"{num_pages} pages of {self.page_size} hold {capacity}: raise --kv-cache-memory-gib "
-                    f"or --num-pages, or lower --max-model-len"
-                )
-            # One sequence as long as the context must fit, or requests the model accepts would fail.
-            logger.warning(
-                "max_model_len lowered from %d to %d: the KV cache holds %d tokens",
-                self.max_model_len,
-                capacity,
-                capacity,
-            )
-            self.max_model_len = capacity
         return num_pages
 
     def _allocate_kv_pool(self) -> torch.Tensor:
@@ -239,18 +209,20 @@ class ModelRunner:
             graphs.capture()
         return graphs
 
-    def _measure_cuda(self, config: EngineConfig) -> tuple[int, int]:
+    def _measure_cuda(self, config: EngineConfig, limit: int) -> tuple[int, int]:
         """(activation bytes of the largest forward, bytes of the largest decode graph's pool),
-        measured against a scratch cache before the real pool exists."""
+        measured against a scratch cache before the real pool exists, for the context `limit`
+        asked for (before the pool may lower it)."""
         weights = torch.cuda.memory_allocated(self.device)
-        tokens = min(config.max_num_batched_tokens, self.max_model_len)
+        tokens = min(config.max_num_batched_tokens, limit)
         scratch = self._scratch_cache(tokens)
         self.warm_up(scratch, tokens)
         activations = torch.cuda.max_memory_allocated(self.device) - weights
         graph_pool = 0
         if self.use_cuda_graphs:
             size = max(capture_sizes(config.max_num_seqs))
-            buffers = DecodeBuffers(size, self.max_pages_per_seq, self.page_size, scratch.shape[1] - 1, self.device)
+            max_pages = -(-limit // self.page_size)
+            buffers = DecodeBuffers(size, max_pages, self.page_size, scratch.shape[1] - 1, self.device)
             before = torch.cuda.memory_reserved(self.device)
             probe = CudaGraphRunner(self.decode_graph_forward(scratch), buffers, [size], self.backend)
             with torch.inference_mode():
@@ -258,6 +230,15 @@ class ModelRunner:
             graph_pool = torch.cuda.memory_reserved(self.device) - before
             del probe
         return activations, graph_pool
+
+    @property
+    def num_pages(self) -> int:
+        return self.pool.num_pages
+
+    @property
+    def max_model_len(self) -> int:
+        """The context limit, as the KV pool decided it."""
+        return self.pool.max_model_len
 
     @property
     def weight_bytes(self) -> int:
@@ -334,60 +315,39 @@ class ModelRunner:
     @torch.inference_mode()
     def hidden_states(self, inputs: StepInputs) -> torch.Tensor:
         """The final hidden states of every new token of the step, [tokens, hidden] (what the
-        oracle comparisons read; `run` keeps only each sequence's last)."""
+        oracle comparisons read; `execute` samples only each sequence's last)."""
         input_ids, positions, metadata = self._tensors(inputs)
         return self._hidden(input_ids, positions, self.kv_cache, metadata, inputs.lora_slots)
 
     @torch.inference_mode()
-    def run(
-        self,
-        batch: ScheduledBatch,
-        lora_slots: list[int] | None = None,
-        page_copies: list[PageCopy] | None = None,
-        hidden: bool = False,
-    ) -> torch.Tensor:
-        """Run the new tokens of every sequence in `batch` (pages must already be allocated) and
-        return the logits after each sequence's last new token, fp32 [num_seqs, vocab]; a
-        sequence with draft tokens gets rows for its last 1 + drafts tokens instead. `hidden`
-        (pooling): every new token's final hidden state instead, fp32 [num_tokens, hidden]. The
-        one way to run a scheduled batch; tensor-parallel ranks receive the same step (`execute`)."""
-        with nvtx_range("prepare inputs"):
-            inputs = StepInputs.from_batch(batch, lora_slots, page_copies, hidden_states=hidden)
-        with self.steps.step(inputs) if self.steps is not None else contextlib.nullcontext():
-            out = self.execute(inputs)
-        assert out is not None
-        return out
-
-    @torch.inference_mode()
-    def execute(self, inputs: StepInputs, logits: bool = True) -> torch.Tensor | None:
-        """Every rank runs each step here, the same way: a decode batch that fits a captured
+    def execute(self, inputs: StepInputs) -> StepOutput:
+        """Run one step (pages must already be allocated). Rank 0 of several first sends it to
+        the other ranks, which run it here too, the same way: a decode batch that fits a captured
         size replays its CUDA graph (so tensor-parallel ranks issue the same all-reduces), any
-        other batch (and any pooling step, `inputs.hidden_states`) runs the model. Only rank 0
-        asks for the logits of eager steps, or the hidden states of a pooling one."""
+        other batch (and any pooling step) runs the model. On rank 0, what the step `wants`: the
+        logits after each sequence's last new token, fp32 [num_seqs, vocab] (a sequence with
+        `logit_counts` gets rows for its last tokens instead), or every new token's final hidden
+        state; nothing on the other ranks."""
+        with self.steps.step(inputs) if self.steps is not None else contextlib.nullcontext():
+            return self._execute(inputs)
+
+    def _execute(self, inputs: StepInputs) -> StepOutput:
         if inputs.page_copies:
             self.copy_pages(inputs.page_copies)
+        answer = inputs.wants if self.answers else Wants.NOTHING
         with nvtx_range("forward"):
-            if self.graphs is not None and inputs.decode_only and not inputs.hidden_states:
+            if self.graphs is not None and inputs.decode_only and inputs.wants is not Wants.HIDDEN_STATES:
                 # The graphs read each row's adapter slot from the slots' buffer.
                 self.adapter_slots.set_tokens(inputs.query_lens, inputs.lora_slots, self.graphs.buffers.max_size)
                 replayed = self.graphs.replay(inputs.token_ids, inputs.positions, inputs.block_tables)
-                if replayed is not None:
-                    return replayed.clone()  # the graph's output buffer is rewritten by the next replay
-            if self.links is not None:
-                staged = self._pipeline_hidden(inputs)
-                if staged is None or not logits:  # a rank other than 0
-                    return None
-                hidden = staged
-                metadata = AttentionMetadata.build(  # the whole step's, for the rows to sample
-                    inputs.query_lens, inputs.seq_lens, inputs.block_tables, self.page_size, self.device
-                )
-            else:
-                input_ids, positions, metadata = self._tensors(inputs)
-                hidden = self._hidden(input_ids, positions, self.kv_cache, metadata, inputs.lora_slots)
-                if not logits:
-                    return None
-            if inputs.hidden_states:
-                return hidden.float()
+                if replayed is not None:  # the graph's output buffer is rewritten by the next replay
+                    return Logits(replayed.clone()) if answer is Wants.LOGITS else NoOutput()
+            ran = self._step_hidden(inputs)
+            if ran is None or answer is Wants.NOTHING:
+                return NoOutput()
+            hidden, metadata = ran
+            if answer is Wants.HIDDEN_STATES:
+                return HiddenStates(hidden.float())
             if inputs.logit_counts is not None:  # each sequence's last tokens (drafts verified)
                 ends = metadata.query_start_loc_cpu[1:]
                 rows = [
@@ -396,26 +356,13 @@ class ModelRunner:
                 hidden = hidden[torch.tensor(rows, device=hidden.device)]
             elif not metadata.decode_only:  # each sequence's last new token
                 hidden = hidden[metadata.query_start_loc[1:].long() - 1]
-            return self.forward.logits(hidden).float()
+            return Logits(self.forward.logits(hidden).float())
 
-    def _pipeline_hidden(self, inputs: StepInputs) -> torch.Tensor | None:
-        """A pipeline stage's part of a step: the step in micro-batches of whole sequences (one
-        per stage unless --pipeline-micro-batches says otherwise), each run through this stage's
-        layers (receiving from the stage before, sending to the one after) as soon as the last is
-        sent on, so that the stages work on different micro-batches at once. On rank 0, the
-        final hidden states of every token, as the last stage sent them back; None elsewhere."""
-        assert self.links is not None
-        sent = []
-        for part in inputs.micro_batches(self.micro_batches):
-            input_ids, positions, metadata = self._tensors(part)
-            hidden = self._hidden(input_ids, positions, self.kv_cache, metadata, part.lora_slots)
-            self.links.send_final(hidden)
-            sent.append(hidden)
-        final = None
-        if self.layout.rank == 0:
-            final = torch.cat([self.links.receive_final(hidden) for hidden in sent])
-        self.links.finish()
-        return final
+    def _step_hidden(self, inputs: StepInputs) -> tuple[torch.Tensor, AttentionMetadata] | None:
+        """Every new token's final hidden state, with the step's attention metadata (None: this
+        rank does not hold them)."""
+        input_ids, positions, metadata = self._tensors(inputs)
+        return self._hidden(input_ids, positions, self.kv_cache, metadata, inputs.lora_slots), metadata
 
     def copy_pages(self, copies: list[PageCopy]) -> None:
         """Copy each `PageCopy`'s leading tokens' K/V (every layer, K and V) into its page, in
@@ -425,7 +372,7 @@ class ModelRunner:
 
     def send_while_idle(self, ranks_alive: Callable[[], bool]) -> None:
         """Rank 0 of several: keep the other ranks from timing out while no step comes
-        (parallel/distributed.py's StepSender)."""
+        (executor/distributed.py's StepSender)."""
         assert self.steps is not None, "only rank 0 of several ranks sends steps"
         self.steps.send_while_idle(ranks_alive)
 

@@ -1,21 +1,57 @@
-"""How many bytes the KV page pool gets: what the user set, 1 GiB on the CPU, or on CUDA what
+"""The KV page pool's size. Its bytes: what the user set, 1 GiB on the CPU, or on CUDA what
 `--gpu-memory-utilization` leaves after the weights, the largest forward's activations and the
-CUDA-graph pool, each measured on the device."""
+CUDA-graph pool, each measured on the device (`kv_budget_bytes`). From its pages, the context
+limit, decided once (`size_kv_pool`)."""
 
 from __future__ import annotations
 
 import ctypes
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from compiled_engine.config import EngineConfig
 from compiled_engine.errors import ModelConfigError
+from compiled_engine.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
+
+
+@dataclass(frozen=True)
+class KVPoolSize:
+    num_pages: int  # the pages the scheduler may hand out
+    max_model_len: int  # the context limit: the model's or the user's, lowered to what the pages hold
+
+
+def context_limit(config: EngineConfig, model: ModelConfig) -> int:
+    """The context the user asked for (or the model's own), before the KV pool is sized."""
+    limit = config.max_model_len or model.max_position_embeddings
+    if limit > model.max_position_embeddings:
+        raise ModelConfigError(
+            f"max_model_len={limit} exceeds the model's max_position_embeddings={model.max_position_embeddings}"
+        )
+    return limit
+
+
+def size_kv_pool(num_pages: int, page_size: int, limit: int, user_set_limit: bool) -> KVPoolSize:
+    """The pool of `num_pages` pages and the context it allows: `limit` lowered (with a warning)
+    to what the pages hold, unless the user set it, in which case it must fit."""
+    capacity = num_pages * page_size
+    if capacity >= limit:
+        return KVPoolSize(num_pages, limit)
+    if user_set_limit:
+        raise ModelConfigError(
+            f"max_model_len={limit} needs {limit} tokens of KV cache, but "
+            f"{num_pages} pages of {page_size} hold {capacity}: raise --kv-cache-memory-gib "
+            f"or --num-pages, or lower --max-model-len"
+        )
+    # One sequence as long as the context must fit, or requests the model accepts would fail.
+    logger.warning("max_model_len lowered from %d to %d: the KV cache holds %d tokens", limit, capacity, capacity)
+    return KVPoolSize(num_pages, capacity)
 
 
 def kv_budget_bytes(

@@ -4,9 +4,9 @@ stages, or a grid of both (`ParallelLayout`).
 On one machine, rank 0 (the process that serves) spawns ranks 1..N-1 as child processes that
 rendezvous over TCP on loopback. Under `torchrun` (several machines, `env://` rendezvous), every
 process is started by torchrun: rank 0 runs the command as usual and the others run the rank's
-entry point. That entry point (load the shard, run the broadcast steps) is the engine's
-(`engine/tp_worker.py`): rank 0 hands it to `RankGroup.start`, so this package knows
-nothing of the engine. A rank that dies makes the next step fail on rank 0 (the child is checked
+entry point. That entry point (load the shard, run the broadcast steps) is in
+`executor/ranks.py`: rank 0 hands it to `RankGroup.start`, so this file knows nothing of the
+runner. A rank that dies makes the next step fail on rank 0 (the child is checked
 before every step, and collectives time out), so the engine reports itself dead instead of
 hanging.
 """
@@ -27,9 +27,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from compiled_engine.config import EngineConfig
 from compiled_engine.errors import EngineDeadError
+from compiled_engine.executor.distributed import init_ranks
+from compiled_engine.executor.pipeline import ParallelLayout
 from compiled_engine.model.shard import TPShard
-from compiled_engine.parallel.distributed import init_ranks
-from compiled_engine.parallel.pipeline import ParallelLayout
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ stage to stage.
 
 The ranks of an engine form a `pp x tp` grid: global rank `r` is stage `r // tp`, tensor-parallel
 rank `r % tp` within it (`ParallelLayout`). Rank 0 (stage 0) owns the scheduler. Every rank gets
-the step from rank 0 (parallel/distributed.py) and runs the family's own forward over its stage:
+the step from rank 0 (executor/distributed.py) and runs the family's own forward over its stage:
 the model holds only the stage's layers (the loader reads no others; `first_layer` says where
 they start), and two wrappers put in place of the boundary layers move the activations, so the model
 file knows nothing of stages:
@@ -16,7 +16,7 @@ same TP rank of the next; the last stage's TP rank 0 answers rank 0.
 
 Sends are asynchronous (`isend`) and finished at the end of the step (`StageLinks.finish`), so a
 stage goes on to the next micro-batch while the next stage works on the one it sent: that is what
-keeps the stages busy in a batched step (the runner splits it, engine/model_runner.py).
+keeps the stages busy in a batched step (the stage's runner splits it, executor/stage_runner.py).
 """
 
 from __future__ import annotations
