@@ -1,6 +1,6 @@
 """Every rewrite of a loaded model, in the one order they must run: the frame arena (before any
 step's Python runs), the tensor-parallel shard (the kernels see this rank's part), the kernels
-(products/walk.py), the adapter products (before compilation, which traces them), compilation,
+(linear/install.py), the adapter products (before compilation, which traces them), compilation,
 then the forwards each rank runs alone (warm-up, memory measurement, graph capture), and last
 the pipeline stage's links (their sends and receives would wait on the other stages)."""
 

@@ -5,12 +5,12 @@ model file, replacing modules on their parents (`setattr`) and nothing else:
    (linear/table.py);
 2. a tied embedding whose table became the head's packed copy reads its rows from that copy
    (`BlockedEmbedding`; the dense table goes);
-then the engine's adapter install (engine/adapters.py; LoRA wraps each decoder layer's
+then the adapter install (executor/prepare.py's `AdapterInstall`; LoRA wraps each decoder layer's
 products in its adapter slots, whatever their kernel: lora/layers.py).
 
 The loaders come before it (they put each weight in the module of its form: `Linear`,
 `QuantizedLinear`, `QuantizedEmbedding`; tensor parallelism shards the dense ones), and
-compilation after it (engine/compilation.py wraps each decoder layer for its compiled code).
+compilation after it (executor/compilation.py wraps each decoder layer for its compiled code).
 """
 
 from __future__ import annotations

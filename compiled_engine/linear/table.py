@@ -30,7 +30,7 @@ class Product:
     weight: str  # "dense", or the quantized format: "int8", "int4"
     device: str  # "cpu", "cuda", ...
     tensor_parallel: bool  # its weight is this rank's shard (a DTensor)
-    compiled: bool  # the model runs compiled (engine/compilation.py), not eager
+    compiled: bool  # the model runs compiled (executor/compilation.py), not eager
     activations: str = "fp32"  # the CPU activations asked for (--cpu-activations): "fp32" or "int8"
 
     @classmethod

@@ -4,7 +4,7 @@ window and soft-cap, the gated MLP, and `DecoderModel`, the shape of a model the
 
 Each family file (model/llama.py, model/gemma.py) assembles these top to bottom. Execution tricks
 (packed CPU products, quantized kernels, LoRA) replace the `Linear` modules from outside
-(linear/install.py); compilation wraps the decoder layers from outside (engine/compilation.py).
+(linear/install.py); compilation wraps the decoder layers from outside (executor/compilation.py).
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ class GatedMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """What every family's decoder layer is to the engine: x, the rotation its attention uses,
-    and its layer's pages in; x out. Compilation traces this call (engine/compilation.py)."""
+    and its layer's pages in; x out. Compilation traces this call (executor/compilation.py)."""
 
     self_attn: Attention
     mlp: GatedMLP

@@ -9,7 +9,7 @@ attention backend's plan for the batch, which the runner sets around the forward
 opaque operator (attention/op.py) that reads it. So prefill, decode and any mixture of the two are
 one code path, and the model compiles as a single graph. This file is the plain reference:
 execution tricks (CPU products, packed weights, quantized kernels, LoRA) are applied from outside
-it (linear/install.py), and so is compilation (engine/compilation.py). Parameter names follow the
+it (linear/install.py), and so is compilation (executor/compilation.py). Parameter names follow the
 Hugging Face checkpoints with the leading `model.` dropped, except that q/k/v and gate/up are
 fused (their rows stacked); `checkpoint_layout` says where each checkpoint tensor lands.
 """

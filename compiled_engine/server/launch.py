@@ -54,16 +54,16 @@ def run_server(
     if (lora_modules or runtime_lora_updates) and not config.enable_lora:
         raise ValueError("--lora-modules and --enable-runtime-lora-updates need --enable-lora")
     publishers = _EventPublishers(kv_events, config)
-    async_engine: EngineClient
+    client: EngineClient
     if config.data_parallel_size > 1:
         front_end = EngineClient(
             replica_handles(config, lora_modules, log_format), max_waiting_requests, publishers.publish
         )
         front_end.start()
-        async_engine = front_end
+        client = front_end
     else:
-        async_engine = _start_engine(config, lora_modules, max_waiting_requests, publishers)
-        _log_loaded(async_engine.engine, time.perf_counter() - started)
+        client = _start_engine(config, lora_modules, max_waiting_requests, publishers)
+        _log_loaded(client.engine, time.perf_counter() - started)
     name = served_model_name or (config.model or "SmolLM2-135M-Instruct")
     if name in lora_modules:
         raise ValueError(f"the adapter name {name!r} is the served model's name")
@@ -79,8 +79,8 @@ def run_server(
         reasoning_parser=reasoning_parser,
         tool_call_parser=tool_call_parser,
     )
-    app = create_app(async_engine, settings)
-    app.on_shutdown.append(lambda: async_engine.shutdown(grace_s=shutdown_grace_s))
+    app = create_app(client, settings)
+    app.on_shutdown.append(lambda: client.shutdown(grace_s=shutdown_grace_s))
     logger.info("serving on http://%s:%d/v1 (OpenAPI schema at /docs/openapi.json)", host, port)
     if chat_page:
         logger.info("chat page: http://%s:%d/", host, port)
@@ -95,17 +95,17 @@ def run_server(
         # JSON logs: uvicorn's own lines go through the root handler too, as JSON.
         log_config=None if log_format == "json" else uvicorn.config.LOGGING_CONFIG,
     )
-    server = _DrainingServer(config_, async_engine.stop_accepting, shutdown_grace_s, async_engine.abort_all)
-    if async_engine.watched:
+    server = _DrainingServer(config_, client.stop_accepting, shutdown_grace_s, client.abort_all)
+    if client.watched:
         threading.Thread(
-            target=_exit_when_the_loop_dies, args=(async_engine, server), name="engine-watchdog", daemon=True
+            target=_exit_when_the_loop_dies, args=(client, server), name="engine-watchdog", daemon=True
         ).start()
     try:
         server.run()
     finally:
-        async_engine.shutdown(grace_s=0)  # drained already, unless uvicorn never started
+        client.shutdown(grace_s=0)  # drained already, unless uvicorn never started
         publishers.close()
-    return 1 if async_engine.error is not None else 0
+    return 1 if client.error is not None else 0
 
 
 class _EventPublishers:
@@ -144,9 +144,9 @@ def _start_engine(
     sink = publishers.publish if record else None
     # The engine is built on the loop thread that will run it (see serving/handle.py).
     handle = ThreadHandle(functools.partial(build_engine, config, lora_modules, record))
-    async_engine = EngineClient([handle], max_waiting_requests, sink)
-    async_engine.start()
-    return async_engine
+    client = EngineClient([handle], max_waiting_requests, sink)
+    client.start()
+    return client
 
 
 def _log_loaded(engine: LLMEngine, load_s: float) -> None:
@@ -167,16 +167,16 @@ def _log_loaded(engine: LLMEngine, load_s: float) -> None:
 
 
 def _exit_when_the_loop_dies(
-    async_engine: EngineClient, server: uvicorn.Server, poll_s: float = 1.0, not_ready_s: float = 2.0
+    client: EngineClient, server: uvicorn.Server, poll_s: float = 1.0, not_ready_s: float = 2.0
 ) -> None:
     """With tensor parallelism a lost rank cannot be brought back from this process: once a
     worker is gone (the client's watchdog checks, even when idle) or the loop has died, report not
     ready for a moment (load balancers see it), then exit non-zero. With data-parallel replicas,
     the same once the last one is gone."""
-    while async_engine.is_alive:
+    while client.is_alive:
         time.sleep(poll_s)
-    if async_engine.error is not None:
-        logger.error("the engine died (%s); the server exits", async_engine.error)
+    if client.error is not None:
+        logger.error("the engine died (%s); the server exits", client.error)
         time.sleep(not_ready_s)
         server.should_exit = True
 
@@ -216,11 +216,11 @@ class _DrainingServer(uvicorn.Server):
 
 
 @contextmanager
-def serve_in_background(async_engine: EngineClient, served_model_name: str = "bench") -> Iterator[str]:
-    """Our server for `async_engine` (started) on a free loopback port, in a thread of this
+def serve_in_background(client: EngineClient, served_model_name: str = "bench") -> Iterator[str]:
+    """Our server for `client` (started) on a free loopback port, in a thread of this
     process, for the serving bench. Yields the base URL; stops the server and the engine loop on
     exit."""
-    app = create_app(async_engine, ServerSettings(served_model_name))
+    app = create_app(client, ServerSettings(served_model_name))
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     port = int(listener.getsockname()[1])
@@ -237,5 +237,5 @@ def serve_in_background(async_engine: EngineClient, served_model_name: str = "be
     finally:
         server.should_exit = True
         thread.join(timeout=30)
-        async_engine.shutdown(grace_s=5)
+        client.shutdown(grace_s=5)
         listener.close()
