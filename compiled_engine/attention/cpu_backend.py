@@ -20,6 +20,7 @@ from typing import Self
 
 import torch
 
+import compiled_engine.attention.op  # noqa: F401  (the operator schemas the native operator implements)
 from compiled_engine.attention.backend import AttentionBackend, AttentionShape, BackendUnavailableError
 from compiled_engine.attention.metadata import AttentionMetadata
 from compiled_engine.attention.native_decode import (

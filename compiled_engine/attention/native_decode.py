@@ -274,11 +274,10 @@ _operator_loaded = False
 def load_native_operator() -> bool:
     """Build (once per machine) and register the native operators: `paged_decode_f32`, and the
     CPU kernel of the model's `paged_attention` (attention/op.py), which runs the installed plan
-    natively and hands every other call to the planning backend. False, with one warning, when
+    natively and hands every other call to the planning backend (the schemas it implements are
+    attention/op.py's: its caller imports that module first). False, with one warning, when
     they cannot be built: the model's operator then calls the backend from Python, as before."""
     global _operator_loaded
-    import compiled_engine.attention.op  # noqa: F401  (the operator schemas the library implements)
-
     try:
         NATIVE_OPERATOR.load()
     except KernelBuildError as error:
