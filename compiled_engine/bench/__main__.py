@@ -58,6 +58,17 @@ from compiled_engine.weights.gguf import gguf_file
 from compiled_engine.weights.source import resolve_model_dir
 
 
+def _add_report_options(sub: argparse.ArgumentParser, plot: bool) -> None:
+    """--json, and --plot for the benchmarks plots.py draws."""
+    sub.add_argument("--json", type=Path, default=None, help="write every figure and the environment here")
+    if plot:
+        sub.add_argument(
+            "--plot", type=Path, default=None, help="draw ours vs the baseline into this PNG (needs matplotlib)"
+        )
+    else:
+        sub.set_defaults(plot=None)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m compiled_engine.bench",
@@ -81,10 +92,7 @@ def _parser() -> argparse.ArgumentParser:
             "or, with --data-parallel-size, one engine on all the cores (one-engine)",
         )
         sub.add_argument("--seed", type=int, default=0, help="seed of the random workload")
-        sub.add_argument("--json", type=Path, default=None, help="write every figure and the environment here")
-        sub.add_argument(
-            "--plot", type=Path, default=None, help="draw ours vs the baseline into this PNG (needs matplotlib)"
-        )
+        _add_report_options(sub, plot=True)
     latency = commands.choices["latency"]
     latency.add_argument("--prompt-len", type=int, default=512)
     latency.add_argument("--output-len", type=int, default=128)
@@ -147,23 +155,20 @@ def _parser() -> argparse.ArgumentParser:
     lora.add_argument(
         "--rounds", type=_at_least_one, default=3, help="alternated measurements of each figure (medians)"
     )
-    lora.add_argument("--json", type=Path, default=None, help="write every figure and the environment here")
-    lora.set_defaults(plot=None)
+    _add_report_options(lora, plot=False)
     spec = commands.add_parser("spec", help="speculative decoding on against off, in the same run")
     add_engine_options(spec, exclude={"seed", "enable_prefix_caching"})
     spec.add_argument("--num-requests", type=int, default=4, help="requests of each one-at-a-time workload")
     spec.add_argument("--concurrency", type=int, default=16, help="repetitive requests run at once")
     spec.add_argument("--output-len", type=int, default=128)
     spec.add_argument("--seed", type=int, default=0)
-    spec.add_argument("--json", type=Path, default=None, help="write every figure and the environment here")
-    spec.set_defaults(plot=None)
+    _add_report_options(spec, plot=False)
     structured = commands.add_parser("structured", help="JSON-schema-constrained decoding against free, same run")
     add_engine_options(structured, exclude={"seed", "enable_prefix_caching"})
     structured.add_argument("--batch", type=_at_least_one, default=8, help="requests decoding at once")
     structured.add_argument("--output-len", type=_at_least_one, default=64)
     structured.add_argument("--rounds", type=_at_least_one, default=3, help="alternated rounds of each figure")
-    structured.add_argument("--json", type=Path, default=None, help="write every figure and the environment here")
-    structured.set_defaults(plot=None)
+    _add_report_options(structured, plot=False)
     return parser
 
 
@@ -228,6 +233,18 @@ def _engine_info(engine: LLMEngine | None) -> dict[str, Any]:
     }
 
 
+def _report(benchmark: str, workload: dict[str, Any], results: Any, engine: LLMEngine, **extra: Any) -> dict[str, Any]:
+    """What `--json` writes of one benchmark run on `engine`."""
+    return {
+        "benchmark": benchmark,
+        "workload": workload,
+        **extra,
+        "results": results,
+        "environment": environment(engine.runner.device, engine.runner.dtype, engine.model_dir),
+        "engine": _engine_info(engine),
+    }
+
+
 def _baseline(args: argparse.Namespace, engine: LLMEngine) -> tuple[Any, str | None]:
     if args.baseline != "hf":
         return None, None
@@ -266,6 +283,16 @@ def _print_comparison(
 RATIO_KEYS = ("prefill_tokens_per_s", "decode_tokens_per_s")
 
 
+def _latency_figures(prompt_len: int, ttft: float, tpot: float) -> dict[str, float]:
+    """The latency figures of one side from its time to first token and per output token (s)."""
+    return {
+        "ttft_s": ttft,
+        "prefill_tokens_per_s": prompt_len / ttft,
+        "decode_ms_per_token": tpot * 1000,
+        "decode_tokens_per_s": 1 / tpot,
+    }
+
+
 def _llama_cpp_latency(
     engine: LLMEngine,
     ours: dict[str, float],
@@ -282,12 +309,7 @@ def _llama_cpp_latency(
     llama_cpp_prefill_seconds(llm, prefill_prompt[:8])  # warm-up
     prefill = statistics.median(llama_cpp_prefill_seconds(llm, prefill_prompt) for _ in range(repeats))
     tpot = statistics.median(llama_cpp_decode_seconds(llm, decode_prompt, output_len) for _ in range(repeats))
-    figures = {
-        "ttft_s": prefill,
-        "prefill_tokens_per_s": len(prefill_prompt) / prefill,
-        "decode_ms_per_token": tpot * 1000,
-        "decode_tokens_per_s": 1 / tpot,
-    }
+    figures = _latency_figures(len(prefill_prompt), prefill, tpot)
     ratios = {k: ours_figure / figures[k] for k, ours_figure in ours.items() if k in RATIO_KEYS}
     return {"llama_cpp": figures, "ratio_vs_llama_cpp": ratios}
 
@@ -306,10 +328,7 @@ def bench_latency(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     weights = weight_bytes(engine)
     ttft, tpot = statistics.median(ttfts), statistics.median(tpots)
     ours = {
-        "ttft_s": ttft,
-        "prefill_tokens_per_s": prompt_len / ttft,
-        "decode_ms_per_token": tpot * 1000,
-        "decode_tokens_per_s": 1 / tpot,
+        **_latency_figures(prompt_len, ttft, tpot),
         "weight_bytes": weights,
         "effective_bandwidth_bytes_per_s": weights / tpot,
         "bandwidth_fraction": weights / tpot / ceiling,
@@ -331,12 +350,7 @@ def bench_latency(args: argparse.Namespace, console: Console) -> dict[str, Any]:
             hf_generate_seconds(model, decode.prompts, output_len, device) for _ in range(args.repeats)
         )
         hf_tpot = (hf_total - hf_prefill) / max(output_len - 1, 1)
-        result["hf"] = {
-            "ttft_s": hf_prefill,
-            "prefill_tokens_per_s": prompt_len / hf_prefill,
-            "decode_ms_per_token": hf_tpot * 1000,
-            "decode_tokens_per_s": 1 / hf_tpot,
-        }
+        result["hf"] = _latency_figures(prompt_len, hf_prefill, hf_tpot)
         result["ratio_vs_hf"] = {k: ours[k] / result["hf"][k] for k in RATIO_KEYS}
     elif why:
         result["hf"] = {"error": why}
@@ -355,24 +369,15 @@ def bench_latency(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         ),
         baseline="llama_cpp" if args.baseline == "llama-cpp" else "hf",
     )
-    return {
-        "benchmark": "latency",
-        "workload": {"prompt_len": prompt_len, "output_len": output_len, "repeats": args.repeats, "seed": args.seed},
-        "bandwidth_ceiling_bytes_per_s": ceiling,
-        "results": result,
-        "environment": environment(engine.runner.device, engine.runner.dtype, engine.model_dir),
-        "engine": _engine_info(engine),
-    }
+    workload = {"prompt_len": prompt_len, "output_len": output_len, "repeats": args.repeats, "seed": args.seed}
+    return _report("latency", workload, result, engine, bandwidth_ceiling_bytes_per_s=ceiling)
 
 
 def bench_offline(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     engine = _engine(args)
-    workload: Workload = random_workload(
-        engine.runner.model_config.vocab_size, args.num_seqs, tuple(args.input_len), tuple(args.output_len), args.seed
-    )
-    run_ours(
-        engine, random_workload(engine.runner.model_config.vocab_size, 1, (8, 8), (2, 2), args.seed + 1)
-    )  # warm-up
+    vocab = engine.runner.model_config.vocab_size
+    workload = random_workload(vocab, args.num_seqs, tuple(args.input_len), tuple(args.output_len), args.seed)
+    run_ours(engine, random_workload(vocab, 1, (8, 8), (2, 2), args.seed + 1))  # warm-up
     with _progress(console, "ours", workload.output_tokens) as advance:
         ours_run = run_ours(engine, workload, advance)
     memory = engine_memory(engine)  # before the bandwidth measurement allocates its own buffer
@@ -416,14 +421,7 @@ def bench_offline(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         "seed": args.seed,
         "ignore_eos": True,
     }
-    return {
-        "benchmark": "offline",
-        "workload": workload_info,
-        "bandwidth_ceiling_bytes_per_s": ceiling,
-        "results": result,
-        "environment": environment(engine.runner.device, engine.runner.dtype, engine.model_dir),
-        "engine": _engine_info(engine),
-    }
+    return _report("offline", workload_info, result, engine, bandwidth_ceiling_bytes_per_s=ceiling)
 
 
 def _serve_row(table: Table, load: str, prompts: str, side: str, r: dict[str, Any]) -> None:
@@ -691,13 +689,7 @@ def bench_lora(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         "seed": args.seed,
         "rounds": args.rounds,
     }
-    return {
-        "benchmark": "lora",
-        "workload": workload,
-        "results": figures,
-        "environment": environment(lora.runner.device, lora.runner.dtype, lora.model_dir),
-        "engine": _engine_info(lora),
-    }
+    return _report("lora", workload, figures, lora)
 
 
 def bench_spec(args: argparse.Namespace, console: Console) -> dict[str, Any]:
@@ -732,13 +724,7 @@ def bench_spec(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         "output_len": args.output_len,
         "seed": args.seed,
     }
-    return {
-        "benchmark": "spec",
-        "workload": workload,
-        "results": figures,
-        "environment": environment(spec.runner.device, spec.runner.dtype, spec.model_dir),
-        "engine": _engine_info(spec),
-    }
+    return _report("spec", workload, figures, spec)
 
 
 def bench_structured(args: argparse.Namespace, console: Console) -> dict[str, Any]:
@@ -764,13 +750,7 @@ def bench_structured(args: argparse.Namespace, console: Console) -> dict[str, An
     table.add_row("mask per constrained sequence and step", "", f"{figures['mask_us']:.0f} us", "")
     console.print(table)
     workload = {"batch": args.batch, "output_len": args.output_len, "rounds": args.rounds}
-    return {
-        "benchmark": "structured",
-        "workload": workload,
-        "results": figures,
-        "environment": environment(engine.runner.device, engine.runner.dtype, engine.model_dir),
-        "engine": _engine_info(engine),
-    }
+    return _report("structured", workload, figures, engine)
 
 
 BENCHMARKS = {

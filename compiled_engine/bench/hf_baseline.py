@@ -55,12 +55,8 @@ def _left_padded(prompts: list[list[int]], device: torch.device) -> tuple[torch.
     return input_ids, mask
 
 
-@torch.inference_mode()
-def hf_generate_seconds(model: Any, prompts: list[list[int]], new_tokens: int, device: torch.device) -> float:
-    """Wall time of one greedy `generate` over a left-padded batch, exactly `new_tokens` each."""
-    input_ids, mask = _left_padded(prompts, device)
-    _sync(device)
-    start = time.perf_counter()
+def _generate(model: Any, input_ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, **options: Any) -> None:
+    """Greedy, exactly `new_tokens` for each row."""
     model.generate(
         input_ids,
         attention_mask=mask,
@@ -68,7 +64,17 @@ def hf_generate_seconds(model: Any, prompts: list[list[int]], new_tokens: int, d
         min_new_tokens=new_tokens,
         do_sample=False,
         pad_token_id=PAD,
+        **options,
     )
+
+
+@torch.inference_mode()
+def hf_generate_seconds(model: Any, prompts: list[list[int]], new_tokens: int, device: torch.device) -> float:
+    """Wall time of one greedy `generate` over a left-padded batch, exactly `new_tokens` each."""
+    input_ids, mask = _left_padded(prompts, device)
+    _sync(device)
+    start = time.perf_counter()
+    _generate(model, input_ids, mask, new_tokens)
     _sync(device)
     return time.perf_counter() - start
 
@@ -90,13 +96,5 @@ def hf_generate_token_times(model: Any, prompts: list[list[int]], new_tokens: in
 
     input_ids, mask = _left_padded(prompts, device)
     start = time.perf_counter()
-    model.generate(
-        input_ids,
-        attention_mask=mask,
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        pad_token_id=PAD,
-        stopping_criteria=StoppingCriteriaList([RecordTimes()]),
-    )
+    _generate(model, input_ids, mask, new_tokens, stopping_criteria=StoppingCriteriaList([RecordTimes()]))
     return times

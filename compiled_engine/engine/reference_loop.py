@@ -7,7 +7,6 @@ ends, however it ends."""
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -41,29 +40,11 @@ class GenerationResult:
     top_logits: list[StepLogits] = field(default_factory=list)  # one per generated token
 
 
-@dataclass
-class GenerationTimings:
-    prefill_ms: float = 0.0
-    ttft_ms: float = 0.0
-    decode_ms: float = 0.0
-    decode_steps: int = 0
-    decode_tokens: int = 0
-
-    @property
-    def mean_tpot_ms(self) -> float:
-        return self.decode_ms / self.decode_steps if self.decode_steps else 0.0
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return 1000.0 * self.decode_tokens / self.decode_ms if self.decode_ms else 0.0
-
-
 class Generator:
     def __init__(self, runner: Runner) -> None:
         self.runner = runner
         self.block_manager = BlockManager(runner.num_pages, runner.page_size)
         self._seq_ids = itertools.count()
-        self.last_timings = GenerationTimings()
 
     def _logits(self, batch: ScheduledBatch) -> torch.Tensor:
         output = self.runner.execute(step_inputs(batch))
@@ -87,32 +68,24 @@ class Generator:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         seqs = [Sequence(next(self._seq_ids), list(p), params, stop_token_ids) for p in prompts]
         results = {seq.seq_id: GenerationResult(seq.prompt_token_ids, [], FinishReason.LENGTH) for seq in seqs}
-        timings = GenerationTimings()
-        started = time.perf_counter()
         try:
             batch = [(seq, seq.num_tokens) for seq in seqs]
             for seq in seqs:
                 self.block_manager.grow(seq.block_table, seq.num_tokens)
             logits = self._logits(batch)
-            timings.prefill_ms = timings.ttft_ms = (time.perf_counter() - started) * 1000
             if record_logits:
                 for i, seq in enumerate(seqs):
                     results[seq.seq_id].prefill_logits = logits[i].cpu()
             self._advance(batch, logits, results, record_logits)
             while running := [seq for seq in seqs if not seq.is_finished]:
-                step_start = time.perf_counter()
                 for seq in running:
                     self.block_manager.grow(seq.block_table, seq.num_tokens)
                 batch = [(seq, 1) for seq in running]
                 logits = self._logits(batch)
                 self._advance(batch, logits, results, record_logits)
-                timings.decode_ms += (time.perf_counter() - step_start) * 1000
-                timings.decode_steps += 1
-                timings.decode_tokens += len(running)
         finally:
             for seq in seqs:
                 self.block_manager.free(seq.block_table)
-        self.last_timings = timings
         for seq in seqs:
             assert seq.finish_reason is not None
             results[seq.seq_id].token_ids = list(seq.output_token_ids)

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -161,23 +161,8 @@ torch.library.impl("compiled_engine::quantized_lora_linear_f32", "CompositeExpli
 
 
 @torch.library.register_fake("compiled_engine::quantized_lora_linear_f32")
-def _quantized_lora_linear_fake(
-    x: torch.Tensor,
-    data: torch.Tensor,
-    scales: torch.Tensor,
-    offsets: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    group_size: int,
-    max_kernel_rows: int,
-    a_store: torch.Tensor,
-    b_store: torch.Tensor,
-    token_slots: torch.Tensor,
-    a_start: int,
-    b_start: int,
-    slots: int,
-    rank: int,
-    widths: Sequence[int],
-) -> torch.Tensor:
+def _quantized_lora_linear_fake(x: torch.Tensor, data: torch.Tensor, *shapeless: Any) -> torch.Tensor:
+    # the output's shape is x's rows by the weight's: the other arguments do not change it
     return x.new_empty(x.shape[0], data.shape[0])
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -51,15 +52,8 @@ def native_operator() -> torch._ops.OpOverload | None:
     return op
 
 
-def _native_fake(
-    x: torch.Tensor,
-    data: torch.Tensor,
-    scales: torch.Tensor,
-    offsets: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    group_size: int,
-    max_kernel_rows: int,
-) -> torch.Tensor:
+def _native_fake(x: torch.Tensor, data: torch.Tensor, *shapeless: Any) -> torch.Tensor:
+    # the output's shape is x's rows by the weight's: the other arguments do not change it
     return x.new_empty(x.shape[0], data.shape[0])
 
 
@@ -138,14 +132,8 @@ torch.library.impl("compiled_engine::quantized_linear", "CompositeExplicitAutogr
 
 
 @torch.library.register_fake("compiled_engine::quantized_linear")
-def _quantized_linear_fake(
-    x: torch.Tensor,
-    data: torch.Tensor,
-    scales: torch.Tensor,
-    offsets: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    group_size: int,
-) -> torch.Tensor:
+def _quantized_linear_fake(x: torch.Tensor, data: torch.Tensor, *shapeless: Any) -> torch.Tensor:
+    # the output's shape is x's rows by the weight's: the other arguments do not change it
     return x.new_empty(*x.shape[:-1], data.shape[0])
 
 

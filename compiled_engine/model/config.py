@@ -319,9 +319,7 @@ def parse_config(raw: dict[str, Any], source: str, family: str, rules: ConfigRul
         raise ModelConfigError(f"{source}: unsupported {act_key}={act!r} (supported: {', '.join(_ACTIVATIONS)})")
     if raw.get("mlp_bias"):
         raise ModelConfigError(f"{source}: unsupported mlp_bias=True")
-    eps = _require(raw, "rms_norm_eps", float, source)
-    if eps <= 0:
-        raise ModelConfigError(f"{source}: field 'rms_norm_eps' must be positive, got {eps!r}")
+    eps = _positive_number(raw, "rms_norm_eps", source)
     num_layers = _positive(raw, "num_hidden_layers", source)
     rope, rope_local = _layer_ropes(raw, source) if rules.local_rope else (_rope(raw, source), None)
     bos = raw.get("bos_token_id")
@@ -335,7 +333,7 @@ def parse_config(raw: dict[str, Any], source: str, family: str, rules: ConfigRul
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(eps),
+        rms_norm_eps=eps,
         rope=rope,
         rope_local=rope_local,
         max_position_embeddings=_positive(raw, "max_position_embeddings", source),
