@@ -169,7 +169,7 @@ class ProcessHandle(EngineHandle):
             except (EOFError, OSError):
                 break
             self._on_report(report)
-        if not self._closed:
+        if not self._closed and self.alive:  # (a lost one's killer reaps it)
             self.process.join(timeout=5.0)
             self._on_report(EngineFailed(f"its process exited with code {self.process.exitcode}"))
 
