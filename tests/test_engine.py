@@ -373,3 +373,26 @@ def test_a_feature_nobody_registered_is_refused_by_name(tiny_model_factory: Call
     finally:
         REGISTRY.drafters["ngram"] = saved
     assert type(plan_features(config, tiny_model_factory("llama")).drafter).__name__ == "NgramDrafter"
+
+
+def test_every_registered_feature_names_what_it_runs() -> None:
+    """Registrations are names ("module:attribute"), imported only when picked: each must name a
+    callable that exists, or the first engine to pick it would fail."""
+    import compiled_engine.registrations  # noqa: F401  (the lines under test)
+    from compiled_engine.engine.feature_plan import REGISTRY, _registered
+
+    tables = {"drafters": REGISTRY.drafters, "adapters": REGISTRY.adapters, "grammars": REGISTRY.grammars}
+    tables["poolers"] = REGISTRY.poolers
+    found = {kind: sorted(table) for kind, table in tables.items()}
+    assert found == {
+        "drafters": ["draft_model", "ngram"],
+        "adapters": ["lora"],
+        "grammars": ["llguidance"],
+        "poolers": ["embed"],
+    }
+    for kind, table in tables.items():
+        for name in table:
+            assert callable(_registered(table, name, kind)), (kind, name)
+    table = {"broken": "compiled_engine.speculative.drafts:NoSuchDrafter.plan"}
+    with pytest.raises(AttributeError, match="NoSuchDrafter"):
+        _registered(table, "broken", "speculative method")

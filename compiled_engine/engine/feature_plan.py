@@ -1,9 +1,10 @@
 """Which optional features an engine runs, picked once when it is built.
 
 The engine declares each seam (engine/drafting.py, engine/adapters.py, engine/grammars.py,
-engine/pooler.py) and never imports a feature package. The feature packages register their
-implementations in `REGISTRY`; compiled_engine/registrations.py holds every registration line,
-and the package imports it first thing, so the registry is full before any engine is built.
+engine/pooler.py) and never imports a feature package. Each implementation is registered in
+`REGISTRY` by the name of where it lives ("module:attribute"; compiled_engine/registrations.py
+holds every line) and imported only when an engine picks it, so a feature that is not asked for
+is never loaded.
 
 Building happens in two phases, because a draft model shares the target's page pool and adapters
 are put into the model before it is compiled: `plan_features` says what the runner must know
@@ -12,12 +13,13 @@ before it loads the model, and the plans' `start` builds each feature around the
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol
 
-from compiled_engine.config import EngineConfig, SpeculativeConfig
+from compiled_engine.config import EngineConfig
 from compiled_engine.engine.adapters import AdapterSet, NoAdapters
 from compiled_engine.engine.drafting import Drafter, NoDrafter
 from compiled_engine.engine.grammars import GrammarSet
@@ -50,20 +52,18 @@ class AdapterPlan(Protocol):
     def start(self, slots: AdapterSlots, model_config: ModelConfig) -> AdapterSet: ...
 
 
-T = TypeVar("T")
-
-DrafterFactory = Callable[[SpeculativeConfig, EngineConfig, Path], DrafterPlan]
-AdapterFactory = Callable[[EngineConfig], AdapterPlan]
 GrammarFactory = Callable[[Path | None, int, frozenset[int]], GrammarSet]  # tokenizer.json, vocab, eos ids
-PoolerFactory = Callable[[Path], Pooler]  # the model's directory
 
 
 @dataclass
 class FeatureRegistry:
-    drafters: dict[str, DrafterFactory] = field(default_factory=dict)  # by SpeculativeConfig.method
-    adapters: dict[str, AdapterFactory] = field(default_factory=dict)  # "lora"
-    grammars: dict[str, GrammarFactory] = field(default_factory=dict)  # "llguidance"
-    poolers: dict[str, PoolerFactory] = field(default_factory=dict)  # "embed"
+    """Where each implementation lives, "module:attribute", by the name the engine picks it by."""
+
+    # (SpeculativeConfig, EngineConfig, model dir) -> DrafterPlan, by SpeculativeConfig.method
+    drafters: dict[str, str] = field(default_factory=dict)
+    adapters: dict[str, str] = field(default_factory=dict)  # "lora": EngineConfig -> AdapterPlan
+    grammars: dict[str, str] = field(default_factory=dict)  # "llguidance": a GrammarFactory
+    poolers: dict[str, str] = field(default_factory=dict)  # "embed": model dir -> Pooler
 
 
 REGISTRY = FeatureRegistry()
@@ -109,8 +109,12 @@ def plan_features(config: EngineConfig, model_dir: Path) -> FeaturePlan:
     return FeaturePlan(drafter, adapters, _registered(REGISTRY.grammars, "llguidance", "grammar set"), pooler)
 
 
-def _registered(table: dict[str, T], name: str, what: str) -> T:
+def _registered(table: dict[str, str], name: str, what: str) -> Any:
     if name not in table:
         known = ", ".join(sorted(table)) or "none"
         raise ModelConfigError(f"no {what} {name!r} is registered (registered: {known})")
-    return table[name]
+    module, _, attribute = table[name].partition(":")
+    found: Any = importlib.import_module(module)
+    for part in attribute.split("."):
+        found = getattr(found, part)
+    return found
