@@ -42,6 +42,7 @@ def test_prepared_directory_has_what_the_engine_needs(default_model_dir: Path) -
     assert manifest_problem(default_model_dir) is None
 
 
+@pytest.mark.full  # a whole CLI process (10 s); `make test` itself runs `prepare` on a prepared model first
 def test_second_prepare_only_checks_and_prints_the_directory_last(
     default_model_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
