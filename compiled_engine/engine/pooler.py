@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from compiled_engine.engine.feature_state import PoolingState
+from compiled_engine.engine.step_inputs import ScheduledBatch
 from compiled_engine.errors import RequestError
 from compiled_engine.executor.step import Wants
 
@@ -18,8 +19,6 @@ if TYPE_CHECKING:
     import torch
 
     from compiled_engine.engine.sequence import Sequence
-
-Batch = list[tuple["Sequence", int]]  # each scheduled sequence with its new tokens
 
 
 @dataclass(frozen=True)
@@ -50,7 +49,7 @@ class Pooler(Protocol):
         """Pooling `seq` needs every prompt token's hidden state: its prompt takes no cache hits."""
         ...
 
-    def pool(self, batch: Batch, rows: torch.Tensor) -> tuple[Batch, torch.Tensor]:
+    def pool(self, batch: ScheduledBatch, rows: torch.Tensor) -> tuple[ScheduledBatch, torch.Tensor]:
         """After the forward, before `advance`: each pooled sequence takes its new tokens' rows;
         the sequences left to sample, and their logits."""
         ...
@@ -74,7 +73,7 @@ class NoPooler:
     def reads_whole_prompt(self, seq: Sequence) -> bool:
         return False
 
-    def pool(self, batch: Batch, rows: torch.Tensor) -> tuple[Batch, torch.Tensor]:
+    def pool(self, batch: ScheduledBatch, rows: torch.Tensor) -> tuple[ScheduledBatch, torch.Tensor]:
         return batch, rows
 
     def results(self, due: list[Sequence]) -> list[tuple[Sequence, list[float]]]:

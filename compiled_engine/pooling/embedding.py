@@ -23,8 +23,9 @@ from typing import Any
 import torch
 
 from compiled_engine.engine.feature_state import PoolingState
-from compiled_engine.engine.pooler import Batch, PoolingConfig
+from compiled_engine.engine.pooler import PoolingConfig
 from compiled_engine.engine.sequence import Sequence
+from compiled_engine.engine.step_inputs import ScheduledBatch
 from compiled_engine.errors import ModelConfigError, RequestError
 from compiled_engine.executor.step import Wants
 
@@ -113,7 +114,7 @@ class EmbeddingPooler:
     def reads_whole_prompt(self, seq: Sequence) -> bool:
         return self.config.needs_every_token
 
-    def pool(self, batch: Batch, rows: torch.Tensor) -> tuple[Batch, torch.Tensor]:
+    def pool(self, batch: ScheduledBatch, rows: torch.Tensor) -> tuple[ScheduledBatch, torch.Tensor]:
         row = 0
         for seq, num_new in batch:
             assert seq.pooling is not None
