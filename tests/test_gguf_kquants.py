@@ -152,7 +152,7 @@ def test_quantized_lora_products_over_every_type_equal_their_reference(qtype: QT
     for tokens in (1, 6, 40):
         x = torch.randn(tokens, weight.in_features, generator=generator)
         slots = torch.tensor([t % 3 - 1 for t in range(tokens)])  # no adapter, slot 0, slot 1
-        args = (x, base.data, base.scales, base.offsets, None, weight.group_size, 32, a, b, slots, 0, 0)
+        args = (x, base.data, base.scales, base.offsets, None, weight.group_size, 32, 64, a, b, slots, 0, 0)
         args += (num_slots, rank, widths)
         native = torch.ops.compiled_engine.quantized_lora_linear_f32(*args)
         reference = lora_op.reference_quantized_lora_linear(*args)

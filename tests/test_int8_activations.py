@@ -20,7 +20,7 @@ from compiled_engine import LLM, SamplingParams
 from compiled_engine.bench.perplexity import TEXT_PATH, perplexity
 from compiled_engine.config import EngineConfig
 from compiled_engine.linear import quantized_op as ops
-from compiled_engine.linear.quantized import Int8ActivationsLinear, QuantizedLinear
+from compiled_engine.linear.quantized import INT8_DIRECT_MAX_ROWS, Int8ActivationsLinear, QuantizedLinear
 from compiled_engine.linear.table import QUANTIZED_INT8_ACTIVATIONS, QUANTIZED_NATIVE, Product, kernel_for
 from compiled_engine.prompts import DEFAULT_PROMPTS
 from compiled_engine.tokenizer import Tokenizer
@@ -33,7 +33,7 @@ WINDOW = 32  # perplexity windows no longer than the direct kernels' rows: all 8
 
 def _llm(activations: str) -> LLM:
     # No prefix cache: a prompt's numerics in this mode depend on how many of its tokens run
-    # together (up to KERNEL_MAX_ROWS rows 8-bit, more exact), and a cache hit shortens the run.
+    # together (up to INT8_DIRECT_MAX_ROWS rows 8-bit, more exact), and a cache hit shortens the run.
     return LLM(
         cpu_activations=activations,
         enforce_eager=True,
@@ -89,7 +89,7 @@ def test_int8_activations_match_their_twin_and_stay_close_to_the_exact_model(
 
     def recorded(self: Int8ActivationsLinear, x: torch.Tensor) -> torch.Tensor:
         out = fast(self, x)
-        if x.shape[0] <= ops.KERNEL_MAX_ROWS:
+        if x.shape[0] <= INT8_DIRECT_MAX_ROWS:
             seen.append((self, x.clone(), out.clone()))
         return out
 

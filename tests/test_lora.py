@@ -466,6 +466,7 @@ def test_the_fused_quantized_lora_product_equals_its_reference(fmt: str) -> None
             base.bias,
             base.group_size,
             32,
+            64,
             a_store,
             b_store,
             slots[rows],
@@ -483,7 +484,7 @@ def test_the_fused_quantized_lora_product_equals_its_reference(fmt: str) -> None
     delta = lora_op.reference_lora_delta(x, a, b, slots, widths)  # the twin reads the same slots
     torch.testing.assert_close(lora_op.reference_quantized_lora_linear(*args), base(x) + delta, rtol=1e-4, atol=1e-4)
     with pytest.raises(RuntimeError, match="do not fit the stores"):
-        torch.ops.compiled_engine.quantized_lora_linear_f32(*args[:10], 13, 11, num_slots, rank, widths)
+        torch.ops.compiled_engine.quantized_lora_linear_f32(*args[:11], 13, 11, num_slots, rank, widths)
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
@@ -512,7 +513,7 @@ def test_a_decode_sized_fused_product_shares_one_parallel_region_and_equals_its_
     try:
         for slots in ([1], [-1], [2, 0, -1, 2, 1, 1, -1, 0] * 4, [-1] * 5, [0] * 32):
             token_slots = torch.tensor([*slots, 2, 2])  # a graph's padding rows past the batch
-            args = (x[: len(slots)], base.data, base.scales, base.offsets, None, 32, 32, a, b, token_slots, 0, 0)
+            args = (x[: len(slots)], base.data, base.scales, base.offsets, None, 32, 32, 64, a, b, token_slots, 0, 0)
             args += (num_slots, rank, widths)
             native = torch.ops.compiled_engine.quantized_lora_linear_f32(*args)
             reference = lora_op.reference_quantized_lora_linear(*args)

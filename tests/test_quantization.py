@@ -20,7 +20,12 @@ from compiled_engine.executor.step import StepInputs
 from compiled_engine.linear import quantized_cpu_kernels as cpu_kernels
 from compiled_engine.linear import quantized_op as ops
 from compiled_engine.linear.quantize import QuantizationScheme, quantize, quantize_int4, quantize_int8, quantize_model
-from compiled_engine.linear.quantized import Int8ActivationsLinear, QuantizedEmbedding, QuantizedLinear
+from compiled_engine.linear.quantized import (
+    INT8_DIRECT_MAX_ROWS,
+    Int8ActivationsLinear,
+    QuantizedEmbedding,
+    QuantizedLinear,
+)
 from compiled_engine.linear.quantized_weight import (
     QuantizationError,
     QuantizedWeight,
@@ -214,7 +219,7 @@ def test_the_native_operator_equals_the_python_one(rows: int, fmt: str, group: i
     assert module.native is native
     torch.testing.assert_close(module(x), ops.reference_linear(x, weight, bias), rtol=1e-5, atol=1e-4)
     with pytest.raises(RuntimeError, match=r"x must be float32 \[rows, 256\]"):
-        native(torch.randn(rows, 128), *args[1:], ops.KERNEL_MAX_ROWS)
+        native(torch.randn(rows, 128), *args[1:], 4, 64)
 
 
 def test_the_operator_runs_the_reference_for_other_dtypes() -> None:
@@ -393,7 +398,7 @@ def test_int8_activation_products_match_their_torch_twin(fmt: str, group: int, o
 def test_int8_activation_products_run_longer_prompts_exactly() -> None:
     weight = _weight(48, 256, "int4", 32)
     module = Int8ActivationsLinear(weight)
-    x = torch.randn(ops.KERNEL_MAX_ROWS + 1, 256)
+    x = torch.randn(INT8_DIRECT_MAX_ROWS + 1, 256)
     args = (x, weight, None)
     torch.testing.assert_close(module(x), ops.reference_linear(*args), rtol=1e-5, atol=1e-4)
     compiled = torch.compile(module.forward, fullgraph=True)
@@ -418,11 +423,11 @@ def test_the_int8_activation_operator_refuses_bad_input_by_its_own_name() -> Non
     weight = _weight(16, 64, "int4", 32)
     op = ops.int8_activations_operator()
     assert op is not None
-    args = (weight.data, weight.scales, weight.offsets, None, weight.group_size, ops.KERNEL_MAX_ROWS)
+    args = (weight.data, weight.scales, weight.offsets, None, weight.group_size, 4, 64)
     with pytest.raises(RuntimeError, match=r"quantized_linear_q8x_f32: x must be float32 \[rows, 64\]"):
         op(torch.randn(2, 32), *args)
     with pytest.raises(RuntimeError, match="quantized_linear_q8x_f32: groups must be whole blocks of 32, not 16"):
-        op(torch.randn(2, 64), *args[:3], None, 16, ops.KERNEL_MAX_ROWS)
+        op(torch.randn(2, 64), *args[:3], None, 16, 4, 64)
 
 
 def test_int8_activations_without_the_native_operator_fail_with_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -30,7 +30,8 @@ from typing import Any, Protocol
 
 import torch
 
-from compiled_engine.linear.quantized_op import KERNEL_MAX_ROWS, reference_linear
+from compiled_engine.linear.crossover import RowCrossover
+from compiled_engine.linear.quantized_op import reference_linear
 from compiled_engine.linear.quantized_weight import QuantizedWeight
 from compiled_engine.native_build import KernelBuildError, TorchOperatorLibrary
 
@@ -123,7 +124,7 @@ def _lora_delta_fake(
 torch.library.define(
     "compiled_engine::quantized_lora_linear_f32",
     "(Tensor x, Tensor data, Tensor scales, Tensor? offsets, Tensor? bias, int group_size, int max_kernel_rows, "
-    "Tensor a_store, Tensor b_store, Tensor token_slots, int a_start, int b_start, int slots, int rank, int[] widths) "
+    "int gemm_max_rows, Tensor a_store, Tensor b_store, Tensor token_slots, int a_start, int b_start, int slots, int rank, int[] widths) "
     "-> Tensor",
 )
 
@@ -136,6 +137,7 @@ def reference_quantized_lora_linear(
     bias: torch.Tensor | None,
     group_size: int,
     max_kernel_rows: int,
+    gemm_max_rows: int,
     a_store: torch.Tensor,
     b_store: torch.Tensor,
     token_slots: torch.Tensor,
@@ -205,13 +207,13 @@ class LoRAStores(Protocol):
 
 
 def quantized_lora_linear(
-    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, lora: LoRAStores
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, lora: LoRAStores, crossover: RowCrossover
 ) -> torch.Tensor:
     """x @ weight.T + bias plus each token's adapter delta, in one native call, reading the slots
-    from the layer's flat stores as they are."""
+    from the layer's flat stores as they are; the product changes kernels at `crossover`'s rows."""
     slots, rank, _ = lora.b_view.shape
     out: torch.Tensor = torch.ops.compiled_engine.quantized_lora_linear_f32(
-        x, weight.data, weight.scales, weight.offsets, bias, weight.group_size, KERNEL_MAX_ROWS,
-        lora.a_store, lora.b_store, lora.token_slots, lora.a_view.start, lora.b_view.start, slots, rank, lora.widths,
+        x, weight.data, weight.scales, weight.offsets, bias, weight.group_size, crossover.direct_max_rows,
+        crossover.gemm_max_rows, lora.a_store, lora.b_store, lora.token_slots, lora.a_view.start, lora.b_view.start, slots, rank, lora.widths,
     )  # fmt: skip
     return out

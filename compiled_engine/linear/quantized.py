@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from compiled_engine.linear.crossover import UNMEASURED, RowCrossover
 from compiled_engine.linear.lora_op import LoRAStores, quantized_lora_linear
 from compiled_engine.linear.quantized_op import int8_activations_operator, native_operator, quantized_linear
 from compiled_engine.linear.quantized_weight import QuantizedWeight
@@ -54,6 +55,9 @@ class QuantizedLinear(_HoldsQuantizedWeight):
         # be built.
         wanted = weight.device.type == "cpu" if native is None else native
         self.native = native_operator() if wanted else None
+        # The row counts at which the native operator changes kernels: measured for this shape
+        # when the model's kernels are installed (linear/install.py).
+        self.crossover: RowCrossover = UNMEASURED
 
     @classmethod
     def kernel(cls, held: QuantizedLinear, native: bool) -> QuantizedLinear:
@@ -67,19 +71,24 @@ class QuantizedLinear(_HoldsQuantizedWeight):
 
     def lora_forward(self, x: torch.Tensor, lora: LoRAStores) -> torch.Tensor:
         """This product plus each token's adapter delta, in one native call (linear/lora_op.py)."""
-        return quantized_lora_linear(x, self.weight, self.bias, lora)
+        return quantized_lora_linear(x, self.weight, self.bias, lora, self.crossover)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return quantized_linear(x, self.weight, self.bias, self.native)
+        return quantized_linear(x, self.weight, self.bias, self.native, self.crossover)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, {self.format}, group_size={self.group_size}"
 
 
+# Rows up to which the int8-activation products round x to int8 (the direct kernel's range:
+# decode and speculative verification); more rows run exactly.
+INT8_DIRECT_MAX_ROWS = 32
+
+
 class Int8ActivationsLinear(QuantizedLinear):
     """The product with x rounded to int8 in blocks of 32 before the direct kernel's integer dot
-    products (`--cpu-activations int8`: llama.cpp's numerics, lossy, opt-in); prompts of more
-    than KERNEL_MAX_ROWS tokens run exactly (dequantize-then-GEMM). Its own class, so that a
+    products (`--cpu-activations int8`: llama.cpp's numerics, lossy, opt-in); more rows than the
+    direct kernel takes run exactly (the many-row kernel, or dequantize-then-GEMM). Its own class, so that a
     saved trace of the exact products is never replayed for it (the trace key names classes).
     Without LoRA: adapters take the exact fused operator (`fuses_lora`)."""
 
@@ -94,6 +103,7 @@ class Int8ActivationsLinear(QuantizedLinear):
         if operator is None:
             raise ValueError("int8 activations need the native quantized operator, which cannot be built here")
         self.int8_operator = operator
+        self.crossover = RowCrossover(INT8_DIRECT_MAX_ROWS, INT8_DIRECT_MAX_ROWS)
 
     @classmethod
     def from_held(cls, held: QuantizedLinear) -> QuantizedLinear:
@@ -104,7 +114,7 @@ class Int8ActivationsLinear(QuantizedLinear):
         return cls(held.weight, held.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return quantized_linear(x, self.weight, self.bias, self.int8_operator)
+        return quantized_linear(x, self.weight, self.bias, self.int8_operator, self.crossover)
 
 
 class QuantizedEmbedding(_HoldsQuantizedWeight):

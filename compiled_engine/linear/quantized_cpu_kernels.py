@@ -43,6 +43,7 @@ class QuantKernels:
     int8_matmul: Callable[..., int]
     int4_dequantize: Callable[..., int]
     int8_dequantize: Callable[..., int]
+    quant_gemm: Callable[..., int]
 
     def matmul(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         """x [rows, in] fp32 on the CPU -> x @ weight.T + bias, [rows, out] fp32."""
@@ -86,6 +87,21 @@ class QuantKernels:
             )  # fmt: skip
         if status != 0:
             raise ValueError(f"quantized matmul: the kernel refused [{out_features}, {in_features}] (status {status})")
+        return y
+
+    def gemm_unchecked(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        """The same product by the many-row kernel (a strip of the weight dequantized once for
+        every row), for a weight already checked by `unsupported_reason` and fp32 x [rows, in]."""
+        out_features, in_features = weight.shape
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], out_features)
+        status = self.quant_gemm(
+            x.data_ptr(), x.shape[0], in_features, weight.data.data_ptr(), weight.format == "int4",
+            weight.scales.data_ptr(), None if weight.offsets is None else weight.offsets.data_ptr(), out_features,
+            weight.group_size, None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError(f"quantized gemm: the kernel refused [{out_features}, {in_features}] (status {status})")
         return y
 
     def dequantize(self, weight: QuantizedWeight) -> torch.Tensor:
@@ -135,6 +151,7 @@ def bind_quant_kernels(library: ctypes.CDLL) -> QuantKernels:
         "int8_matmul_f32": [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, f32],
         "int4_dequantize_f32": [ptr, ptr, ptr, i64, i64, i64, ptr, f32],
         "int8_dequantize_f32": [ptr, ptr, ptr, i64, i64, i64, ptr, f32],
+        "quant_gemm_f32": [ptr, i64, i64, ptr, f32, ptr, ptr, i64, i64, ptr, ptr, f32],
     }
     functions = []
     for name, argtypes in signatures.items():

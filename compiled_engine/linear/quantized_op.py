@@ -3,10 +3,11 @@ torch.compile keeps opaque (its weights stay graph inputs, and Inductor does not
 dequantization, which it vectorises poorly here: shared/facts in docs/benchmarks.md).
 
 Which way it runs:
-- on the CPU with fp32 activations and the native kernels built: up to KERNEL_MAX_ROWS rows
-  straight from the quantized weight (decode, small batches); more rows dequantize the weight
-  with the kernel and run the fp32 GEMM (prefill), where the product's arithmetic dwarfs the
-  conversion;
+- on the CPU with fp32 activations and the native kernels built: a row or a few straight from
+  the quantized weight (decode), more rows through the many-row kernel (a strip dequantized once
+  for every row: batched decode), and hundreds of rows (prefill) by dequantizing the whole weight
+  for the fp32 GEMM, where the product's arithmetic dwarfs the conversion; where each way stops
+  leading is measured per shape (linear/crossover.py);
 - anywhere else (another device, another dtype, no compiler): the reference, dequantize in
   torch and F.linear. That is also the slow twin the tests hold the kernels to.
 """
@@ -21,15 +22,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from compiled_engine.linear.crossover import UNMEASURED, RowCrossover
 from compiled_engine.linear.quantized_cpu_kernels import LIBRARY, QuantKernels, load_quant_kernels
 from compiled_engine.linear.quantized_weight import QuantizedWeight, unpack_int4
 from compiled_engine.native_build import KernelBuildError, TorchOperatorLibrary
 
 logger = logging.getLogger(__name__)
-
-# Rows up to which the direct product is no slower than dequantize-then-GEMM, and int8 no slower
-# than the fp32 GEMM (docs/benchmarks.md); past them the dequantized weight goes to the GEMM.
-KERNEL_MAX_ROWS = 32
 
 
 NATIVE_OPERATOR = TorchOperatorLibrary(
@@ -121,8 +119,11 @@ def run_quantized_linear(
     if x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[0] > 0:
         kernels = cpu_kernels()
         if kernels is not None:
-            if x.shape[0] <= KERNEL_MAX_ROWS:
+            way = UNMEASURED.way(x.shape[0])
+            if way == "direct":
                 return kernels.matmul_unchecked(x, weight, bias)
+            if way == "gemm":
+                return kernels.gemm_unchecked(x, weight, bias)
             return F.linear(x, kernels.dequantize_unchecked(weight), bias)
     rows = x.reshape(-1, x.shape[-1])
     return reference_linear(rows, weight, bias).reshape(*x.shape[:-1], weight.out_features)
@@ -138,14 +139,19 @@ def _quantized_linear_fake(x: torch.Tensor, data: torch.Tensor, *shapeless: Any)
 
 
 def quantized_linear(
-    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, native: torch._ops.OpOverload | None = None
+    x: torch.Tensor,
+    weight: QuantizedWeight,
+    bias: torch.Tensor | None,
+    native: torch._ops.OpOverload | None = None,
+    crossover: RowCrossover = UNMEASURED,
 ) -> torch.Tensor:
     """x @ weight.T + bias. `native`: a C++ operator (`native_operator()`, or
-    `int8_activations_operator()`), taken for 2-D fp32 activations on the CPU. The operators take
-    the weight's tensors: this is where it is unpacked."""
+    `int8_activations_operator()`), taken for 2-D fp32 activations on the CPU, with the row
+    counts at which it changes kernels. The operators take the weight's tensors: this is where
+    it is unpacked."""
     data, scales, offsets, group_size = weight.data, weight.scales, weight.offsets, weight.group_size
     if native is not None and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu":
-        return native(x, data, scales, offsets, bias, group_size, KERNEL_MAX_ROWS)
+        return native(x, data, scales, offsets, bias, group_size, crossover.direct_max_rows, crossover.gemm_max_rows)
     return torch.ops.compiled_engine.quantized_linear(x, data, scales, offsets, bias, group_size)
 
 
@@ -157,8 +163,8 @@ def _register_native_fake() -> None:
 
 def int8_activations_operator() -> torch._ops.OpOverload | None:
     """`compiled_engine::quantized_linear_q8x_f32`: the native product with x rounded to int8 in
-    blocks of 32 (llama.cpp's activation numerics; lossy, opt-in) for up to KERNEL_MAX_ROWS
-    rows, exact beyond; None when the native operator cannot be built."""
+    blocks of 32 (llama.cpp's activation numerics; lossy, opt-in) for the direct kernel's rows,
+    exact beyond; None when the native operator cannot be built."""
     if native_operator() is None:
         return None
     op: torch._ops.OpOverload = torch.ops.compiled_engine.quantized_linear_q8x_f32.default

@@ -354,7 +354,8 @@ bool fused_few_tokens(const at::Tensor &x, const at::Tensor &data, const at::Ten
 // than the product's delta for one token (docs/benchmarks.md).
 at::Tensor quantized_lora_linear_f32(const at::Tensor &x, const at::Tensor &data, const at::Tensor &scales,
                                      const std::optional<at::Tensor> &offsets, const std::optional<at::Tensor> &bias,
-                                     int64_t group_size, int64_t max_kernel_rows, const at::Tensor &a_store,
+                                     int64_t group_size, int64_t max_kernel_rows, int64_t gemm_max_rows,
+                                     const at::Tensor &a_store,
                                      const at::Tensor &b_store, const at::Tensor &token_slots, int64_t a_start,
                                      int64_t b_start, int64_t slots, int64_t rank, at::IntArrayRef widths) {
     const int64_t in = x.size(1), pieces = static_cast<int64_t>(widths.size()), out = data.size(0);
@@ -385,8 +386,9 @@ at::Tensor quantized_lora_linear_f32(const at::Tensor &x, const at::Tensor &data
         c10::Dispatcher::singleton()
             .findSchemaOrThrow("compiled_engine::quantized_linear_f32", "")
             .typed<at::Tensor(const at::Tensor &, const at::Tensor &, const at::Tensor &,
-                              const std::optional<at::Tensor> &, const std::optional<at::Tensor> &, int64_t, int64_t)>();
-    at::Tensor y = quantized_linear.call(x, data, scales, offsets, bias, group_size, max_kernel_rows);
+                              const std::optional<at::Tensor> &, const std::optional<at::Tensor> &, int64_t, int64_t,
+                              int64_t)>();
+    at::Tensor y = quantized_linear.call(x, data, scales, offsets, bias, group_size, max_kernel_rows, gemm_max_rows);
     // as_strided's offset counts from the storage's start, not from the store's first element
     const at::Tensor a = a_store.as_strided({slots, pieces * rank, in}, {pieces * rank * in, in, 1},
                                             a_store.storage_offset() + a_start);

@@ -96,6 +96,7 @@ static inline vec int8s(const int8_t *p) {
 #if !defined(__AVX512F__)
 #define WL 8
 typedef vec wvec;
+typedef vec_u wvec_u;
 static inline wvec wload(const float *p) { return load(p); }
 static inline wvec wsplat(float x) { return splat(x); }
 static inline float whsum(wvec x) { return hsum(x); }
@@ -389,6 +390,148 @@ __attribute__((optimize("fp-contract=off"))) int int8_dequantize_f32(const int8_
         }
     }
     return 0;
+}
+
+/* ---- Many rows: the product as a GEMM --------------------------------------------------------
+ *
+ * Past a few rows, converting each weight once per tile of four rows (the products above) costs
+ * more than the multiply-adds. Here a strip of GEMM_STRIP weight rows is dequantized once, exactly
+ * as *_dequantize_f32 writes it, into a buffer of the calling thread, and every row of x runs
+ * against it: tiles of GEMM_MR rows of x by GEMM_NR weight rows, one vector accumulator per
+ * (row, weight row) pair, summed across its lanes at the end of the block. The input is taken in
+ * blocks of about GEMM_KBLOCK columns (whole groups) so that the strip's buffer stays in the
+ * core's cache whatever the width. Strips are shared among the threads.
+ */
+#if WL == 16
+#define GEMM_MR 4 /* 16 accumulators + 4 weight vectors of the 32 registers */
+#define GEMM_NR 4
+#else
+#define GEMM_MR 4 /* 12 accumulators + 3 weight vectors of the 16 registers; x read from memory */
+#define GEMM_NR 3
+#endif
+#define GEMM_STRIP (4 * GEMM_NR)
+#define GEMM_KBLOCK 1024
+
+/* Columns [first, first + width) of weight row o, dequantized into dst (whole groups) in the
+ * products' widest vectors, scale * q + offset as one multiply-add: within one rounding of
+ * *_dequantize_f32's two, and half the work. */
+static void dequantize_span(const void *data, int int4, const float *scales, const float *offsets, int64_t in,
+                            int64_t group, int64_t o, int64_t first, int64_t width, float *dst) {
+    int64_t groups = in / group;
+    for (int64_t g = first / group; g < (first + width) / group; g++) {
+        wvec s = wsplat(scales[o * groups + g]), m = wsplat(offsets ? offsets[o * groups + g] : 0.0f);
+        float *out = dst + g * group - first;
+        if (int4) {
+            const uint8_t *q = (const uint8_t *)data + o * (in / 2) + g * group / 2;
+            for (int64_t i = 0; i < group; i += 32) {
+                wvec w[32 / WL];
+                wnibbles32(q + i / 2, w);
+                for (int j = 0; j < 32 / WL; j++) *(wvec_u *)(out + i + j * WL) = s * w[j] + m;
+            }
+        } else {
+            const int8_t *q = (const int8_t *)data + o * in + g * group;
+            int64_t i = 0;
+            for (; i + WL <= group; i += WL) *(wvec_u *)(out + i) = s * wint8s(q + i) + m;
+            for (; i < group; i += LANES) /* a group's tail of 8 on wide vectors */
+                store(out + i, splat(scales[o * groups + g]) * int8s(q + i) + splat(offsets ? offsets[o * groups + g] : 0.0f));
+        }
+    }
+}
+
+/* mr rows of x (`in` apart) against nr rows of the strip's buffer (`stride` apart) over `width`
+ * columns (a multiple of 8); y[r, c] (`out` apart) is set (`first`) or added to. Always inlined
+ * with constant mr and nr, so that the accumulators live in registers. */
+INLINE void gemm_tile(const float *x, int64_t in, const float *w, int64_t stride, int64_t width, int64_t mr,
+                      int64_t nr, float *y, int64_t out, int first) {
+    wvec acc[GEMM_MR][GEMM_NR];
+    for (int64_t r = 0; r < mr; r++)
+        for (int64_t c = 0; c < nr; c++) acc[r][c] = wsplat(0.0f);
+    int64_t k = 0;
+    for (; k + WL <= width; k += WL) {
+        wvec wv[GEMM_NR];
+        for (int64_t c = 0; c < nr; c++) wv[c] = wload(w + c * stride + k);
+        for (int64_t r = 0; r < mr; r++) {
+            wvec xv = wload(x + r * in + k);
+            for (int64_t c = 0; c < nr; c++) acc[r][c] += xv * wv[c];
+        }
+    }
+    if (k < width) { /* 8 columns left (the low half of a wide vector) */
+        wvec wv[GEMM_NR];
+        for (int64_t c = 0; c < nr; c++) wv[c] = wload_low(w + c * stride + k);
+        for (int64_t r = 0; r < mr; r++) {
+            wvec xv = wload_low(x + r * in + k);
+            for (int64_t c = 0; c < nr; c++) acc[r][c] += xv * wv[c];
+        }
+    }
+    for (int64_t r = 0; r < mr; r++)
+        for (int64_t c = 0; c < nr; c++) {
+            float sum = whsum(acc[r][c]);
+            if (first) y[r * out + c] = sum;
+            else y[r * out + c] += sum;
+        }
+}
+
+/* The tile at rows of x (mr of them) and weight rows (nr), with mr and nr made constants. */
+static void gemm_tile_any(const float *x, int64_t in, const float *w, int64_t stride, int64_t width, int64_t mr,
+                          int64_t nr, float *y, int64_t out, int first) {
+#define GEMM_ROWS(NR)                                                                        \
+    switch (mr) {                                                                            \
+    case 1: gemm_tile(x, in, w, stride, width, 1, NR, y, out, first); break;                 \
+    case 2: gemm_tile(x, in, w, stride, width, 2, NR, y, out, first); break;                 \
+    case 3: gemm_tile(x, in, w, stride, width, 3, NR, y, out, first); break;                 \
+    default: gemm_tile(x, in, w, stride, width, GEMM_MR, NR, y, out, first); break;          \
+    }
+    switch (nr) {
+    case 1: GEMM_ROWS(1) break;
+    case 2: GEMM_ROWS(2) break;
+#if GEMM_NR > 3
+    case 3: GEMM_ROWS(3) break;
+#endif
+    default: GEMM_ROWS(GEMM_NR) break;
+    }
+#undef GEMM_ROWS
+}
+
+/* y [rows, out] = x [rows, in] times int4 (`int4`: uint8 data, offsets required) or int8 (int8
+ * data, offsets optional) weights, + bias. 0, or nonzero for shapes it does not take or when
+ * memory runs out. */
+int quant_gemm_f32(const float *x, int64_t rows, int64_t in, const void *data, int int4, const float *scales,
+                   const float *offsets, int64_t out, int64_t group, const float *bias, float *y, int threads) {
+    if ((int4 ? int4_shape_status(rows, in, out, group) : int8_shape_status(rows, in, out, group)) ||
+        (int4 && !offsets))
+        return 1;
+    int64_t block = group * (GEMM_KBLOCK / group > 1 ? GEMM_KBLOCK / group : 1);
+    if (block > in) block = in;
+    int64_t strips = (out + GEMM_STRIP - 1) / GEMM_STRIP;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        float *buffer = aligned_alloc(64, sizeof(float) * GEMM_STRIP * block);
+        if (!buffer) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t s = 0; s < strips; s++) {
+            if (!buffer) continue;
+            int64_t o0 = s * GEMM_STRIP, strip = out - o0 < GEMM_STRIP ? out - o0 : GEMM_STRIP;
+            for (int64_t k0 = 0; k0 < in; k0 += block) {
+                int64_t width = in - k0 < block ? in - k0 : block;
+                for (int64_t c = 0; c < strip; c++)
+                    dequantize_span(data, int4, scales, offsets, in, group, o0 + c, k0, width, buffer + c * block);
+                for (int64_t r0 = 0; r0 < rows; r0 += GEMM_MR) {
+                    int64_t mr = rows - r0 < GEMM_MR ? rows - r0 : GEMM_MR;
+                    for (int64_t c0 = 0; c0 < strip; c0 += GEMM_NR) {
+                        int64_t nr = strip - c0 < GEMM_NR ? strip - c0 : GEMM_NR;
+                        gemm_tile_any(x + r0 * in + k0, in, buffer + c0 * block, block, width, mr, nr,
+                                      y + r0 * out + o0 + c0, out, k0 == 0);
+                    }
+                }
+            }
+            if (bias)
+                for (int64_t r = 0; r < rows; r++)
+                    for (int64_t c = 0; c < strip; c++) y[r * out + o0 + c] += bias[o0 + c];
+        }
+        free(buffer);
+    }
+    return failed ? 2 : 0;
 }
 
 /* ---- Products with 8-bit activations (opt-in, lossy: llama.cpp's numerics) ----------------
