@@ -68,14 +68,18 @@ def shape_key(weight: QuantizedWeight, threads: int) -> str:
     return f"{weight.format}/g{weight.group_size}/{offsets}/{out}x{width}/t{threads}"
 
 
-def _seconds(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, repeats: int = 3) -> float:
-    run(x)  # warm: caches, pages, the threads
-    best = float("inf")
+def _faster(first: Callable[[torch.Tensor], torch.Tensor], second: Callable[[torch.Tensor], torch.Tensor],
+            x: torch.Tensor, repeats: int = 5) -> tuple[float, float]:  # fmt: skip
+    """The best of `repeats` timings of each, taken in turn (so that a busy moment of the machine
+    falls on both rather than on one), after one call each to warm caches, pages and threads."""
+    first(x), second(x)
+    best = [float("inf"), float("inf")]
     for _ in range(repeats):
-        started = time.perf_counter()
-        run(x)
-        best = min(best, time.perf_counter() - started)
-    return best
+        for index, run in enumerate((first, second)):
+            started = time.perf_counter()
+            run(x)
+            best[index] = min(best[index], time.perf_counter() - started)
+    return best[0], best[1]
 
 
 def measure_crossover(weight: QuantizedWeight, kernels: QuantKernels) -> RowCrossover:
@@ -94,18 +98,16 @@ def measure_crossover(weight: QuantizedWeight, kernels: QuantKernels) -> RowCros
 
     direct_max = 0
     for rows in DIRECT_ROWS:
-        x = torch.randn(rows, width)
-        direct_s = _seconds(direct, x)
-        if direct_s > _seconds(gemm, x):
+        direct_s, gemm_s = _faster(direct, gemm, torch.randn(rows, width))
+        if direct_s > gemm_s:
             break
         direct_max = rows
         if direct_s > SLOW_PROBE_S:
             break
     gemm_max = max(direct_max, 1)
     for rows in (rows for rows in GEMM_ROWS if rows > gemm_max):
-        x = torch.randn(rows, width)
-        gemm_s = _seconds(gemm, x)
-        if gemm_s > _seconds(dequantize, x):
+        gemm_s, dequantize_s = _faster(gemm, dequantize, torch.randn(rows, width))
+        if gemm_s > dequantize_s:
             break
         gemm_max = rows
         if gemm_s > SLOW_PROBE_S:
