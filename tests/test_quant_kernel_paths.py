@@ -126,18 +126,21 @@ def _assert_products_match(kernels: cpu_kernels.QuantKernels, weight: QuantizedW
     got = kernels.matmul(x, weight, bias)
     assert (got - want).abs().max() <= 1e-5 * scale, f"{what}, {rows} rows"
     assert (kernels.matmul(x, weight, None) - (want - bias)).abs().max() <= 1e-5 * scale, f"{what}, {rows} rows"
+    many = kernels.gemm_unchecked(x, weight, bias)  # the many-row kernel, from one row up
+    assert (many - want).abs().max() <= 1e-5 * scale, f"{what}, {rows} rows, many-row kernel"
 
 
 @pytest.mark.parametrize("name", PATH_NAMES)
 def test_each_path_this_cpu_runs_matches_dequantize_then_f_linear(name: str, build_dir: Path) -> None:
-    """Products of 1 to 5 rows (the row tiles of 4 and a remainder) and the dequantization, on the
-    random weights of each (format, group) and on llama.cpp's blocks of every GGUF type."""
+    """Products of 1 to 5 rows (the row tiles of 4 and a remainder) and of 13 (the many-row
+    kernel's tiles and a remainder), and the dequantization, on the random weights of each
+    (format, group) and on llama.cpp's blocks of every GGUF type."""
     kernels, _ = _kernels(name, build_dir)
     weights = [(f"{fmt} group {group}", _weight(53, 384, fmt, group, seed=7)) for fmt, group in FORMATS]
     weights += [(qtype.name, fixture_weight(qtype)) for qtype in TYPES]
     for what, weight in weights:
         assert torch.equal(kernels.dequantize(weight), dequantize_rows(weight, None)), what
-        for rows in (1, 2, 3, 4, 5):
+        for rows in (1, 2, 3, 4, 5, 13):
             _assert_products_match(kernels, weight, rows, what)
 
 

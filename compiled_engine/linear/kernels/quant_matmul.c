@@ -402,6 +402,7 @@ __attribute__((optimize("fp-contract=off"))) int int8_dequantize_f32(const int8_
  * blocks of about GEMM_KBLOCK columns (whole groups) so that the strip's buffer stays in the
  * core's cache whatever the width. Strips are shared among the threads.
  */
+#ifndef GEMM_MR /* (the tile's sizes can be set at build time to measure others) */
 #if WL == 16
 #define GEMM_MR 4 /* 16 accumulators + 4 weight vectors of the 32 registers */
 #define GEMM_NR 4
@@ -409,8 +410,11 @@ __attribute__((optimize("fp-contract=off"))) int int8_dequantize_f32(const int8_
 #define GEMM_MR 4 /* 12 accumulators + 3 weight vectors of the 16 registers; x read from memory */
 #define GEMM_NR 3
 #endif
+#endif
 #define GEMM_STRIP (4 * GEMM_NR)
+#ifndef GEMM_KBLOCK
 #define GEMM_KBLOCK 1024
+#endif
 
 /* Columns [first, first + width) of weight row o, dequantized into dst (whole groups) in the
  * products' widest vectors, scale * q + offset as one multiply-add: within one rounding of
@@ -438,6 +442,28 @@ static void dequantize_span(const void *data, int int4, const float *scales, con
     }
 }
 
+/* Four accumulators' sums, each across its lanes, into sums[0..3]: one tree for the four (about
+ * a third of four separate sums' shuffles). */
+#if defined(__AVX2__)
+static inline void hsum4(wvec a, wvec b, wvec c, wvec d, float *sums) {
+#if WL == 16 /* fold each 16 lanes to 8 first */
+#define HALVES(v) _mm256_add_ps(_mm512_castps512_ps256((__m512)v), \
+                                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd((__m512)v), 1)))
+    __m256 a8 = HALVES(a), b8 = HALVES(b), c8 = HALVES(c), d8 = HALVES(d);
+#undef HALVES
+#else
+    __m256 a8 = (__m256)a, b8 = (__m256)b, c8 = (__m256)c, d8 = (__m256)d;
+#endif
+    /* [a01 a23 b01 b23 | a45 a67 b45 b67], the same for c and d, then [a b c d | a b c d] */
+    __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a8, b8), _mm256_hadd_ps(c8, d8));
+    _mm_storeu_ps(sums, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+}
+#else
+static inline void hsum4(wvec a, wvec b, wvec c, wvec d, float *sums) {
+    sums[0] = whsum(a), sums[1] = whsum(b), sums[2] = whsum(c), sums[3] = whsum(d);
+}
+#endif
+
 /* mr rows of x (`in` apart) against nr rows of the strip's buffer (`stride` apart) over `width`
  * columns (a multiple of 8); y[r, c] (`out` apart) is set (`first`) or added to. Always inlined
  * with constant mr and nr, so that the accumulators live in registers. */
@@ -463,15 +489,26 @@ INLINE void gemm_tile(const float *x, int64_t in, const float *w, int64_t stride
             for (int64_t c = 0; c < nr; c++) acc[r][c] += xv * wv[c];
         }
     }
-    for (int64_t r = 0; r < mr; r++)
-        for (int64_t c = 0; c < nr; c++) {
-            float sum = whsum(acc[r][c]);
-            if (first) y[r * out + c] = sum;
-            else y[r * out + c] += sum;
+    for (int64_t r = 0; r < mr; r++) {
+        float sums[GEMM_NR > 4 ? GEMM_NR : 4];
+        int64_t c = 0;
+        for (; c + 4 <= nr; c += 4) hsum4(acc[r][c], acc[r][c + 1], acc[r][c + 2], acc[r][c + 3], sums + c);
+        for (; c < nr; c++) sums[c] = whsum(acc[r][c]);
+        for (c = 0; c < nr; c++) {
+            if (first) y[r * out + c] = sums[c];
+            else y[r * out + c] += sums[c];
         }
+    }
 }
 
 /* The tile at rows of x (mr of them) and weight rows (nr), with mr and nr made constants. */
+#if GEMM_MR > 4
+#define GEMM_ROWS_PAST_4(NR)                                                                 \
+    case 4: gemm_tile(x, in, w, stride, width, 4, NR, y, out, first); break;                 \
+    case 5: gemm_tile(x, in, w, stride, width, 5, NR, y, out, first); break;
+#else
+#define GEMM_ROWS_PAST_4(NR)
+#endif
 static void gemm_tile_any(const float *x, int64_t in, const float *w, int64_t stride, int64_t width, int64_t mr,
                           int64_t nr, float *y, int64_t out, int first) {
 #define GEMM_ROWS(NR)                                                                        \
@@ -479,6 +516,7 @@ static void gemm_tile_any(const float *x, int64_t in, const float *w, int64_t st
     case 1: gemm_tile(x, in, w, stride, width, 1, NR, y, out, first); break;                 \
     case 2: gemm_tile(x, in, w, stride, width, 2, NR, y, out, first); break;                 \
     case 3: gemm_tile(x, in, w, stride, width, 3, NR, y, out, first); break;                 \
+    GEMM_ROWS_PAST_4(NR)                                                                     \
     default: gemm_tile(x, in, w, stride, width, GEMM_MR, NR, y, out, first); break;          \
     }
     switch (nr) {
