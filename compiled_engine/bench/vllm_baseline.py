@@ -144,6 +144,8 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
         process.wait(timeout=30)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)  # whatever outlived the server
+    if process.poll() is None:
+        process.kill()
     process.wait()
 
 
