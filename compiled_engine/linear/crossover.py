@@ -69,10 +69,13 @@ def shape_key(weight: QuantizedWeight, threads: int) -> str:
 
 
 def _faster(first: Callable[[torch.Tensor], torch.Tensor], second: Callable[[torch.Tensor], torch.Tensor],
-            x: torch.Tensor, repeats: int = 5) -> tuple[float, float]:  # fmt: skip
-    """The best of `repeats` timings of each, taken in turn (so that a busy moment of the machine
-    falls on both rather than on one), after one call each to warm caches, pages and threads."""
+            x: torch.Tensor) -> tuple[float, float]:  # fmt: skip
+    """The best of a few timings of each, taken in turn (so that a busy moment of the machine
+    falls on both rather than on one), after one call each to warm caches, pages and threads;
+    fewer for slow calls."""
+    started = time.perf_counter()
     first(x), second(x)
+    repeats = 5 if time.perf_counter() - started < SLOW_PROBE_S / 2 else 2
     best = [float("inf"), float("inf")]
     for _ in range(repeats):
         for index, run in enumerate((first, second)):
@@ -159,7 +162,10 @@ def crossovers_for(weights: list[QuantizedWeight], kernels: QuantKernels) -> lis
             logger.debug("row crossover of %s: %s (%.2f s)", key, measured[key], time.perf_counter() - started)
     if measured:
         known.update(measured)
-        logger.info("measured where batched quantized products change kernels for %d shapes", len(measured))
+        logger.info(
+            "quantized products change kernels at (direct up to, many-row up to) rows, measured: %s",
+            ", ".join(f"{key} {value.direct_max_rows}/{value.gemm_max_rows}" for key, value in measured.items()),
+        )
         try:
             _write_store(_store_path(), measured)
         except OSError as error:
