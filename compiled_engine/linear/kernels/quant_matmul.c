@@ -540,25 +540,40 @@ int quant_gemm_f32(const float *x, int64_t rows, int64_t in, const void *data, i
         return 1;
     int64_t block = group * (GEMM_KBLOCK / group > 1 ? GEMM_KBLOCK / group : 1);
     if (block > in) block = in;
-    int64_t strips = (out + GEMM_STRIP - 1) / GEMM_STRIP;
+    /* The buffer's rows one cache line more than a block apart: rows a power of two apart would
+     * share the cache's sets, and the tile reads several of them at once. */
+#ifndef GEMM_ROW_PAD
+#define GEMM_ROW_PAD 16
+#endif
+    int64_t stride = block + GEMM_ROW_PAD;
+    int64_t strips = (out + GEMM_STRIP - 1) / GEMM_STRIP, row_bytes = int4 ? in / 2 : in;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        float *buffer = aligned_alloc(64, sizeof(float) * GEMM_STRIP * block);
+        float *buffer = aligned_alloc(64, sizeof(float) * GEMM_STRIP * stride);
         if (!buffer) failed = 1;
 #pragma omp for schedule(static)
         for (int64_t s = 0; s < strips; s++) {
             if (!buffer) continue;
             int64_t o0 = s * GEMM_STRIP, strip = out - o0 < GEMM_STRIP ? out - o0 : GEMM_STRIP;
+#ifndef GEMM_NO_PREFETCH
+            /* The next strip's weights (contiguous bytes), fetched from memory while this one's
+             * multiply-adds run: dequantizing then finds them in cache. */
+            if (s + 1 < strips) {
+                const char *next = (const char *)data + (o0 + GEMM_STRIP) * row_bytes;
+                int64_t next_rows = out - o0 - GEMM_STRIP < GEMM_STRIP ? out - o0 - GEMM_STRIP : GEMM_STRIP;
+                for (int64_t b = 0; b < next_rows * row_bytes; b += 64) __builtin_prefetch(next + b, 0, 1);
+            }
+#endif
             for (int64_t k0 = 0; k0 < in; k0 += block) {
                 int64_t width = in - k0 < block ? in - k0 : block;
                 for (int64_t c = 0; c < strip; c++)
-                    dequantize_span(data, int4, scales, offsets, in, group, o0 + c, k0, width, buffer + c * block);
+                    dequantize_span(data, int4, scales, offsets, in, group, o0 + c, k0, width, buffer + c * stride);
                 for (int64_t r0 = 0; r0 < rows; r0 += GEMM_MR) {
                     int64_t mr = rows - r0 < GEMM_MR ? rows - r0 : GEMM_MR;
                     for (int64_t c0 = 0; c0 < strip; c0 += GEMM_NR) {
                         int64_t nr = strip - c0 < GEMM_NR ? strip - c0 : GEMM_NR;
-                        gemm_tile_any(x + r0 * in + k0, in, buffer + c0 * block, block, width, mr, nr,
+                        gemm_tile_any(x + r0 * in + k0, in, buffer + c0 * stride, stride, width, mr, nr,
                                       y + r0 * out + o0 + c0, out, k0 == 0);
                     }
                 }
