@@ -29,12 +29,18 @@ else
 fi
 
 SOURCE="$LLAMA_DIR/llama_cpp_python-$VERSION/vendor/llama.cpp"
+# The converter imports sentencepiece before it looks for tokenizer.model (and then falls back on
+# tokenizer.json): a private copy beside the build, on the converter's path only.
+CONVERTER_DEPS="$LLAMA_DIR/converter-deps"
+if [ ! -d "$CONVERTER_DEPS/sentencepiece" ]; then
+    "$PYTHON" -m pip install --quiet --target "$CONVERTER_DEPS" "sentencepiece>=0.1.98,<0.3.0"
+fi
 mkdir -p "$OUT/gguf"
 for shape in $SHAPES; do
     full="$OUT/gguf/$shape-BF16.gguf"
     if [ ! -f "$full" ]; then
         # The converter's own gguf package, not an installed one: it must know this llama.cpp's keys.
-        PYTHONPATH="$SOURCE/gguf-py" "$PYTHON" "$SOURCE/convert_hf_to_gguf.py" "$OUT/$shape" \
+        PYTHONPATH="$SOURCE/gguf-py:$CONVERTER_DEPS" "$PYTHON" "$SOURCE/convert_hf_to_gguf.py" "$OUT/$shape" \
             --outtype bf16 --outfile "$full.partial" 2>&1 | tee "$OUT/gguf/$shape-BF16.log"
         mv "$full.partial" "$full"
     fi
