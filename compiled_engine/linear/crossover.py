@@ -68,17 +68,28 @@ def shape_key(weight: QuantizedWeight, threads: int) -> str:
     return f"{weight.format}/g{weight.group_size}/{offsets}/{out}x{width}/t{threads}"
 
 
+EVICTION_BYTES = 64 << 20  # more than most CPUs' last-level cache
+
+
+@cache
+def _eviction_buffer() -> torch.Tensor:
+    return torch.zeros(EVICTION_BYTES // 4)
+
+
 def _faster(first: Callable[[torch.Tensor], torch.Tensor], second: Callable[[torch.Tensor], torch.Tensor],
             x: torch.Tensor) -> tuple[float, float]:  # fmt: skip
     """The best of a few timings of each, taken in turn (so that a busy moment of the machine
-    falls on both rather than on one), after one call each to warm caches, pages and threads;
-    fewer for slow calls."""
+    falls on both rather than on one), after one call each to warm pages and threads; fewer for
+    slow calls. Before each timed call the caches are filled with other data: in a model's step a
+    product's weight comes from memory, read once, not from the cache a repeated call leaves it in
+    (which would favour the many-row kernel's arithmetic over the direct kernel's single read)."""
     started = time.perf_counter()
     first(x), second(x)
-    repeats = 5 if time.perf_counter() - started < SLOW_PROBE_S / 2 else 2
+    repeats = 3 if time.perf_counter() - started < SLOW_PROBE_S / 2 else 2
     best = [float("inf"), float("inf")]
     for _ in range(repeats):
         for index, run in enumerate((first, second)):
+            _eviction_buffer().add_(1.0)
             started = time.perf_counter()
             run(x)
             best[index] = min(best[index], time.perf_counter() - started)
