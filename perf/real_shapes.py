@@ -23,6 +23,24 @@ from typing import Any
 
 import torch
 
+
+def _qwen3(**sizes: int) -> dict[str, Any]:
+    """A Qwen3 dense config: the sizes given, and what the 1.7B and 4B files share."""
+    return dict(
+        **sizes,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        attention_bias=False,
+        use_sliding_window=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    )
+
+
 # Published config.json values, field by field, of:
 #   meta-llama/Llama-3.2-1B  (huggingface.co/meta-llama/Llama-3.2-1B/blob/main/config.json)
 #   Qwen/Qwen3-1.7B          (huggingface.co/Qwen/Qwen3-1.7B/blob/main/config.json)
@@ -57,41 +75,11 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "qwen3-1.7b": (
         "qwen3",
-        dict(
-            hidden_size=2048,
-            intermediate_size=6144,
-            num_hidden_layers=28,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=128,
-            vocab_size=151936,
-            tie_word_embeddings=True,
-            max_position_embeddings=40960,
-            rms_norm_eps=1e-6,
-            hidden_act="silu",
-            attention_bias=False,
-            use_sliding_window=False,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        ),
+        _qwen3(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16),
     ),
     "qwen3-4b": (
         "qwen3",
-        dict(
-            hidden_size=2560,
-            intermediate_size=9728,
-            num_hidden_layers=36,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            vocab_size=151936,
-            tie_word_embeddings=True,
-            max_position_embeddings=40960,
-            rms_norm_eps=1e-6,
-            hidden_act="silu",
-            attention_bias=False,
-            use_sliding_window=False,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        ),
+        _qwen3(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32),
     ),
 }
 
