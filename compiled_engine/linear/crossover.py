@@ -59,6 +59,9 @@ UNMEASURED = RowCrossover(direct_max_rows=4, gemm_max_rows=64)
 DIRECT_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # where the direct kernel may still lead
 GEMM_ROWS = (32, 64, 128, 256, 512)  # where the many-row kernel may still lead oneDNN
 SLOW_PROBE_S = 0.05  # a probe slower than this ends the sweep (the head at hundreds of rows)
+# The next way takes over only where it is at least this much faster: a tie measured on a busy
+# machine keeps the way that reads the weight least.
+TAKE_OVER = 0.95
 
 
 def shape_key(weight: QuantizedWeight, threads: int) -> str:
@@ -98,7 +101,7 @@ def _faster(first: Callable[[torch.Tensor], torch.Tensor], second: Callable[[tor
 
 def measure_crossover(weight: QuantizedWeight, kernels: QuantKernels) -> RowCrossover:
     """Time the three ways on random rows of `weight`'s width and return where each stops
-    leading (the first row count at which the next way is faster ends a way's range)."""
+    leading (the first row count at which the next way is clearly faster ends a way's range)."""
     width = weight.in_features
 
     def direct(x: torch.Tensor) -> torch.Tensor:
@@ -113,7 +116,7 @@ def measure_crossover(weight: QuantizedWeight, kernels: QuantKernels) -> RowCros
     direct_max = 0
     for rows in DIRECT_ROWS:
         direct_s, gemm_s = _faster(direct, gemm, torch.randn(rows, width))
-        if direct_s > gemm_s:
+        if gemm_s < TAKE_OVER * direct_s:
             break
         direct_max = rows
         if direct_s > SLOW_PROBE_S:
@@ -121,7 +124,7 @@ def measure_crossover(weight: QuantizedWeight, kernels: QuantKernels) -> RowCros
     gemm_max = max(direct_max, 1)
     for rows in (rows for rows in GEMM_ROWS if rows > gemm_max):
         gemm_s, dequantize_s = _faster(gemm, dequantize, torch.randn(rows, width))
-        if gemm_s > dequantize_s:
+        if dequantize_s < TAKE_OVER * gemm_s:
             break
         gemm_max = rows
         if gemm_s > SLOW_PROBE_S:
