@@ -180,18 +180,7 @@ def vllm_server(
     env = vllm_environment(threads, kv_cache_gib(model_dir, dtype, max_num_seqs * max_model_len))
     with tempfile.TemporaryDirectory(prefix="vllm-server-") as folder:
         log = Path(folder) / "server.log"
-        with log.open("wb") as sink:
-            try:
-                process = subprocess.Popen(
-                    command,
-                    stdout=sink,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    env=env,
-                    start_new_session=True,  # its own process group, so that stopping it stops its engine too
-                )
-            except OSError as exc:
-                raise BaselineUnavailable(f"vLLM python {python} could not be started: {exc}") from exc
+        process = _start(python, command, env, log)
         try:
             base_url = f"http://127.0.0.1:{port}"
             try:
@@ -237,18 +226,7 @@ def vllm_offline_latency(
         command += ["--dtype", str(dtype).removeprefix("torch."), "--max-model-len", str(max_model_len)]
         command += ["--seed", str(seed), "--prompts", str(prompts), "--output-len", str(output_len)]
         command += ["--repeats", str(repeats), *(["--enforce-eager"] if enforce_eager else [])]
-        with log.open("wb") as sink:
-            try:
-                process = subprocess.Popen(
-                    command,
-                    stdout=sink,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    env=env,
-                    start_new_session=True,  # its engine-core process goes with it
-                )
-            except OSError as exc:
-                raise BaselineUnavailable(f"vLLM python {python} could not be started: {exc}") from exc
+        process = _start(python, command, env, log)
         try:
             status = process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired as exc:
@@ -286,3 +264,20 @@ def _offline_figures(log: Path, output_len: int, repeats: int) -> tuple[float, f
     if tpot <= 0:
         raise BaselineUnavailable(f"vLLM's decode of {output_len} tokens took no longer than its prefill: {result}")
     return ttft, tpot
+
+
+def _start(python: Path, command: list[str], env: Mapping[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """Run `command` with its output in `log`, in a process group of its own, so that stopping it
+    stops vLLM's engine-core and worker processes too."""
+    with log.open("wb") as sink:
+        try:
+            return subprocess.Popen(
+                command,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise BaselineUnavailable(f"vLLM python {python} could not be started: {exc}") from exc
