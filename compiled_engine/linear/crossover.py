@@ -74,16 +74,12 @@ def shape_key(weight: QuantizedWeight, threads: int) -> str:
 EVICTION_BYTES = 64 << 20  # more than most CPUs' last-level cache
 
 
-@cache
-def _eviction_buffer() -> torch.Tensor:
-    return torch.zeros(EVICTION_BYTES // 4)
-
-
 def _faster(first: Callable[[torch.Tensor], torch.Tensor], second: Callable[[torch.Tensor], torch.Tensor],
-            x: torch.Tensor) -> tuple[float, float]:  # fmt: skip
+            x: torch.Tensor, eviction: torch.Tensor) -> tuple[float, float]:  # fmt: skip
     """The best of a few timings of each, taken in turn (so that a busy moment of the machine
     falls on both rather than on one), after one call each to warm pages and threads; fewer for
-    slow calls. Before each timed call the caches are filled with other data: in a model's step a
+    slow calls. Before each timed call the caches are filled with other data (`eviction`, written
+    whole): in a model's step a
     product's weight comes from memory, read once, not from the cache a repeated call leaves it in
     (which would favour the many-row kernel's arithmetic over the direct kernel's single read)."""
     started = time.perf_counter()
@@ -92,7 +88,7 @@ def _faster(first: Callable[[torch.Tensor], torch.Tensor], second: Callable[[tor
     best = [float("inf"), float("inf")]
     for _ in range(repeats):
         for index, run in enumerate((first, second)):
-            _eviction_buffer().add_(1.0)
+            eviction.add_(1.0)
             started = time.perf_counter()
             run(x)
             best[index] = min(best[index], time.perf_counter() - started)
@@ -113,9 +109,10 @@ def measure_crossover(weight: QuantizedWeight, kernels: QuantKernels) -> RowCros
     def dequantize(x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, kernels.dequantize_unchecked(weight))
 
+    eviction = torch.zeros(EVICTION_BYTES // 4)  # held only while this shape is measured
     direct_max = 0
     for rows in DIRECT_ROWS:
-        direct_s, gemm_s = _faster(direct, gemm, torch.randn(rows, width))
+        direct_s, gemm_s = _faster(direct, gemm, torch.randn(rows, width), eviction)
         if gemm_s < TAKE_OVER * direct_s:
             break
         direct_max = rows
@@ -123,7 +120,7 @@ def measure_crossover(weight: QuantizedWeight, kernels: QuantKernels) -> RowCros
             break
     gemm_max = max(direct_max, 1)
     for rows in (rows for rows in GEMM_ROWS if rows > gemm_max):
-        gemm_s, dequantize_s = _faster(gemm, dequantize, torch.randn(rows, width))
+        gemm_s, dequantize_s = _faster(gemm, dequantize, torch.randn(rows, width), eviction)
         if dequantize_s < TAKE_OVER * gemm_s:
             break
         gemm_max = rows

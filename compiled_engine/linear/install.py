@@ -69,6 +69,6 @@ def _measure_crossovers(model: DecoderModel) -> None:
         return
     for product, crossover in zip(products, crossovers_for([p.weight for p in products], kernels), strict=True):
         if isinstance(product, Int8ActivationsLinear):  # its direct kernel's range is its numerics'
-            crossover = replaced(crossover, direct_max_rows=INT8_DIRECT_MAX_ROWS)
-            crossover = replaced(crossover, gemm_max_rows=max(crossover.gemm_max_rows, INT8_DIRECT_MAX_ROWS))
+            gemm_max_rows = max(crossover.gemm_max_rows, INT8_DIRECT_MAX_ROWS)
+            crossover = replaced(crossover, direct_max_rows=INT8_DIRECT_MAX_ROWS, gemm_max_rows=gemm_max_rows)
         product.crossover = crossover

@@ -556,7 +556,6 @@ int quant_gemm_f32(const float *x, int64_t rows, int64_t in, const void *data, i
         for (int64_t s = 0; s < strips; s++) {
             if (!buffer) continue;
             int64_t o0 = s * GEMM_STRIP, strip = out - o0 < GEMM_STRIP ? out - o0 : GEMM_STRIP;
-#ifndef GEMM_NO_PREFETCH
             /* The next strip's weights (contiguous bytes), fetched from memory while this one's
              * multiply-adds run: dequantizing then finds them in cache. */
             if (s + 1 < strips) {
@@ -564,7 +563,6 @@ int quant_gemm_f32(const float *x, int64_t rows, int64_t in, const void *data, i
                 int64_t next_rows = out - o0 - GEMM_STRIP < GEMM_STRIP ? out - o0 - GEMM_STRIP : GEMM_STRIP;
                 for (int64_t b = 0; b < next_rows * row_bytes; b += 64) __builtin_prefetch(next + b, 0, 1);
             }
-#endif
             for (int64_t k0 = 0; k0 < in; k0 += block) {
                 int64_t width = in - k0 < block ? in - k0 : block;
                 for (int64_t c = 0; c < strip; c++)
