@@ -572,6 +572,18 @@ def _logged(log: Path) -> list[dict[str, Any]]:
 SERVE_ARGV = ["serve", "--num-prompts", "3", "--input-len", "5", "9", "--output-len", "2", "4"]
 
 
+def _assert_both_served_every_point(points: list[dict[str, Any]], baseline: str) -> None:
+    """Ours and `baseline` each completed the 3 requests of every point of a 1-2 sweep with
+    repeated prompts, and each point's ratio is ours over theirs."""
+    assert [(p["load"], p["prompts"]) for p in points] == [(1, "fresh"), (1, "repeated"), (2, "fresh"), (2, "repeated")]
+    for point in points:
+        for side in ("ours", baseline):
+            assert point[side]["completed"] == 3 and point[side]["errors"] == 0
+        assert point[f"ratio_vs_{baseline}"]["output_tokens_per_s"] == pytest.approx(
+            point["ours"]["output_tokens_per_s"] / point[baseline]["output_tokens_per_s"]
+        )
+
+
 def test_serve_beside_llama_server_with_fresh_and_repeated_prompts(
     tmp_path: Path, default_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -583,13 +595,7 @@ def test_serve_beside_llama_server_with_fresh_and_repeated_prompts(
         assert bench.main(argv) == 0
     report = _strict_load(out)
     points = report["results"]
-    assert [(p["load"], p["prompts"]) for p in points] == [(1, "fresh"), (1, "repeated"), (2, "fresh"), (2, "repeated")]
-    for point in points:
-        for side in ("ours", "llama_server"):
-            assert point[side]["completed"] == 3 and point[side]["errors"] == 0
-        assert point["ratio_vs_llama_server"]["output_tokens_per_s"] == pytest.approx(
-            point["ours"]["output_tokens_per_s"] / point["llama_server"]["output_tokens_per_s"]
-        )
+    _assert_both_served_every_point(points, "llama_server")
     # llama-server ran on the default model's own GGUF, with our threads and a slot per request in
     # flight, each slot holding the longest prompt and output; it is gone once the bench returns.
     started, *requests = _logged(theirs_log)
@@ -735,13 +741,7 @@ def test_serve_beside_vllm_on_the_same_directory_and_dtype(
         argv += ["--baseline", "vllm", "--vllm", str(_fake_vllm_python(tmp_path)), "--json", str(out)]
         assert bench.main(argv) == 0
     points = _strict_load(out)["results"]
-    assert [(p["load"], p["prompts"]) for p in points] == [(1, "fresh"), (1, "repeated"), (2, "fresh"), (2, "repeated")]
-    for point in points:
-        for side in ("ours", "vllm"):
-            assert point[side]["completed"] == 3 and point[side]["errors"] == 0
-        assert point["ratio_vs_vllm"]["output_tokens_per_s"] == pytest.approx(
-            point["ours"]["output_tokens_per_s"] / point["vllm"]["output_tokens_per_s"]
-        )
+    _assert_both_served_every_point(points, "vllm")
     # vLLM served the default model's own directory in the engine's dtype, room for the longest
     # prompt and output and a sequence per request in flight, pinned to our threads' cores.
     started, *requests = _logged(theirs_log)
