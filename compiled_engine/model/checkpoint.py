@@ -15,13 +15,14 @@ from compiled_engine.model.shard import TPShard
 @dataclass(frozen=True)
 class CheckpointTensor:
     """Where one tensor of a Hugging Face checkpoint lands in this model: in parameter `param`,
-    from output feature (row) `start` on. With tensor parallelism a rank reads only `part` of the
-    tensor: (dim, first, count)."""
+    from output feature (row) `start` on; in an experts' 3-D parameter, in expert `expert`'s
+    slice. With tensor parallelism a rank reads only `part` of the tensor: (dim, first, count)."""
 
     param: str
     shape: tuple[int, ...]  # the checkpoint tensor's whole shape
     start: int = 0
     part: tuple[int, int, int] | None = None
+    expert: int | None = None
 
     @property
     def read_shape(self) -> tuple[int, ...]:
@@ -39,7 +40,8 @@ class CheckpointTensor:
 
     def view(self, param: torch.Tensor) -> torch.Tensor:
         """The part of `param` this tensor fills (writable)."""
-        return param.narrow(0, self.start, self.read_shape[0])
+        target = param if self.expert is None else param[self.expert]
+        return target.narrow(0, self.start, self.read_shape[0])
 
 
 Layout = dict[str, CheckpointTensor]
@@ -106,9 +108,10 @@ def attention_layout(config: ModelConfig, shard: TPShard, layer: int) -> Layout:
     layout[f"{hf}o_proj.weight"] = T(f"{ours}o_proj.weight", (h, config.q_size), part=rows.columns(rows.q))
     if config.o_bias:
         layout[f"{hf}o_proj.bias"] = T(f"{ours}o_proj.bias", (h,))
-    if config.qk_norm:
-        layout[f"{hf}q_norm.weight"] = T(f"{ours}q_norm.weight", (hd,))
-        layout[f"{hf}k_norm.weight"] = T(f"{ours}k_norm.weight", (hd,))
+    if config.qk_norm:  # per head, or over all heads at once (OLMoE's)
+        q_width, k_width = (config.q_size, config.kv_size) if config.qk_norm_whole else (hd, hd)
+        layout[f"{hf}q_norm.weight"] = T(f"{ours}q_norm.weight", (q_width,))
+        layout[f"{hf}k_norm.weight"] = T(f"{ours}k_norm.weight", (k_width,))
     return layout
 
 

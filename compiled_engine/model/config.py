@@ -17,6 +17,7 @@ from typing import Any, Literal
 import msgspec
 
 from compiled_engine.errors import ModelConfigError
+from compiled_engine.model.moe_config import MoEConfig
 
 Activation = Literal["silu", "gelu_tanh"]
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope")
@@ -64,6 +65,8 @@ class ModelConfig(msgspec.Struct, frozen=True):
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    qk_norm_whole: bool = False  # q and k normalised over all their heads at once (OLMoE), not per head
+    clip_qkv: float = 0.0  # q, k and v clamped to +-this (OLMoE's option); 0: not clamped
     hidden_act: Activation = "silu"
     rotary_dim: int = 0  # the dims of a head that rotate; 0: all of them
     rope_local: RopeConfig | None = None  # the sliding layers' rope, where it differs (Gemma 3)
@@ -73,6 +76,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
     final_soft_cap: float = 0.0
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    moe: MoEConfig | None = None  # a mixture of experts in place of the MLP (model/moe.py)
 
     @property
     def q_size(self) -> int:
@@ -120,10 +124,13 @@ class ConfigRules:
     activation_key: str = "hidden_act"  # read first when set (Gemma's `hidden_activation`)
     fixed_qkv_bias: bool = False  # q/k/v biases always, o_proj's never, whatever attention_bias says
     qk_norm: bool = False  # per-head q/k RMSNorm
+    qk_norm_whole: bool = False  # the q/k RMSNorm over all heads at once, and `clip_qkv` read
     query_scale: bool = False  # the softmax scale from `query_pre_attn_scalar`
     local_rope: bool = False  # the sliding layers' own rope
     # Each layer's attention type from the config (then checked): a list, SLIDING or FULL each.
     layer_types: Callable[[dict[str, Any], int], Any] = declared_layer_types
+    # The mixture of experts from the config (model/moe_config.py), for an MoE family.
+    moe: Callable[[dict[str, Any], str], MoEConfig] | None = None
 
 
 def read_config_json(model_dir: str | Path) -> tuple[dict[str, Any], str]:
@@ -340,7 +347,9 @@ def parse_config(raw: dict[str, Any], source: str, family: str, rules: ConfigRul
         tie_word_embeddings=_flag(raw, "tie_word_embeddings", source),
         qkv_bias=attention_bias or rules.fixed_qkv_bias,
         o_bias=attention_bias and not rules.fixed_qkv_bias,
-        qk_norm=rules.qk_norm,
+        qk_norm=rules.qk_norm or rules.qk_norm_whole,
+        qk_norm_whole=rules.qk_norm_whole,
+        clip_qkv=_soft_cap(raw, "clip_qkv", source) if rules.qk_norm_whole else 0.0,
         hidden_act=_ACTIVATIONS[act],
         rotary_dim=_rotary_dim(raw, head_dim, source),
         layer_windows=_layer_windows(rules.layer_types(raw, num_layers), raw, num_layers, source),
@@ -349,6 +358,7 @@ def parse_config(raw: dict[str, Any], source: str, family: str, rules: ConfigRul
         final_soft_cap=_soft_cap(raw, "final_logit_softcapping", source),
         eos_token_ids=_token_ids(raw.get("eos_token_id")),
         bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
+        moe=rules.moe(raw, source) if rules.moe is not None else None,
     )
 
 

@@ -150,16 +150,23 @@ class Attention(nn.Module):
         # q, k and v side by side in one weight: one product per layer instead of three.
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
-        self.q_norm = head_norm(config.head_dim, config.rms_norm_eps) if head_norm is not None else None
-        self.k_norm = head_norm(config.head_dim, config.rms_norm_eps) if head_norm is not None else None
+        # OLMoE normalises q and k over all their heads at once, then clamps q, k and v.
+        self.whole_norm, self.clip = config.qk_norm_whole, config.clip_qkv
+        q_width, k_width = (self.q_size, self.kv_size) if self.whole_norm else (config.head_dim, config.head_dim)
+        self.q_norm = head_norm(q_width, config.rms_norm_eps) if head_norm is not None else None
+        self.k_norm = head_norm(k_width, config.rms_norm_eps) if head_norm is not None else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        if self.whole_norm and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip:
+            q, k, v = q.clamp(-self.clip, self.clip), k.clamp(-self.clip, self.clip), v.clamp(-self.clip, self.clip)
         q = q.reshape(tokens, self.num_heads, self.head_dim)
         k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        if not self.whole_norm and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = paged_attention(q, k, v, kv_cache, self.scale, self.window, self.soft_cap)
@@ -175,9 +182,10 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU with gelu."""
 
-    def __init__(self, config: ModelConfig, shard: TPShard) -> None:
+    def __init__(self, config: ModelConfig, shard: TPShard, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.intermediate_size = shard.intermediate(config)[1]
+        # its own width where given (an MoE's shared expert, unsharded), else the config's share
+        self.intermediate_size = intermediate_size or shard.intermediate(config)[1]
         self.activation = ACTIVATIONS[config.hidden_act]
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size)  # gate, then up
         self.down_proj = Linear(self.intermediate_size, config.hidden_size)
@@ -192,7 +200,7 @@ class DecoderLayer(nn.Module):
     and its layer's pages in; x out. Compilation traces this call (executor/compilation.py)."""
 
     self_attn: Attention
-    mlp: GatedMLP
+    mlp: nn.Module  # GatedMLP, or a mixture of experts (model/moe.py)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

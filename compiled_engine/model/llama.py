@@ -1,7 +1,8 @@
 """The Llama family in one file: Llama 2/3 and SmolLM2, Mistral (a sliding window on every layer),
 Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm), each with its `Family` record at the end, and
 Phi-3's network (its own record and checkpoint layout in model/phi3.py, with longrope or partial
-rotary). A pre-norm decoder with a gated SiLU MLP.
+rotary). A pre-norm decoder with a gated SiLU MLP, or a mixture of experts in its place (the MoE
+families' network: model/moe.py, their records in model/qwen3_moe.py and the files beside it).
 
 The model takes a flat batch: every sequence's new tokens concatenated, with their positions, and
 the KV page pool. Which tokens belong to which sequence, and where their pages live, is the
@@ -28,11 +29,11 @@ from compiled_engine.model.layers import (
     Attention,
     DecoderLayer,
     DecoderModel,
-    GatedMLP,
     Linear,
     RMSNorm,
     RotaryEmbedding,
 )
+from compiled_engine.model.moe import feed_forward
 from compiled_engine.model.shard import NO_SHARD, TPShard
 
 
@@ -45,7 +46,7 @@ class TransformerBlock(DecoderLayer):
         head_norm = RMSNorm if config.qk_norm else None
         self.self_attn = Attention(config, shard, config.window(layer), head_norm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config, shard)
+        self.mlp = feed_forward(config, shard, layer)  # a GatedMLP, or a mixture of experts
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache)
@@ -84,7 +85,7 @@ def every_layer_slides(raw: dict[str, Any], num_layers: int) -> list[str]:
     return [SLIDING if raw.get("sliding_window") is not None else FULL] * num_layers
 
 
-def _qwen_layer_types(raw: dict[str, Any], num_layers: int) -> Any:
+def qwen_layer_types(raw: dict[str, Any], num_layers: int) -> Any:
     # Without use_sliding_window transformers ignores the window and layer_types.
     return declared_layer_types(raw, num_layers) if raw.get("use_sliding_window") else [FULL] * num_layers
 
@@ -115,7 +116,7 @@ QWEN2 = Family(
     ("Qwen2ForCausalLM",),
     Transformer,
     checkpoint_layout,
-    ConfigRules(fixed_qkv_bias=True, layer_types=_qwen_layer_types),
+    ConfigRules(fixed_qkv_bias=True, layer_types=qwen_layer_types),
     GGUFLayout("qwen2"),
 )
 QWEN3 = Family(
@@ -124,6 +125,6 @@ QWEN3 = Family(
     ("Qwen3ForCausalLM",),
     Transformer,
     checkpoint_layout,
-    ConfigRules(qk_norm=True, layer_types=_qwen_layer_types),
+    ConfigRules(qk_norm=True, layer_types=qwen_layer_types),
     GGUFLayout("qwen3"),
 )

@@ -17,10 +17,16 @@ from compiled_engine.model.family import Family
 from compiled_engine.model.gemma import GEMMA2, GEMMA3
 from compiled_engine.model.layers import DecoderModel
 from compiled_engine.model.llama import LLAMA, MISTRAL, QWEN2, QWEN3
+from compiled_engine.model.mixtral import MIXTRAL
+from compiled_engine.model.olmoe import OLMOE
 from compiled_engine.model.phi3 import PHI3
+from compiled_engine.model.qwen2_moe import QWEN2_MOE
+from compiled_engine.model.qwen3_moe import QWEN3_MOE
 from compiled_engine.model.shard import TPShard
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3)}
+FAMILIES: dict[str, Family] = {
+    f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3, QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE)
+}
 
 
 def family_of_gguf(architecture: str) -> Family | None:
