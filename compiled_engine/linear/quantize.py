@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from compiled_engine.linear.experts import QuantizedExperts
 from compiled_engine.linear.quantized import QuantizedEmbedding, QuantizedLinear
 from compiled_engine.linear.quantized_weight import (
     INT4_BLOCK,
@@ -20,6 +21,7 @@ from compiled_engine.linear.quantized_weight import (
     pack_int4,
 )
 from compiled_engine.model.layers import DecoderModel, Linear
+from compiled_engine.model.moe import Experts
 
 
 def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> QuantizedWeight:
@@ -92,18 +94,25 @@ class QuantizationScheme:
 
 def quantize_model(model: DecoderModel, scheme: QuantizationScheme) -> DecoderModel:
     """Replace the layer products' Linear modules (q/k/v, o, gate/up, down) with QuantizedLinear,
-    and with `scheme.head` the head and embedding too. Every weight is checked before any is
-    replaced, so a refused shape leaves the model as it was."""
+    a mixture's experts with QuantizedExperts (every expert's rows in one weight), and with
+    `scheme.head` the head and embedding too. Every weight is checked before any is replaced, so
+    a refused shape leaves the model as it was."""
     planned: list[tuple[str, QuantizedWeight, torch.Tensor | None]] = []
+    experts: list[tuple[str, QuantizedExperts]] = []
     for name, module in model.named_modules():
-        if isinstance(module, Linear) and name != "lm_head":
-            try:
+        try:
+            if isinstance(module, Linear) and name != "lm_head":
                 planned.append((name, quantize(module.weight, scheme.format, scheme.group_size), module.bias))
-            except QuantizationError as error:
-                raise QuantizationError(f"{name}: {error}") from error
+            elif isinstance(module, Experts):
+                experts.append((name, quantize_experts(module, scheme)))
+        except QuantizationError as error:
+            raise QuantizationError(f"{name}: {error}") from error
     head = quantize_int8(model.lm_head.weight, HEAD_GROUP_SIZE) if scheme.head else None
     for name, weight, bias in planned:
         install_linear(model, name, weight, bias)
+    for name, quantized in experts:
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, quantized)
     if head is not None:
         install_linear(model, "lm_head", head, model.lm_head.bias)
         if model.config.tie_word_embeddings:
@@ -111,6 +120,18 @@ def quantize_model(model: DecoderModel, scheme: QuantizationScheme) -> DecoderMo
         else:
             install_embedding(model, quantize_int8(model.embed_tokens.weight, HEAD_GROUP_SIZE))
     return model
+
+
+def quantize_experts(experts: Experts, scheme: QuantizationScheme) -> QuantizedExperts:
+    """Every expert's gate/up rows as one quantized weight, and every expert's down rows as
+    another (each row quantized as a dense weight's would be)."""
+    gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+    return QuantizedExperts(
+        quantize(gate_up.reshape(-1, gate_up.shape[-1]), scheme.format, scheme.group_size),
+        quantize(down.reshape(-1, down.shape[-1]), scheme.format, scheme.group_size),
+        experts.num_experts,
+        experts.activation,
+    )
 
 
 def install_linear(model: nn.Module, name: str, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:

@@ -171,6 +171,12 @@ def load_adapter(source: str | Path, config: ModelConfig, max_rank: int) -> LoRA
     with safe_open(str(weights_file), framework="pt") as tensors:
         for key in tensors.keys():  # noqa: SIM118 - safe_open is not a mapping
             match = _KEY.match(key)
+            moe_layer = config.moe is not None and match is not None and config.moe.sparse(int(match[1]))
+            if ".experts." in key or (moe_layer and match is not None and match[2] == "mlp"):
+                raise LoRAError(
+                    f"{weights_file}: {key}: LoRA on a mixture of experts is not supported; "
+                    "adapters of the attention products (q/k/v/o_proj) work"
+                )
             if match is None:
                 raise LoRAError(f"{weights_file}: {key}: not a LoRA weight of a decoder layer's product")
             layer, block, module, which = int(match[1]), match[2], match[3], match[4]

@@ -160,6 +160,8 @@ def install_lora(
         for name in PRODUCTS:
             block_name, product_name = name.split(".")
             block = getattr(layer, block_name)
+            if not hasattr(block, product_name):  # a mixture of experts: its adapters are refused (lora/adapter.py)
+                continue
             wrapped = LoRALinear(
                 getattr(block, product_name), shapes[name][1], a_store, a_views[name], b_store, b_views[name],
                 token_slots,

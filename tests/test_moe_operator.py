@@ -1,0 +1,137 @@
+"""The mixture of experts' pieces against their slow twins: the grouped experts operator (dense
+and quantized experts, every format, 1-64 rows, k = 1, 2, 4, 8) against a plain loop over every
+expert on dense weights; experts nobody chose are never read; the router's variants against the
+formulas they implement."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compiled_engine.linear.experts import QuantizedExperts, expert_mlps, reference_expert_mlps
+from compiled_engine.linear.quantize import quantize
+from compiled_engine.model.moe import Router
+from compiled_engine.model.moe_config import MoEConfig
+
+EXPERTS, HIDDEN, INTER = 8, 128, 64
+ROWS = (1, 2, 5, 16, 64)
+TOPK = (1, 2, 4, 8)
+
+
+def _batch(rows: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, HIDDEN, generator=g)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=g)[:k] for _ in range(rows)])
+    weights = torch.rand(rows, k, generator=g)
+    return x, weights, ids
+
+
+def _dense_experts(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=g) * 0.2, torch.randn(EXPERTS, HIDDEN, INTER, generator=g) * 0.2
+
+
+@pytest.mark.parametrize("k", TOPK)
+@pytest.mark.parametrize("rows", ROWS)
+def test_grouped_dense_experts_match_the_loop_over_every_expert(rows: int, k: int) -> None:
+    gate_up, down = _dense_experts(0)
+    x, weights, ids = _batch(rows, k, seed=rows * 10 + k)
+    for activation in ("silu", "gelu_tanh"):
+        expected = reference_expert_mlps(x, weights, ids, gate_up, down, activation)
+        got = expert_mlps(x, weights, ids, gate_up, down, activation)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+# (format, group size): int8 per channel and grouped, int4 groups of 32 and of 64
+FORMATS = (("int8", None), ("int8", 32), ("int4", 32), ("int4", 64))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f[0]}-g{f[1]}")
+@pytest.mark.parametrize("k", TOPK)
+@pytest.mark.parametrize("rows", ROWS)
+def test_quantized_experts_match_the_loop_over_their_dequantized_weights(
+    rows: int, k: int, fmt: tuple[str, int | None]
+) -> None:
+    gate_up, down = _dense_experts(1)
+    experts = QuantizedExperts(
+        quantize(gate_up.reshape(-1, HIDDEN), fmt[0], fmt[1]), quantize(down.reshape(-1, INTER), fmt[0], fmt[1]),
+        EXPERTS, "silu",
+    )  # fmt: skip
+    x, weights, ids = _batch(rows, k, seed=rows * 10 + k + 1)
+    dense_gate_up, dense_down = experts.dense()
+    expected = reference_expert_mlps(x, weights, ids, dense_gate_up, dense_down, "silu")
+    torch.testing.assert_close(experts(x, weights, ids), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_experts_nobody_chose_are_never_read() -> None:
+    """Unchosen experts' weights are NaN: any read of them would reach the output."""
+    gate_up, down = _dense_experts(2)
+    chosen = [1, 6]
+    x, weights, _ = _batch(16, 2, seed=3)
+    ids = torch.tensor([chosen if i % 2 else chosen[::-1] for i in range(16)])
+    poisoned_gate_up, poisoned_down = gate_up.clone(), down.clone()
+    others = [e for e in range(EXPERTS) if e not in chosen]
+    poisoned_gate_up[others], poisoned_down[others] = float("nan"), float("nan")
+    expected = reference_expert_mlps(x, weights, ids, gate_up, down, "silu")
+    torch.testing.assert_close(expert_mlps(x, weights, ids, poisoned_gate_up, poisoned_down, "silu"), expected)
+    quantized = QuantizedExperts(
+        quantize(gate_up.reshape(-1, HIDDEN), "int4", 32), quantize(down.reshape(-1, INTER), "int4", 32), EXPERTS, "silu"
+    )
+    dense_gate_up, dense_down = quantized.dense()
+    expected = reference_expert_mlps(x, weights, ids, dense_gate_up, dense_down, "silu")
+    rows_per_expert = 2 * INTER
+    for e in others:  # the scales of every other expert's rows
+        quantized.gate_up_scales[e * rows_per_expert : (e + 1) * rows_per_expert] = float("nan")
+        quantized.down_scales[e * HIDDEN : (e + 1) * HIDDEN] = float("nan")
+    torch.testing.assert_close(quantized(x, weights, ids), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_no_tokens_gives_an_empty_result() -> None:
+    gate_up, down = _dense_experts(0)
+    empty = expert_mlps(torch.empty(0, HIDDEN), torch.empty(0, 2), torch.empty(0, 2, dtype=torch.int64), gate_up, down, "silu")
+    assert empty.shape == (0, HIDDEN)
+
+
+def _router(moe: MoEConfig, seed: int = 0) -> Router:
+    router = Router(HIDDEN, moe)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(EXPERTS, HIDDEN, generator=g))
+        if router.bias is not None:
+            router.bias.copy_(torch.randn(EXPERTS, generator=g))
+    return router
+
+
+def test_router_variants_compute_what_their_configs_say() -> None:
+    x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(4))
+
+    def logits_of(router: Router) -> torch.Tensor:
+        bias = router.bias if router.bias is not None else 0.0
+        return (x @ router.weight.T + bias).double()
+
+    base = MoEConfig(num_experts=EXPERTS, top_k=3, intermediate_size=INTER)
+    cases = {
+        "softmax": (base, lambda z: torch.softmax(z, -1), False),
+        "softmax, renormalised, scaled": (
+            MoEConfig(EXPERTS, 3, INTER, renormalize=True, routed_scaling=2.5),
+            lambda z: torch.softmax(z, -1),
+            True,
+        ),
+        "sigmoid": (MoEConfig(EXPERTS, 3, INTER, scoring="sigmoid"), torch.sigmoid, False),
+    }
+    for name, (moe, score, renormalize) in cases.items():
+        router = _router(moe)
+        weights, ids = router(x)
+        scores = score(logits_of(router))
+        expected_ids = scores.topk(3, dim=-1).indices
+        assert torch.equal(ids, expected_ids), name
+        expected = scores.gather(-1, expected_ids)
+        if renormalize:
+            expected = expected / expected.sum(-1, keepdim=True)
+        torch.testing.assert_close(weights.double(), expected * moe.routed_scaling, atol=1e-6, rtol=1e-6, msg=name)
+    # gpt-oss: a router bias, and a softmax over the chosen k logits
+    router = _router(MoEConfig(EXPERTS, 4, INTER, softmax_after_topk=True, router_bias=True), seed=1)
+    weights, ids = router(x)
+    top = logits_of(router).topk(4, dim=-1)
+    assert torch.equal(ids, top.indices)
+    torch.testing.assert_close(weights.double(), torch.softmax(top.values, -1), atol=1e-6, rtol=1e-6)
