@@ -1,12 +1,15 @@
-"""A stand-in for vLLM's package in the latency bench's tests (vLLM is not installed in CI): the
-tests install this file as `vllm/__init__.py` where the fake vLLM python finds it. `LLM` and
-`SamplingParams` take the arguments vLLM's do (keywords after the model; an engine argument vLLM
-does not know is a TypeError), and `LLM.generate` answers token ids as vLLM's does, sleeping
-PREFILL_S for the first token and STEP_S for each after it. Every construction and generate,
-with the environment variables vLLM reads, goes as one JSON line to $FAKE_VLLM_OFFLINE_LOG.
+"""A stand-in for vLLM's package in the latency and offline benches' tests (vLLM is not installed
+in CI): the tests install this file as `vllm/__init__.py` where the fake vLLM python finds it.
+`LLM` and `SamplingParams` take the arguments vLLM's do (keywords after the model; an engine
+argument vLLM does not know is a TypeError), and `LLM.generate` takes one SamplingParams for all
+prompts or a list of one a prompt, and answers token ids in the prompts' order as vLLM's does,
+sleeping PREFILL_S for the first token and STEP_S for each after it of its longest request. Every
+construction and generate, with the environment variables vLLM reads, goes as one JSON line to
+$FAKE_VLLM_OFFLINE_LOG.
 
 $FAKE_VLLM_OFFLINE_FAIL picks a failure: `raise` (LLM cannot be built), `silent` (exits without
-a result), `garbled` (a result line that is not JSON), `short` (one token too few), `hang`.
+a result), `garbled` (a result line that is not JSON), `short` (one token too few), `dropped`
+(the last request of a generate goes unanswered), `hang`.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 
 PREFILL_S = 0.05
 STEP_S = 0.01
-ENGINE_ARGS = {"max_model_len", "enable_prefix_caching"}
+ENGINE_ARGS = {"max_model_len", "enable_prefix_caching", "max_num_seqs"}
 READ_ENV = ("VLLM_TARGET_DEVICE", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "PYTHONPATH")
 
 
@@ -59,14 +62,24 @@ class LLM:
         if failure == "silent":
             sys.exit(0)
         if failure == "garbled":
-            print("vllm-offline-latency {not json", flush=True)
+            print("vllm-driver-result {not json", flush=True)
             sys.exit(0)
         if failure == "hang":
             time.sleep(600)
 
     def generate(self, prompts: Any, sampling_params: Any = None, *, use_tqdm: bool = True, **kwargs: Any) -> list[Any]:
-        _record({"generate": [p["prompt_token_ids"] for p in prompts], "params": asdict(sampling_params)})
-        made = sampling_params.max_tokens - (os.environ.get("FAKE_VLLM_OFFLINE_FAIL") == "short")
-        time.sleep(PREFILL_S + STEP_S * (sampling_params.max_tokens - 1))
-        outputs = [SimpleNamespace(token_ids=list(range(made)))]
-        return [SimpleNamespace(prompt_token_ids=p["prompt_token_ids"], outputs=outputs) for p in prompts]
+        each = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(each) != len(prompts):
+            raise ValueError("The lengths of prompts and sampling_params must be the same.")
+        record = [asdict(p) for p in each] if isinstance(sampling_params, list) else asdict(sampling_params)
+        _record({"generate": [p["prompt_token_ids"] for p in prompts], "params": record})
+        failure = os.environ.get("FAKE_VLLM_OFFLINE_FAIL")
+        time.sleep(PREFILL_S + STEP_S * (max(p.max_tokens for p in each) - 1))
+        answers = [
+            SimpleNamespace(
+                prompt_token_ids=prompt["prompt_token_ids"],
+                outputs=[SimpleNamespace(token_ids=list(range(params.max_tokens - (failure == "short"))))],
+            )
+            for prompt, params in zip(prompts, each, strict=True)
+        ]
+        return answers[:-1] if failure == "dropped" and len(answers) > 1 else answers

