@@ -93,7 +93,9 @@ def test_config_reads_the_mixture(variant: tuple[str, Path]) -> None:
     assert config.moe.top_k == overrides["num_experts_per_tok"]
     assert config.moe.dense_layers == ((1,) if name == "qwen3_moe" else ())
     assert config.moe.renormalize == (name in ("qwen3_moe", "mixtral"))
-    assert (config.moe.shared_intermediate_size, config.moe.shared_gate) == ((64, True) if name == "qwen2_moe" else (0, False))
+    assert (config.moe.shared_intermediate_size, config.moe.shared_gate) == (
+        (64, True) if name == "qwen2_moe" else (0, False)
+    )
 
 
 def test_batched_chunked_greedy_matches_transformers(engine: LLM, golden: dict[tuple[int, ...], list[int]]) -> None:
@@ -168,7 +170,7 @@ def _dense_twin(quantized: QuantizedExperts) -> torch.nn.Module:
 
 def test_tensor_parallelism_is_refused_with_the_reason(variant: tuple[str, Path]) -> None:
     config = config_from_model_dir(variant[1])
-    with pytest.raises(ModelConfigError, match="--tensor-parallel-size 2: not supported for .*experts"):
+    with pytest.raises(ModelConfigError, match=r"--tensor-parallel-size 2: not supported for .*experts"):
         check_shard(config, TPShard(0, 2))
 
 

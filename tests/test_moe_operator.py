@@ -28,7 +28,9 @@ def _batch(rows: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, to
 
 def _dense_experts(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=g) * 0.2, torch.randn(EXPERTS, HIDDEN, INTER, generator=g) * 0.2
+    return torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=g) * 0.2, torch.randn(
+        EXPERTS, HIDDEN, INTER, generator=g
+    ) * 0.2
 
 
 @pytest.mark.parametrize("k", TOPK)
@@ -75,7 +77,10 @@ def test_experts_nobody_chose_are_never_read() -> None:
     expected = reference_expert_mlps(x, weights, ids, gate_up, down, "silu")
     torch.testing.assert_close(expert_mlps(x, weights, ids, poisoned_gate_up, poisoned_down, "silu"), expected)
     quantized = QuantizedExperts(
-        quantize(gate_up.reshape(-1, HIDDEN), "int4", 32), quantize(down.reshape(-1, INTER), "int4", 32), EXPERTS, "silu"
+        quantize(gate_up.reshape(-1, HIDDEN), "int4", 32),
+        quantize(down.reshape(-1, INTER), "int4", 32),
+        EXPERTS,
+        "silu",
     )
     dense_gate_up, dense_down = quantized.dense()
     expected = reference_expert_mlps(x, weights, ids, dense_gate_up, dense_down, "silu")
@@ -88,7 +93,9 @@ def test_experts_nobody_chose_are_never_read() -> None:
 
 def test_no_tokens_gives_an_empty_result() -> None:
     gate_up, down = _dense_experts(0)
-    empty = expert_mlps(torch.empty(0, HIDDEN), torch.empty(0, 2), torch.empty(0, 2, dtype=torch.int64), gate_up, down, "silu")
+    empty = expert_mlps(
+        torch.empty(0, HIDDEN), torch.empty(0, 2), torch.empty(0, 2, dtype=torch.int64), gate_up, down, "silu"
+    )
     assert empty.shape == (0, HIDDEN)
 
 
