@@ -4,7 +4,9 @@ activation, its down product, and the results summed into each token's row with 
 weights, in fp32. Experts nobody chose are never read.
 
 Two operators, both opaque to torch.compile (how many tokens each expert gets is data):
-- `compiled_engine::expert_mlps`, experts as dense 3-D tensors [experts, rows, in];
+- `compiled_engine::expert_mlps`, experts as dense 3-D tensors [experts, rows, in]: on the CPU a
+  loop over the chosen experts, on CUDA torch's grouped product, which needs no host
+  synchronisation (`grouped_mm_expert_mlps`; unverified on a device);
 - `compiled_engine::quantized_expert_mlps`, experts as quantized weights whose rows are every
   expert's stacked (`QuantizedExperts`, which replaces the model's `Experts` module from outside
   the model file): each expert's slice of rows runs the quantized product's kernels
@@ -85,6 +87,31 @@ def _grouped(
     return out.to(x.dtype)
 
 
+def grouped_mm_expert_mlps(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    activation: str,
+) -> torch.Tensor:
+    """The same as one grouped product per projection (torch._grouped_mm over the pairs sorted by
+    expert), with no host synchronisation: every shape is fixed by the batch, so a CUDA graph can
+    hold it. The GPU's way for dense experts; tested on the CPU, where torch runs it too."""
+    tokens, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token = order // k
+    counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # bincount would synchronise
+    ends = counts.cumsum(0, dtype=torch.int32)
+    gate, up = torch._grouped_mm(x[token], gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+    y = torch._grouped_mm(ACTIVATIONS[activation](gate) * up, down.transpose(1, 2), offs=ends)
+    out = torch.zeros(tokens, down.shape[1], dtype=torch.float32, device=x.device)
+    out.index_add_(0, token, y.float() * weights.reshape(-1)[order, None].float())
+    return out.to(x.dtype)
+
+
 torch.library.define(
     "compiled_engine::expert_mlps",
     "(Tensor x, Tensor weights, Tensor ids, Tensor gate_up, Tensor down, str activation) -> Tensor",
@@ -100,6 +127,8 @@ def _expert_mlps(
     down: torch.Tensor,
     activation: str,
 ) -> torch.Tensor:
+    if x.device.type == "cuda":  # no host synchronisation: CUDA graphs capture it
+        return grouped_mm_expert_mlps(x, weights, ids, gate_up, down, activation)
     act = ACTIVATIONS[activation]
 
     def mlp(e: int, rows: torch.Tensor) -> torch.Tensor:
@@ -218,3 +247,10 @@ class QuantizedExperts(nn.Module):
             self.down_data, self.down_scales, self.down_offsets, self.down_group,
             self.num_experts, self.activation,
         )  # fmt: skip
+
+
+def captures_in_cuda_graphs(model: nn.Module) -> bool:
+    """Whether the model's experts run without host synchronisation (dense experts: the grouped
+    product), so that its decode can be captured in CUDA graphs. Quantized experts loop over the
+    chosen experts on the host: their model runs without graphs."""
+    return not any(isinstance(m, QuantizedExperts) for m in model.modules())
