@@ -168,10 +168,15 @@ def _dense_twin(quantized: QuantizedExperts) -> torch.nn.Module:
     return Twin()
 
 
-def test_tensor_parallelism_is_refused_with_the_reason(variant: tuple[str, Path]) -> None:
+def test_tensor_parallel_sizes_that_split_no_expert_evenly_are_refused(variant: tuple[str, Path]) -> None:
     config = config_from_model_dir(variant[1])
-    with pytest.raises(ModelConfigError, match=r"--tensor-parallel-size 2: not supported for .*experts"):
-        check_shard(config, TPShard(0, 2))
+    if variant[0] == "olmoe":
+        with pytest.raises(ModelConfigError, match=r"--tensor-parallel-size 2: not supported for olmoe: its q/k norms"):
+            check_shard(config, TPShard(0, 2))
+        return
+    check_shard(config, TPShard(0, 2))
+    with pytest.raises(ModelConfigError, match=r"--tensor-parallel-size 3 must divide .*the expert intermediate size"):
+        check_shard(config, TPShard(0, 3))
 
 
 def test_attention_lora_matches_peft_and_expert_lora_is_refused(variant: tuple[str, Path], tmp_path: Path) -> None:
@@ -236,3 +241,19 @@ def test_bad_mixture_configs_are_refused_by_name(change: dict[str, Any], message
     }  # fmt: skip
     with pytest.raises(ModelConfigError, match=message):
         config_from_dict(raw)
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "mixtral"])
+def test_tensor_parallel_experts_match_a_single_process(
+    name: str, tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    """TP = 2: every expert's intermediate features (and the shared expert's) split across the
+    ranks, the router replicated: the single process's greedy ids and logprobs."""
+    from tests.test_tensor_parallel import PROMPTS, _assert_same, _fields, _generate, _in_child
+
+    model_type, overrides = VARIANTS[name]
+    model_dir = str(tiny_model_factory(model_type, seed=len(name), **overrides))
+    base = EngineConfig(model=model_dir, kv_cache_memory_gib=0.01, enforce_eager=True, max_num_batched_tokens=8)
+    single = _generate(base, PROMPTS, 6)
+    parallel = _in_child(EngineConfig(**{**_fields(base), "tensor_parallel_size": 2}), PROMPTS, 6)
+    _assert_same(parallel, single)

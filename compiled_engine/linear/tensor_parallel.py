@@ -2,7 +2,10 @@
 
 Per decoder layer: `qkv_proj` and `gate_up_proj` column-parallel (each rank computes its own heads
 and intermediate features, no communication), `o_proj` and `down_proj` row-parallel (partial
-sums, one all-reduce each). The embedding, the norms and the head are replicated: the head's
+sums, one all-reduce each). In a mixture of experts every expert is split the same way (each rank
+holds every expert's share of its intermediate features, so every rank works on every chosen
+expert): the experts' partial sums are all-reduced (`AllReducedExperts`), the shared expert is
+an MLP like any other, and the router is replicated. The embedding, the norms and the head are replicated: the head's
 logits are needed whole on rank 0, and at these vocabulary sizes a replicated head measured
 simpler and no slower on CPU than a vocab-parallel one plus an all-gather.
 
@@ -29,7 +32,8 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from compiled_engine.linear.install import replace
 from compiled_engine.linear.quantized import QuantizedLinear
-from compiled_engine.model.layers import DecoderModel, Linear
+from compiled_engine.model.layers import DecoderModel, GatedMLP, Linear
+from compiled_engine.model.moe import SparseMoE
 
 
 def _wrap_local(module: nn.Module, mesh: DeviceMesh, weight: Shard | Replicate, bias: Shard | Replicate) -> None:
@@ -98,28 +102,53 @@ class AllReduced(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
+class AllReducedExperts(nn.Module):
+    """A mixture's experts, each holding this rank's share of its intermediate features (gate/up
+    rows, down columns): `inner` over them, then the sum of every rank's partial output."""
+
+    def __init__(self, inner: nn.Module, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.inner = inner
+        self.mesh = mesh
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return funcol.all_reduce(self.inner(x, weights, ids), "sum", self.mesh)
+
+
 COLUMN_PARALLEL = ("self_attn.qkv_proj", "mlp.gate_up_proj")
 ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def _paths(model: DecoderModel, names: tuple[str, ...]) -> list[str]:
+    """The products `names` of every layer a rank holds (a pipeline stage holds a slice of them);
+    in a mixture-of-experts layer, its shared expert's MLP stands for the MLP (none: skipped)."""
+    paths = []
+    for i, layer in enumerate(model.layers):
+        mlp = "mlp" if isinstance(layer.mlp, GatedMLP) else "mlp.shared_expert"
+        has_mlp = isinstance(layer.mlp, GatedMLP) or getattr(layer.mlp, "shared_expert", None) is not None
+        paths += [
+            f"layers.{i}.{name.replace('mlp', mlp, 1)}" for name in names if has_mlp or not name.startswith("mlp")
+        ]
+    return paths
 
 
 def tensor_parallel_plan(model: DecoderModel) -> dict[str, ParallelStyle]:
     """DTensor's styles for the dense products; the quantized ones are left to `parallelize`."""
     plan: dict[str, ParallelStyle] = {}
-    for i in range(len(model.layers)):  # a pipeline stage holds a slice of them
-        for names, style in ((COLUMN_PARALLEL, ColwiseLinear), (ROW_PARALLEL, RowwiseLinear)):
-            for name in names:
-                path = f"layers.{i}.{name}"
-                if not isinstance(model.get_submodule(path), QuantizedLinear):
-                    plan[path] = style()
+    for names, style in ((COLUMN_PARALLEL, ColwiseLinear), (ROW_PARALLEL, RowwiseLinear)):
+        for path in _paths(model, names):
+            if not isinstance(model.get_submodule(path), QuantizedLinear):
+                plan[path] = style()
     return plan
 
 
 def parallelize(model: DecoderModel, mesh: DeviceMesh) -> DecoderModel:
     parallelize_module(model, mesh, tensor_parallel_plan(model))
-    for i in range(len(model.layers)):  # a pipeline stage holds a slice of them
-        for name in ROW_PARALLEL:
-            path = f"layers.{i}.{name}"
-            module = model.get_submodule(path)
-            if isinstance(module, QuantizedLinear):
-                replace(model, path, AllReduced(module, mesh))
+    for path in _paths(model, ROW_PARALLEL):
+        module = model.get_submodule(path)
+        if isinstance(module, QuantizedLinear):
+            replace(model, path, AllReduced(module, mesh))
+    for i, layer in enumerate(model.layers):
+        if isinstance(layer.mlp, SparseMoE):
+            replace(model, f"layers.{i}.mlp.experts", AllReducedExperts(layer.mlp.experts, mesh))
     return model

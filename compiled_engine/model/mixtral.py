@@ -13,7 +13,6 @@ from compiled_engine.model.family import Family
 from compiled_engine.model.llama import Transformer, every_layer_slides
 from compiled_engine.model.moe import ExpertNames, moe_decoder_layout
 from compiled_engine.model.moe_config import MoEConfig, MoEKeys, read_moe
-from compiled_engine.model.qwen3_moe import MOE_NO_TENSOR_PARALLEL
 from compiled_engine.model.shard import NO_SHARD, TPShard
 
 NAMES = ExpertNames(block="block_sparse_moe", gate="w1", up="w3", down="w2")
@@ -41,5 +40,4 @@ MIXTRAL = Family(
     checkpoint_layout,
     ConfigRules(layer_types=every_layer_slides, moe=_moe),
     tool_call_parser="mistral",
-    no_tensor_parallel=MOE_NO_TENSOR_PARALLEL,
 )

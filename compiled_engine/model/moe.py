@@ -62,11 +62,12 @@ class Experts(nn.Module):
     """The experts' weights: gate and up rows of expert e in gate_up_proj[e] (gate first), its
     down projection in down_proj[e], as Hugging Face's fused expert tensors hold them."""
 
-    def __init__(self, config: ModelConfig, moe: MoEConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: TPShard, moe: MoEConfig) -> None:
         super().__init__()
-        self.num_experts, self.intermediate_size = moe.num_experts, moe.intermediate_size
+        # With tensor parallelism, this rank's share of every expert's intermediate features.
+        self.num_experts, self.intermediate_size = moe.num_experts, shard.split(moe.intermediate_size)[1]
         self.activation = config.hidden_act
-        h, inter = config.hidden_size, moe.intermediate_size
+        h, inter = config.hidden_size, self.intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, 2 * inter, h))
         self.down_proj = nn.Parameter(torch.empty(moe.num_experts, h, inter))
 
@@ -82,8 +83,8 @@ class SparseMoE(nn.Module):
     def __init__(self, config: ModelConfig, shard: TPShard, moe: MoEConfig) -> None:
         super().__init__()
         self.gate = Router(config.hidden_size, moe)
-        self.experts = Experts(config, moe)
-        shared = moe.shared_intermediate_size
+        self.experts = Experts(config, shard, moe)
+        shared = shard.split(moe.shared_intermediate_size)[1]
         self.shared_expert = GatedMLP(config, shard, shared) if shared else None
         self.shared_expert_gate = Linear(config.hidden_size, 1) if moe.shared_gate else None
 
@@ -121,7 +122,9 @@ class ExpertNames:
 
 def moe_decoder_layout(config: ModelConfig, shard: TPShard, names: ExpertNames = ExpertNames()) -> Layout:
     """Every tensor of a checkpoint with separate q/k/v tensors, the usual layer norms, and in
-    each sparse layer a router and one set of tensors per expert (dense layers: mlp_layout)."""
+    each sparse layer a router and one set of tensors per expert (dense layers: mlp_layout).
+    With tensor parallelism a rank reads its share of every expert's intermediate features (and
+    the shared expert's): gate and up rows, down columns; the router whole."""
     moe, h = config.moe, config.hidden_size
     assert moe is not None
     T = CheckpointTensor
@@ -134,17 +137,28 @@ def moe_decoder_layout(config: ModelConfig, shard: TPShard, names: ExpertNames =
             continue
         hf, ours, inter = f"model.layers.{i}.{names.block}.", f"layers.{i}.mlp.", moe.intermediate_size
         layout[f"{hf}gate.weight"] = T(f"{ours}gate.weight", (moe.num_experts, h))
+        rows, local = _share(shard, inter)
         for e in range(moe.num_experts):
             expert = f"{hf}experts.{e}."
-            layout[f"{expert}{names.gate}.weight"] = T(f"{ours}experts.gate_up_proj", (inter, h), 0, expert=e)
-            layout[f"{expert}{names.up}.weight"] = T(f"{ours}experts.gate_up_proj", (inter, h), inter, expert=e)
-            layout[f"{expert}{names.down}.weight"] = T(f"{ours}experts.down_proj", (h, inter), expert=e)
+            layout[f"{expert}{names.gate}.weight"] = T(f"{ours}experts.gate_up_proj", (inter, h), 0, rows, e)
+            layout[f"{expert}{names.up}.weight"] = T(f"{ours}experts.gate_up_proj", (inter, h), local, rows, e)
+            layout[f"{expert}{names.down}.weight"] = T(f"{ours}experts.down_proj", (h, inter), 0, _columns(rows), e)
         shared = moe.shared_intermediate_size
         if shared:
-            mlp = f"{ours}shared_expert."
-            layout[f"{hf}{names.shared}.gate_proj.weight"] = T(f"{mlp}gate_up_proj.weight", (shared, h), 0)
-            layout[f"{hf}{names.shared}.up_proj.weight"] = T(f"{mlp}gate_up_proj.weight", (shared, h), shared)
-            layout[f"{hf}{names.shared}.down_proj.weight"] = T(f"{mlp}down_proj.weight", (h, shared))
+            mlp, (rows, local) = f"{ours}shared_expert.", _share(shard, shared)
+            layout[f"{hf}{names.shared}.gate_proj.weight"] = T(f"{mlp}gate_up_proj.weight", (shared, h), 0, rows)
+            layout[f"{hf}{names.shared}.up_proj.weight"] = T(f"{mlp}gate_up_proj.weight", (shared, h), local, rows)
+            layout[f"{hf}{names.shared}.down_proj.weight"] = T(f"{mlp}down_proj.weight", (h, shared), 0, _columns(rows))
         if moe.shared_gate:
             layout[f"{hf}{names.shared_gate}.weight"] = T(f"{ours}shared_expert_gate.weight", (1, h))
     return layout
+
+
+def _share(shard: TPShard, width: int) -> tuple[tuple[int, int, int] | None, int]:
+    """This rank's rows of a `width`-row tensor as a CheckpointTensor part (None: all), and how many."""
+    first, count = shard.split(width)
+    return (None if shard.size == 1 else (0, first, count)), count
+
+
+def _columns(rows: tuple[int, int, int] | None) -> tuple[int, int, int] | None:
+    return None if rows is None else (1, rows[1], rows[2])

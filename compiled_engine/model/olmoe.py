@@ -30,5 +30,5 @@ OLMOE = Family(
     Transformer,
     checkpoint_layout,
     ConfigRules(qk_norm_whole=True, moe=_moe),
-    no_tensor_parallel="its q/k norms span every head, and its experts are not split across ranks yet",
+    no_tensor_parallel="its q/k norms span every head, which no rank holds",
 )

@@ -12,7 +12,6 @@ from compiled_engine.model.family import Family
 from compiled_engine.model.llama import Transformer, qwen_layer_types
 from compiled_engine.model.moe import moe_decoder_layout
 from compiled_engine.model.moe_config import MoEConfig, MoEKeys, read_moe
-from compiled_engine.model.qwen3_moe import MOE_NO_TENSOR_PARALLEL
 from compiled_engine.model.shard import NO_SHARD, TPShard
 
 
@@ -32,5 +31,4 @@ QWEN2_MOE = Family(
     Transformer,
     checkpoint_layout,
     ConfigRules(fixed_qkv_bias=True, layer_types=qwen_layer_types, moe=_moe),
-    no_tensor_parallel=MOE_NO_TENSOR_PARALLEL,
 )

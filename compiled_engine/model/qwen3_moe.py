@@ -14,9 +14,6 @@ from compiled_engine.model.moe import moe_decoder_layout
 from compiled_engine.model.moe_config import MoEConfig, MoEKeys, read_moe
 from compiled_engine.model.shard import NO_SHARD, TPShard
 
-# Tensor parallelism is refused for every MoE family for now: its experts are not sharded yet.
-MOE_NO_TENSOR_PARALLEL = "its experts are not split across ranks yet"
-
 
 def checkpoint_layout(config: ModelConfig, shard: TPShard = NO_SHARD) -> Layout:
     return moe_decoder_layout(config, shard)
@@ -33,5 +30,4 @@ QWEN3_MOE = Family(
     Transformer,
     checkpoint_layout,
     ConfigRules(qk_norm=True, layer_types=qwen_layer_types, moe=read_qwen_moe),
-    no_tensor_parallel=MOE_NO_TENSOR_PARALLEL,
 )

@@ -1,7 +1,7 @@
 """Which slice of the model one tensor-parallel rank holds: plain arithmetic on head counts,
 shared by the model (local sizes), the loader (what to read) and the sharding plan.
 
-Query heads and the MLP's intermediate features are split evenly. KV heads are split when there
+Query heads and the MLP's intermediate features (each expert's, in a mixture) are split evenly. KV heads are split when there
 are at least as many as ranks; with fewer, each KV head is replicated on the ranks whose query
 heads read it (rank r holds KV head r * kv_heads // size).
 """
@@ -31,6 +31,13 @@ class TPShard:
             problems.append(f"num_key_value_heads={kv}")
         if config.intermediate_size % self.size:
             problems.append(f"intermediate_size={config.intermediate_size}")
+        if config.moe is not None:  # every expert's intermediate features split too
+            for name, width in (
+                ("expert", config.moe.intermediate_size),
+                ("shared expert", config.moe.shared_intermediate_size),
+            ):
+                if width % self.size:
+                    problems.append(f"the {name} intermediate size {width}")
         if problems:
             raise ModelConfigError(
                 f"--tensor-parallel-size {self.size} must divide {', '.join(problems)} "
@@ -51,7 +58,11 @@ class TPShard:
         return self.rank * kv // self.size, 1
 
     def intermediate(self, config: ModelConfig) -> tuple[int, int]:
-        count = config.intermediate_size // self.size
+        return self.split(config.intermediate_size)
+
+    def split(self, width: int) -> tuple[int, int]:
+        """(first, count) of this rank's even share of `width` features (an expert's intermediate)."""
+        count = width // self.size
         return self.rank * count, count
 
 
