@@ -21,7 +21,7 @@ from compiled_engine.engine.reference_loop import Generator
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.errors import ModelConfigError
 from compiled_engine.executor.runner import Runner
-from compiled_engine.linear.experts import QuantizedExperts
+from compiled_engine.linear.quantized_experts import QuantizedExperts
 from compiled_engine.llm import LLM
 from compiled_engine.lora.adapter import LoRAError, load_adapter
 from compiled_engine.model.registry import check_shard, config_from_dict, config_from_model_dir
@@ -157,7 +157,7 @@ def test_quantized_experts_run_as_their_dequantized_twin(variant: tuple[str, Pat
 
 
 def _dense_twin(quantized: QuantizedExperts) -> torch.nn.Module:
-    from compiled_engine.linear.experts import reference_expert_mlps
+    from compiled_engine.experts.op import reference_expert_mlps
 
     gate_up, down = quantized.dense()
 

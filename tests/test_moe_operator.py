@@ -8,13 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compiled_engine.linear.experts import (
-    QuantizedExperts,
-    expert_mlps,
-    grouped_mm_expert_mlps,
-    reference_expert_mlps,
-)
+from compiled_engine.experts.op import expert_mlps, grouped_mm_expert_mlps, reference_expert_mlps
 from compiled_engine.linear.quantize import quantize
+from compiled_engine.linear.quantized_experts import QuantizedExperts
 from compiled_engine.model.moe import Router
 from compiled_engine.model.moe_config import MoEConfig
 

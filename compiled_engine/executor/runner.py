@@ -38,7 +38,7 @@ from compiled_engine.executor.kv_pool import context_limit, kv_budget_bytes, siz
 from compiled_engine.executor.pipeline import ParallelLayout, StageLinks, stage_layers
 from compiled_engine.executor.prepare import AdapterInstall, PreparedModel, PreparePlan, install_no_adapters, prepare
 from compiled_engine.executor.step import HiddenStates, Logits, NoOutput, StepInputs, StepOutput, Wants
-from compiled_engine.linear.experts import captures_in_cuda_graphs
+from compiled_engine.linear.quantized_experts import captures_in_cuda_graphs
 from compiled_engine.model.layers import DecoderModel
 from compiled_engine.model.registry import config_from_model_dir
 from compiled_engine.model.shard import NO_SHARD, TPShard

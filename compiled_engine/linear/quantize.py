@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from compiled_engine.linear.experts import QuantizedExperts
 from compiled_engine.linear.quantized import QuantizedEmbedding, QuantizedLinear
+from compiled_engine.linear.quantized_experts import QuantizedExperts
 from compiled_engine.linear.quantized_weight import (
     INT4_BLOCK,
     INT4_GROUP_SIZES,

@@ -3,7 +3,7 @@ its `MoEConfig` (model/moe_config.py): a router that picks each token's top-k ex
 them, the experts (gated MLPs stored as 3-D tensors, one slice per expert), and an optional
 shared expert that every token goes through.
 
-The experts' products run as one operator (linear/experts.py): grouped by expert, each chosen
+The experts' products run as one operator (experts/op.py): grouped by expert, each chosen
 expert's weights read once for all its tokens, experts nobody chose never read. It is opaque to
 torch.compile (how many tokens each expert gets is data), and quantized experts replace the
 `Experts` module from outside this file (linear/install.py), as quantized products replace
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compiled_engine.linear.experts import expert_mlps
+from compiled_engine.experts.op import expert_mlps
 from compiled_engine.model.checkpoint import (
     CheckpointTensor,
     Layout,

@@ -1,0 +1,1 @@
+"""A mixture of experts' products as one operator (`op.py`), which model/moe.py calls."""

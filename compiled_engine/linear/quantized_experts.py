@@ -1,0 +1,114 @@
+"""A mixture's experts kept quantized (`QuantizedExperts`, which replaces the model's `Experts`
+module from outside the model file, as `QuantizedLinear` replaces `Linear`), and their operator
+`compiled_engine::quantized_expert_mlps`: the grouped loop of experts/op.py with each chosen
+expert's slice of rows run by the quantized product's kernels (linear/quantized_op.py), straight
+from its quantized bytes. Its slow twin is experts/op.py's reference loop on the dequantized
+weights (`QuantizedExperts.dense`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from compiled_engine.experts.op import ACTIVATIONS, grouped
+from compiled_engine.linear.quantized_op import native_operator, quantized_linear
+from compiled_engine.linear.quantized_weight import QuantizedWeight
+
+torch.library.define(
+    "compiled_engine::quantized_expert_mlps",
+    "(Tensor x, Tensor weights, Tensor ids, Tensor gate_up_data, Tensor gate_up_scales, Tensor? gate_up_offsets, "
+    "int gate_up_group, Tensor down_data, Tensor down_scales, Tensor? down_offsets, int down_group, "
+    "int num_experts, str activation) -> Tensor",
+)
+
+
+@torch.library.impl("compiled_engine::quantized_expert_mlps", "CompositeExplicitAutograd")
+def _quantized_expert_mlps(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up_data: torch.Tensor,
+    gate_up_scales: torch.Tensor,
+    gate_up_offsets: torch.Tensor | None,
+    gate_up_group: int,
+    down_data: torch.Tensor,
+    down_scales: torch.Tensor,
+    down_offsets: torch.Tensor | None,
+    down_group: int,
+    num_experts: int,
+    activation: str,
+) -> torch.Tensor:
+    gate_up = QuantizedWeight.of_tensors(gate_up_data, gate_up_scales, gate_up_offsets, gate_up_group)
+    down = QuantizedWeight.of_tensors(down_data, down_scales, down_offsets, down_group)
+    act, native = ACTIVATIONS[activation], native_operator() if x.device.type == "cpu" else None
+    per_gate_up, per_down = gate_up.out_features // num_experts, down.out_features // num_experts
+
+    def mlp(e: int, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = quantized_linear(rows, gate_up.narrow_rows(e * per_gate_up, per_gate_up), None, native).chunk(2, -1)
+        return quantized_linear(act(gate) * up, down.narrow_rows(e * per_down, per_down), None, native)
+
+    return grouped(x, weights, ids, num_experts, per_down, mlp)
+
+
+@torch.library.register_fake("compiled_engine::quantized_expert_mlps")
+def _quantized_expert_mlps_fake(x: torch.Tensor, *rest: Any) -> torch.Tensor:
+    return x.new_empty(x.shape)
+
+
+class QuantizedExperts(nn.Module):
+    """A mixture's experts as two quantized weights: `gate_up` holds every expert's gate and up
+    rows (expert e's 2 * inter rows from e * 2 * inter, gate first), `down` every expert's down
+    rows (expert e's `hidden` rows from e * hidden). Each is one QuantizedWeight, so an expert's
+    slice is a view and the quantized product's kernels run on it as they are."""
+
+    gate_up_data: torch.Tensor
+    gate_up_scales: torch.Tensor
+    gate_up_offsets: torch.Tensor | None
+    down_data: torch.Tensor
+    down_scales: torch.Tensor
+    down_offsets: torch.Tensor | None
+
+    def __init__(self, gate_up: QuantizedWeight, down: QuantizedWeight, num_experts: int, activation: str) -> None:
+        super().__init__()
+        if gate_up.out_features % num_experts or down.out_features % num_experts:
+            raise ValueError(f"{gate_up.out_features} and {down.out_features} rows are not {num_experts} experts' each")
+        self.num_experts, self.activation = num_experts, activation
+        self.intermediate_size = gate_up.out_features // num_experts // 2
+        self.gate_up_group, self.down_group = gate_up.group_size, down.group_size
+        for name, weight in (("gate_up", gate_up), ("down", down)):  # buffers: they move with the model
+            self.register_buffer(f"{name}_data", weight.data)
+            self.register_buffer(f"{name}_scales", weight.scales)
+            self.register_buffer(f"{name}_offsets", weight.offsets)
+
+    @property
+    def gate_up(self) -> QuantizedWeight:
+        return QuantizedWeight.of_tensors(
+            self.gate_up_data, self.gate_up_scales, self.gate_up_offsets, self.gate_up_group
+        )
+
+    @property
+    def down(self) -> QuantizedWeight:
+        return QuantizedWeight.of_tensors(self.down_data, self.down_scales, self.down_offsets, self.down_group)
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up, down) dequantized to the dense [experts, rows, in] tensors (the twin's)."""
+        e = self.num_experts
+        gate_up, down = self.gate_up.dequantize(), self.down.dequantize()
+        return gate_up.reshape(e, -1, gate_up.shape[1]), down.reshape(e, -1, down.shape[1])
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return torch.ops.compiled_engine.quantized_expert_mlps(
+            x, weights, ids,
+            self.gate_up_data, self.gate_up_scales, self.gate_up_offsets, self.gate_up_group,
+            self.down_data, self.down_scales, self.down_offsets, self.down_group,
+            self.num_experts, self.activation,
+        )  # fmt: skip
+
+
+def captures_in_cuda_graphs(model: nn.Module) -> bool:
+    """Whether the model's experts run without host synchronisation (dense experts: the grouped
+    product), so that its decode can be captured in CUDA graphs. Quantized experts loop over the
+    chosen experts on the host: their model runs without graphs."""
+    return not any(isinstance(m, QuantizedExperts) for m in model.modules())
