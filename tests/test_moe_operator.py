@@ -5,12 +5,15 @@ formulas they implement."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from compiled_engine.experts.op import expert_mlps, grouped_mm_expert_mlps, reference_expert_mlps
+from compiled_engine.linear.crossover import RowCrossover
 from compiled_engine.linear.quantize import quantize
-from compiled_engine.linear.quantized_experts import QuantizedExperts
+from compiled_engine.linear.quantized_experts import QuantizedExperts, native_experts_operator
 from compiled_engine.model.moe import Router
 from compiled_engine.model.moe_config import MoEConfig
 
@@ -49,21 +52,64 @@ def test_grouped_dense_experts_match_the_loop_over_every_expert(rows: int, k: in
 FORMATS = (("int8", None), ("int8", 32), ("int4", 32), ("int4", 64))
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f[0]}-g{f[1]}")
-@pytest.mark.parametrize("k", TOPK)
-@pytest.mark.parametrize("rows", ROWS)
-def test_quantized_experts_match_the_loop_over_their_dequantized_weights(
-    rows: int, k: int, fmt: tuple[str, int | None]
-) -> None:
+# How the quantized experts run: the native operator with its crossovers as installed, with
+# every expert on the direct kernel's strips, with every expert through the many-row kernel or
+# dequantize-then-GEMM; and the Python loop over the quantized product (no compiler).
+WAYS = {
+    "native": RowCrossover(4, 64),
+    "native-direct": RowCrossover(64, 64),
+    "native-gemm": RowCrossover(0, 64),
+    "native-dequantize": RowCrossover(0, 0),
+    "python": None,
+}
+
+
+@functools.cache
+def _quantized_experts(fmt: tuple[str, int | None], activation: str) -> QuantizedExperts:
     gate_up, down = _dense_experts(1)
-    experts = QuantizedExperts(
+    return QuantizedExperts(
         quantize(gate_up.reshape(-1, HIDDEN), fmt[0], fmt[1]), quantize(down.reshape(-1, INTER), fmt[0], fmt[1]),
-        EXPERTS, "silu",
+        EXPERTS, activation,
     )  # fmt: skip
+
+
+# The quick tier takes 1, 5 and 64 rows and k = 1, 2, 8; the full tier the rest.
+QUICK_ROWS = [r if r in (1, 5, 64) else pytest.param(r, marks=pytest.mark.full) for r in ROWS]
+QUICK_TOPK = [k if k != 4 else pytest.param(k, marks=pytest.mark.full) for k in TOPK]
+
+
+@pytest.mark.parametrize("way", sorted(WAYS))
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f[0]}-g{f[1]}")
+@pytest.mark.parametrize("k", QUICK_TOPK)
+@pytest.mark.parametrize("rows", QUICK_ROWS)
+def test_quantized_experts_match_the_loop_over_their_dequantized_weights(
+    rows: int, k: int, fmt: tuple[str, int | None], way: str
+) -> None:
+    activation = "gelu_tanh" if k == 2 else "silu"
+    experts = _quantized_experts(fmt, activation)
+    crossover = WAYS[way]
+    experts.native = None if crossover is None else native_experts_operator()  # (the experts are shared)
+    if crossover is not None:
+        assert experts.native is not None
+        experts.crossover = crossover
     x, weights, ids = _batch(rows, k, seed=rows * 10 + k + 1)
     dense_gate_up, dense_down = experts.dense()
-    expected = reference_expert_mlps(x, weights, ids, dense_gate_up, dense_down, "silu")
+    expected = reference_expert_mlps(x, weights, ids, dense_gate_up, dense_down, activation)
     torch.testing.assert_close(experts(x, weights, ids), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_the_native_operator_refuses_ids_outside_the_experts() -> None:
+    gate_up, down = _dense_experts(1)
+    experts = QuantizedExperts(
+        quantize(gate_up.reshape(-1, HIDDEN), "int4", 32),
+        quantize(down.reshape(-1, INTER), "int4", 32),
+        EXPERTS,
+        "silu",
+    )
+    x, weights, ids = _batch(3, 2, seed=9)
+    ids[1, 1] = EXPERTS
+    with pytest.raises(RuntimeError, match=f"expert {EXPERTS} of {EXPERTS}"):
+        experts(x, weights, ids)
 
 
 def test_experts_nobody_chose_are_never_read() -> None:

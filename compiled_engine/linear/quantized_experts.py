@@ -1,18 +1,24 @@
 """A mixture's experts kept quantized (`QuantizedExperts`, which replaces the model's `Experts`
 module from outside the model file, as `QuantizedLinear` replaces `Linear`), and their operator
-`compiled_engine::quantized_expert_mlps`: the grouped loop of experts/op.py with each chosen
-expert's slice of rows run by the quantized product's kernels (linear/quantized_op.py), straight
-from its quantized bytes. Its slow twin is experts/op.py's reference loop on the dequantized
-weights (`QuantizedExperts.dense`)."""
+`compiled_engine::quantized_expert_mlps_f32` (linear/kernels/quant_op.cpp): on the CPU, one call
+a layer sorts the batch's (token, expert) pairs by expert and runs every chosen expert's products
+straight from its quantized bytes, the experts with few rows (decode) as one parallel loop over
+(expert, strip of rows), those with many one after the other through the many-row kernels.
+Elsewhere, or without a compiler, `compiled_engine::quantized_expert_mlps` runs the grouped loop
+of experts/op.py with each expert's slice through the quantized product (linear/quantized_op.py).
+Both are held to experts/op.py's reference loop on the dequantized weights
+(`QuantizedExperts.dense`)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch import nn
 
 from compiled_engine.experts.op import ACTIVATIONS, grouped
+from compiled_engine.linear.crossover import UNMEASURED
 from compiled_engine.linear.quantized_op import native_operator, quantized_linear
 from compiled_engine.linear.quantized_weight import QuantizedWeight
 
@@ -57,6 +63,21 @@ def _quantized_expert_mlps_fake(x: torch.Tensor, *rest: Any) -> torch.Tensor:
     return x.new_empty(x.shape)
 
 
+def native_experts_operator() -> torch._ops.OpOverload | None:
+    """`compiled_engine::quantized_expert_mlps_f32` (linear/kernels/quant_op.cpp), or None when the
+    native operator cannot be built (the Python loop below then runs the same kernels)."""
+    if native_operator() is None:
+        return None
+    _register_native_fake()
+    op: torch._ops.OpOverload = torch.ops.compiled_engine.quantized_expert_mlps_f32.default
+    return op
+
+
+@functools.cache
+def _register_native_fake() -> None:
+    torch.library.register_fake("compiled_engine::quantized_expert_mlps_f32")(_quantized_expert_mlps_fake)
+
+
 class QuantizedExperts(nn.Module):
     """A mixture's experts as two quantized weights: `gate_up` holds every expert's gate and up
     rows (expert e's 2 * inter rows from e * 2 * inter, gate first), `down` every expert's down
@@ -72,6 +93,10 @@ class QuantizedExperts(nn.Module):
 
     def __init__(self, gate_up: QuantizedWeight, down: QuantizedWeight, num_experts: int, activation: str) -> None:
         super().__init__()
+        # The C++ operator (one call a layer: every chosen expert's products in one parallel loop)
+        # for CPU weights, or None; and the rows an expert takes before the many-row kernels.
+        self.native = native_experts_operator() if gate_up.device.type == "cpu" else None
+        self.crossover = UNMEASURED
         if gate_up.out_features % num_experts or down.out_features % num_experts:
             raise ValueError(f"{gate_up.out_features} and {down.out_features} rows are not {num_experts} experts' each")
         self.num_experts, self.activation = num_experts, activation
@@ -99,12 +124,16 @@ class QuantizedExperts(nn.Module):
         return gate_up.reshape(e, -1, gate_up.shape[1]), down.reshape(e, -1, down.shape[1])
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return torch.ops.compiled_engine.quantized_expert_mlps(
-            x, weights, ids,
+        tensors = (
             self.gate_up_data, self.gate_up_scales, self.gate_up_offsets, self.gate_up_group,
-            self.down_data, self.down_scales, self.down_offsets, self.down_group,
-            self.num_experts, self.activation,
+            self.down_data, self.down_scales, self.down_offsets, self.down_group, self.num_experts,
         )  # fmt: skip
+        native = self.native if x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" else None
+        if native is not None:
+            rows = self.crossover
+            gelu = self.activation == "gelu_tanh"
+            return native(x, weights.float(), ids, *tensors, gelu, rows.direct_max_rows, rows.gemm_max_rows)
+        return torch.ops.compiled_engine.quantized_expert_mlps(x, weights, ids, *tensors, self.activation)
 
 
 def captures_in_cuda_graphs(model: nn.Module) -> bool:
