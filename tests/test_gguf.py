@@ -718,7 +718,8 @@ def test_unsupported_architecture(tmp_path: Path, cache: Path) -> None:
     path = write_tiny_gguf(tmp_path / "t.gguf", file_arch="gpt2").path
     with pytest.raises(
         ModelSourceError,
-        match=r"GGUF architecture 'gpt2' is not supported \(supported: llama, qwen2, qwen3, gemma2, gemma3, phi3\)$",
+        match=r"GGUF architecture 'gpt2' is not supported \(supported: llama, qwen2, qwen3, gemma2, gemma3, phi3, "
+        r"qwen3moe, qwen2moe, olmoe\)$",
     ):
         prepare_gguf_dir(path)
     assert not (cache / "models" / "gguf").exists() or not any((cache / "models" / "gguf").iterdir())

@@ -237,9 +237,11 @@ def rewrite(
     metadata: dict[str, tuple[Any, VT, VT | None]] | None = None,
     drop_metadata: tuple[str, ...] = (),
     drop_tensors: tuple[str, ...] = (),
+    tensors: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None,
 ) -> Path:
     """A copy of a GGUF file with metadata set ((value, type, item type) by key) or dropped, and
-    tensors dropped, everything else as it was."""
+    tensors dropped, or set ((data as stored, type) by name: a quantized type's data is its
+    blocks' bytes), everything else as it was."""
     reader = gguf.GGUFReader(source)
     old_arch = str(reader.fields["general.architecture"].contents())
     writer = gguf.GGUFWriter(str(target), arch or old_arch)
@@ -251,10 +253,10 @@ def rewrite(
         writer.add_key_value(key, field.contents(), field.types[0], sub_type=item)
     for key, (value, kind, item) in changes.items():
         writer.add_key_value(key, value, kind, sub_type=item)
-    for tensor in reader.tensors:
-        if tensor.name not in drop_tensors:
-            # The data as stored: quantized tensors as their blocks' bytes, shaped so.
-            writer.add_tensor(tensor.name, tensor.data, raw_shape=tensor.data.shape, raw_dtype=tensor.tensor_type)
+    stored = {t.name: (t.data, t.tensor_type) for t in reader.tensors if t.name not in drop_tensors}
+    for name, (data, kind) in (stored | (tensors or {})).items():
+        # The data as stored: quantized tensors as their blocks' bytes, shaped so.
+        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -425,7 +427,8 @@ def test_an_architecture_outside_the_registry(tmp_path: Path, private_cache: Pat
     path = rewrite(gguf_path("gemma2", "f16"), tmp_path / "x.gguf", arch=arch)
     with pytest.raises(
         ModelSourceError,
-        match=rf"GGUF architecture '{arch}' is not supported \(supported: llama, qwen2, qwen3, gemma2, gemma3, phi3\)$",
+        match=rf"GGUF architecture '{arch}' is not supported \(supported: llama, qwen2, qwen3, gemma2, gemma3, phi3, "
+        r"qwen3moe, qwen2moe, olmoe\)$",
     ):
         prepare_gguf_dir(path)
     with pytest.raises(ModelLoadError, match=rf"holds a '{arch}' model, the config a 'gemma2' one"):

@@ -73,6 +73,23 @@ def _no_fields(meta: GGUFMetadata, config: dict[str, Any]) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class GGUFExperts:
+    """How llama.cpp stores one family's mixture of experts: what its config.json calls the expert
+    count and width, what llama.cpp assumes of the router where the file says nothing, and the
+    shared expert. Each sparse layer holds `ffn_gate_inp` (the router), `ffn_{gate,up,down}_exps`
+    or a merged `ffn_gate_up_exps` ([experts, rows, in] in torch order), and with `shared` the
+    `ffn_{gate,up,down}_shexp` and `ffn_gate_inp_shexp` of Qwen2-MoE's gated shared expert."""
+
+    renormalize: bool  # llama.cpp's fixed choice for this architecture (`expert_weights_norm` may say)
+    count_key: str = "num_experts"
+    width_key: str = "moe_intermediate_size"
+    # The config.json key that says whether to renormalise; None: the family always does as
+    # `renormalize` says, and a file that says otherwise is refused.
+    renormalize_key: str | None = "norm_topk_prob"
+    shared: bool = False
+
+
+@dataclass(frozen=True)
 class GGUFLayout:
     """How llama.cpp stores one family: its `general.architecture`, the config fields only it has,
     its tensors' names and transformations, and its tokenizer's quirks."""
@@ -87,6 +104,8 @@ class GGUFLayout:
     partial_rotary: bool = False  # `rope.dimension_count` may be below the head size
     extra_scalings: tuple[str, ...] = ()  # rope scaling types its config_fields reads
     rope_freqs: bool = False  # may carry ROPE_FREQS (Llama 3.1's rope scaling)
+    # A mixture of experts: files of this architecture with `expert_count` are this family's.
+    experts: GGUFExperts | None = None
     # Its merges ranked by the tokens' order in the file, not their scores (Gemma's).
     merges_by_position: bool = False
     # "▁" before every piece of text, even one that starts with a space (Phi-3's).

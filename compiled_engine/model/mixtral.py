@@ -9,7 +9,7 @@ from typing import Any
 
 from compiled_engine.model.checkpoint import Layout
 from compiled_engine.model.config import ConfigRules, ModelConfig
-from compiled_engine.model.family import Family
+from compiled_engine.model.family import Family, GGUFExperts, GGUFLayout
 from compiled_engine.model.llama import Transformer, every_layer_slides
 from compiled_engine.model.moe import ExpertNames, moe_decoder_layout
 from compiled_engine.model.moe_config import MoEConfig, MoEKeys, read_moe
@@ -39,5 +39,13 @@ MIXTRAL = Family(
     Transformer,
     checkpoint_layout,
     ConfigRules(layer_types=every_layer_slides, moe=_moe),
+    # llama.cpp writes Mixtral as a llama model with experts (q/k rows permuted as llama's).
+    GGUFLayout(
+        "llama",
+        permuted_qk=True,
+        experts=GGUFExperts(
+            renormalize=True, count_key="num_local_experts", width_key="intermediate_size", renormalize_key=None
+        ),
+    ),
     tool_call_parser="mistral",
 )

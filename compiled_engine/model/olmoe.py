@@ -8,7 +8,7 @@ from typing import Any
 
 from compiled_engine.model.checkpoint import Layout
 from compiled_engine.model.config import ConfigRules, ModelConfig
-from compiled_engine.model.family import Family
+from compiled_engine.model.family import Family, GGUFExperts, GGUFLayout, GGUFMetadata
 from compiled_engine.model.llama import Transformer
 from compiled_engine.model.moe import moe_decoder_layout
 from compiled_engine.model.moe_config import MoEConfig, MoEKeys, read_moe
@@ -23,6 +23,12 @@ def _moe(raw: dict[str, Any], source: str) -> MoEConfig:
     return read_moe(raw, source, MoEKeys(intermediate_size="intermediate_size"))
 
 
+def _gguf_fields(meta: GGUFMetadata, config: dict[str, Any]) -> dict[str, Any]:
+    # llama.cpp's clamp of q, k and v; its converter writes none for OLMoE.
+    clip = meta.arch("attention.clamp_kqv", float, 0.0)
+    return {"clip_qkv": clip} if clip else {}
+
+
 OLMOE = Family(
     "olmoe",
     ("olmoe",),
@@ -30,5 +36,6 @@ OLMOE = Family(
     Transformer,
     checkpoint_layout,
     ConfigRules(qk_norm_whole=True, moe=_moe),
+    GGUFLayout("olmoe", _gguf_fields, experts=GGUFExperts(renormalize=False, width_key="intermediate_size")),
     no_tensor_parallel="its q/k norms span every head, which no rank holds",
 )

@@ -8,7 +8,7 @@ from typing import Any
 
 from compiled_engine.model.checkpoint import Layout
 from compiled_engine.model.config import ConfigRules, ModelConfig
-from compiled_engine.model.family import Family
+from compiled_engine.model.family import Family, GGUFExperts, GGUFLayout
 from compiled_engine.model.llama import Transformer, qwen_layer_types
 from compiled_engine.model.moe import moe_decoder_layout
 from compiled_engine.model.moe_config import MoEConfig, MoEKeys, read_moe
@@ -31,4 +31,5 @@ QWEN2_MOE = Family(
     Transformer,
     checkpoint_layout,
     ConfigRules(fixed_qkv_bias=True, layer_types=qwen_layer_types, moe=_moe),
+    GGUFLayout("qwen2moe", experts=GGUFExperts(renormalize=False, shared=True)),
 )

@@ -29,8 +29,13 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def family_of_gguf(architecture: str) -> Family | None:
-    return next((f for f in FAMILIES.values() if f.gguf is not None and f.gguf.architecture == architecture), None)
+def family_of_gguf(architecture: str, experts: bool = False) -> Family | None:
+    """The family of a GGUF `general.architecture`; llama.cpp writes Mixtral as a llama model
+    with experts, so `experts` (the file has an `expert_count`) picks between the two."""
+    named = [f for f in FAMILIES.values() if f.gguf is not None and f.gguf.architecture == architecture]
+    return next((f for f in named if f.gguf is not None and (f.gguf.experts is not None) == experts), None) or (
+        named[0] if named else None
+    )
 
 
 def family_of(config: ModelConfig) -> Family:

@@ -238,10 +238,10 @@ def check_tensor(header: GGUFHeader, name: str) -> tuple[int, int]:
         )
     if info.type in BLOCK_TYPES:
         weights = BLOCK_TYPES[info.type][0]
-        if len(info.shape) != 2 or info.shape[-1] % weights:
+        if len(info.shape) < 2 or info.shape[-1] % weights:
             raise ModelLoadError(
                 f"tensor '{name}' in {path.name} is {type_name(info.type)} with shape {list(info.shape)}: "
-                f"quantized tensors must be matrices whose rows are whole blocks of {weights}"
+                f"quantized tensors must be matrices (or stacks of them) whose rows are whole blocks of {weights}"
             )
     end = info.offset + tensor_bytes(info)
     if end > header.file_size:
@@ -262,7 +262,8 @@ def check_no_overlaps(header: GGUFHeader, spans: list[tuple[int, int, str]]) -> 
 
 def read_tensor(f: io.BufferedReader, header: GGUFHeader, name: str) -> torch.Tensor:
     """Tensor `name`'s bytes from the open file, on the CPU: a dense tensor of the file's own
-    dtype, or (a quantized type) its blocks as uint8 [rows, blocks, block bytes]."""
+    dtype, or (a quantized type) its blocks as uint8 [rows, blocks, block bytes], the rows of a
+    stack of matrices (a mixture's experts, [experts, rows, in]) one after another."""
     info = header.tensors[name]
     buffer = bytearray(tensor_bytes(info))
     f.seek(info.offset)
@@ -272,6 +273,6 @@ def read_tensor(f: io.BufferedReader, header: GGUFHeader, name: str) -> torch.Te
     dense = DENSE_TYPES.get(info.type)
     if dense is not None:
         return raw.view(dense).reshape(info.shape)
-    rows, width = info.shape
+    width = info.shape[-1]
     weights, nbytes = BLOCK_TYPES[info.type]
-    return raw.reshape(rows, width // weights, nbytes)
+    return raw.reshape(-1, width // weights, nbytes)

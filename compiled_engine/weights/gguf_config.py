@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from compiled_engine.errors import CompiledEngineError, ModelSourceError
-from compiled_engine.model.family import GGUFLayout, GGUFMetadata
+from compiled_engine.model.family import GGUFExperts, GGUFLayout, GGUFMetadata
 from compiled_engine.model.registry import FAMILIES, family_of_gguf
 from compiled_engine.weights.gguf import GGUFHeader, check_tensor, read_tensor
 
@@ -37,21 +37,22 @@ def _values(header: GGUFHeader, name: str, count: int) -> list[float]:
 
 def supported_architectures() -> list[str]:
     """The GGUF `general.architecture` values the engine loads, from the family registry."""
-    return [f.gguf.architecture for f in FAMILIES.values() if f.gguf is not None]
+    return list(dict.fromkeys(f.gguf.architecture for f in FAMILIES.values() if f.gguf is not None))
 
 
 def gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
     """The Hugging Face style config.json of a GGUF file, from its metadata and tensor list (the
     head is tied when there is no `output.weight`; Phi-3's longrope factors are tensors)."""
     arch = gguf_metadata(header).get("general.architecture", str, required=True)
-    family = family_of_gguf(arch)
+    experts = gguf_metadata(header, arch).arch("expert_count", int, 0)
+    family = family_of_gguf(arch, experts > 0)
     if family is None or family.gguf is None:
         raise ModelSourceError(
             f"{header.path}: GGUF architecture {arch!r} is not supported "
             f"(supported: {', '.join(supported_architectures())})"
         )
     layout, meta = family.gguf, gguf_metadata(header, arch)
-    if meta.arch("expert_count", int, 0) > 0:
+    if layout.experts is None and experts > 0:
         raise meta.fail(f"mixture-of-experts GGUF models ({arch}.expert_count) are not supported")
     hidden = meta.arch("embedding_length", int, required=True)
     heads = meta.arch("attention.head_count", int, required=True)
@@ -93,9 +94,52 @@ def gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
             raise meta.fail(f"rotary embedding over {rope_dims} of {head_dim} dims is not supported for {arch}")
         config["partial_rotary_factor"] = fraction
     config |= _linear_rope_scaling(meta, layout)
+    if layout.experts is not None:
+        config |= _expert_fields(meta, layout.experts, config["intermediate_size"])
     config |= layout.config_fields(meta, config)
     config |= _special_tokens(meta)
     return config
+
+
+# Router settings llama.cpp's MoE files may carry, and the one value of each these families run
+# (softmax scores, weights not scaled, one shared expert, no dense layers first).
+_ROUTER_FIXED = {
+    "expert_gating_func": (1,),
+    "expert_weights_scale": (0.0, 1.0),
+    "expert_shared_count": (0, 1),
+    "leading_dense_block_count": (0,),
+}
+
+
+def _expert_fields(meta: GGUFMetadata, experts: GGUFExperts, ffn: int) -> dict[str, Any]:
+    """A mixture's config.json fields from llama.cpp's `expert_*` keys, with its assumptions where
+    a file says nothing: the router renormalises or not by architecture, an expert (and a shared
+    one) is `feed_forward_length` wide."""
+    arch = meta.architecture
+    count = meta.arch("expert_count", int, 0)
+    if count < 1:
+        raise meta.fail(f"a {arch} model needs its experts counted: GGUF metadata '{arch}.expert_count' is missing")
+    for key, allowed in _ROUTER_FIXED.items():
+        value = meta.arch(key, float if isinstance(allowed[0], float) else int, allowed[0])
+        if value not in allowed:
+            raise meta.fail(f"GGUF metadata '{arch}.{key}' is {value!r}: only {allowed[-1]!r} is supported for {arch}")
+    renormalize = meta.arch("expert_weights_norm", bool, experts.renormalize)
+    fields: dict[str, Any] = {
+        experts.count_key: count,
+        "num_experts_per_tok": meta.arch("expert_used_count", int, required=True),
+        experts.width_key: meta.arch("expert_feed_forward_length", int, ffn),
+    }
+    if experts.renormalize_key is not None:
+        fields[experts.renormalize_key] = renormalize
+    elif renormalize != experts.renormalize:
+        always = "always" if experts.renormalize else "never"
+        raise meta.fail(
+            f"GGUF metadata '{arch}.expert_weights_norm' is {renormalize}, but a {arch} mixture {always} "
+            "renormalises its routed weights"
+        )
+    if experts.shared:
+        fields["shared_expert_intermediate_size"] = meta.arch("expert_shared_feed_forward_length", int, ffn)
+    return fields
 
 
 def _linear_rope_scaling(meta: GGUFMetadata, layout: GGUFLayout) -> dict[str, Any]:

@@ -4,14 +4,17 @@ layout names and transforms them), its quantized tensors kept quantized:
 data is read, then fills the model: each quantized type becomes the int4 or int8 QuantizedWeight
 that means the same values (weights/gguf_blocks.py), and F32, F16 and BF16 dense
 parameters; llama's q/k rows are put back in Hugging Face order and Gemma's norms lose the 1
-llama.cpp added. Under tensor parallelism each rank keeps its slice of the sharded products
-(column-parallel rows, row-parallel whole groups of columns), quantized. The file format itself is
-read by weights/gguf.py.
+llama.cpp added. A mixture's experts (3-D tensors, [experts, rows, in]) stay in their file's
+types too, every expert's rows in one QuantizedExperts (each expert's gate rows, then its up
+rows), or dense Experts parameters from an F16/F32/BF16 file; the router is dense. Under tensor
+parallelism each rank keeps its slice of the sharded products (column-parallel rows, row-parallel
+whole groups of columns), quantized. The file format itself is read by weights/gguf.py.
 """
 
 from __future__ import annotations
 
 import io
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -19,8 +22,9 @@ from typing import cast
 import torch
 from torch import nn
 
-from compiled_engine.errors import ModelLoadError
+from compiled_engine.errors import ModelConfigError, ModelLoadError
 from compiled_engine.linear.quantize import install_embedding, install_linear
+from compiled_engine.linear.quantized_experts import QuantizedExperts
 from compiled_engine.linear.quantized_weight import QuantizedWeight, concat_rows
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.family import LONG_FACTORS, ROPE_FREQS, SHORT_FACTORS, GGUFLayout
@@ -59,11 +63,13 @@ class _Part:
 @dataclass(frozen=True)
 class _Target:
     """Where parts land: module `module`'s weight (parts stacked by rows) or, with `param` set,
-    that dense parameter."""
+    that dense parameter; with `experts`, `param` of the Experts module `module` (each expert's
+    rows of every part in turn), or its half of a QuantizedExperts in its place."""
 
     module: str
     parts: tuple[_Part, ...]
     param: str | None = None
+    experts: bool = False
 
 
 def _layout(config: ModelConfig) -> GGUFLayout:
@@ -73,9 +79,10 @@ def _layout(config: ModelConfig) -> GGUFLayout:
     return layout
 
 
-def _targets(config: ModelConfig, shard: TPShard = NO_SHARD) -> list[_Target]:
+def _targets(config: ModelConfig, shard: TPShard = NO_SHARD, names: Collection[str] = ()) -> list[_Target]:
     """Every tensor a GGUF of this config holds and where it lands, as the family's layout
-    (model/family.py) names and transforms them, and what of it `shard` keeps."""
+    (model/family.py) names and transforms them, and what of it `shard` keeps; `names`, the
+    file's tensors, say where a mixture's gate and up experts are merged in one."""
     layout = _layout(config)
     h, hd, inter, vocab = config.hidden_size, config.head_dim, config.intermediate_size, config.vocab_size
     q, kv = config.q_size, config.kv_size
@@ -119,8 +126,14 @@ def _targets(config: ModelConfig, shard: TPShard = NO_SHARD) -> list[_Target]:
         if config.o_bias:  # whole on every rank (row-parallel: added once, after the sum)
             targets.append(T("", (P(blk + "attn_output.bias", (h,)),), attn + "o_proj.bias"))
         if config.qk_norm:
-            targets.append(T("", (P(blk + "attn_q_norm.weight", (hd,), offset=shift),), attn + "q_norm.weight"))
-            targets.append(T("", (P(blk + "attn_k_norm.weight", (hd,), offset=shift),), attn + "k_norm.weight"))
+            q_norm, k_norm = (q, kv) if config.qk_norm_whole else (hd, hd)
+            targets.append(T("", (P(blk + "attn_q_norm.weight", (q_norm,), offset=shift),), attn + "q_norm.weight"))
+            targets.append(T("", (P(blk + "attn_k_norm.weight", (k_norm,), offset=shift),), attn + "k_norm.weight"))
+        for theirs, norm in layout.layer_norms:
+            targets.append(T("", (P(f"{blk}{theirs}.weight", (h,), offset=shift),), f"{ours}{norm}.weight"))
+        if config.moe is not None and config.moe.sparse(i):
+            targets += _expert_targets(config, blk, ours + "mlp.", names)
+            continue
         if layout.fused_gate_up:
             gate_up: tuple[_Part, ...] = (P(blk + "ffn_up.weight", (2 * inter, h)),)  # gate rows, then up
         else:
@@ -130,8 +143,32 @@ def _targets(config: ModelConfig, shard: TPShard = NO_SHARD) -> list[_Target]:
             )
         targets.append(T(ours + "mlp.gate_up_proj", gate_up))
         targets.append(T(ours + "mlp.down_proj", (P(blk + "ffn_down.weight", (h, inter), cols=inter_rows),)))
-        for theirs, norm in layout.layer_norms:
-            targets.append(T("", (P(f"{blk}{theirs}.weight", (h,), offset=shift),), f"{ours}{norm}.weight"))
+    return targets
+
+
+def _expert_targets(config: ModelConfig, blk: str, mlp: str, names: Collection[str]) -> list[_Target]:
+    """A sparse layer's tensors: the router, the experts (gate and up separate, or merged as the
+    converter's option writes them), and the gated shared expert where the family has one."""
+    moe = config.moe
+    assert moe is not None
+    h, n, inter, shared = config.hidden_size, moe.num_experts, moe.intermediate_size, moe.shared_intermediate_size
+    P, T = _Part, _Target
+    experts = mlp + "experts"
+    if blk + "ffn_gate_up_exps.weight" in names:
+        gate_up: tuple[_Part, ...] = (P(blk + "ffn_gate_up_exps.weight", (n, 2 * inter, h)),)
+    else:
+        gate_up = (P(blk + "ffn_gate_exps.weight", (n, inter, h)), P(blk + "ffn_up_exps.weight", (n, inter, h)))
+    targets = [
+        T("", (P(blk + "ffn_gate_inp.weight", (n, h)),), mlp + "gate.weight"),
+        T(experts, gate_up, experts + ".gate_up_proj", experts=True),
+        T(experts, (P(blk + "ffn_down_exps.weight", (n, h, inter)),), experts + ".down_proj", experts=True),
+    ]
+    if shared:
+        gate_up = (P(blk + "ffn_gate_shexp.weight", (shared, h)), P(blk + "ffn_up_shexp.weight", (shared, h)))
+        targets.append(T(mlp + "shared_expert.gate_up_proj", gate_up))
+        targets.append(T(mlp + "shared_expert.down_proj", (P(blk + "ffn_down_shexp.weight", (h, shared)),)))
+    if moe.shared_gate:
+        targets.append(T(mlp + "shared_expert_gate", (P(blk + "ffn_gate_inp_shexp.weight", (1, h)),)))
     return targets
 
 
@@ -151,7 +188,8 @@ def _check(header: GGUFHeader, config: ModelConfig, targets: list[_Target]) -> d
     """Every part's name, shape and type against the file, before a byte of data is read."""
     path = header.path
     arch = header.architecture
-    family = family_of_gguf(arch) if arch is not None else None
+    experts = header.metadata.get(f"{arch}.expert_count", 0)
+    family = family_of_gguf(arch, isinstance(experts, int) and experts > 0) if arch is not None else None
     if family is None or family.name != config.architecture:
         raise ModelLoadError(f"{path} holds a {arch!r} model, the config a {config.architecture!r} one")
     parts = {part.name: part for target in targets for part in target.parts}
@@ -241,6 +279,41 @@ def _fuse(weights: list[Weight], dtype: torch.dtype, dequantize: bool) -> Weight
     return dense[0] if len(dense) == 1 else torch.cat(dense)
 
 
+def _fuse_experts(weights: list[Weight], experts: int, dtype: torch.dtype, dequantize: bool) -> Weight:
+    """An Experts parameter from its parts ([experts, rows, in] each, as read: a quantized part's
+    rows all experts' one after another): each expert's rows of every part in turn (its gate rows,
+    then its up rows). Quantized when every part is (concat_rows: gate and up of different types
+    meet in a common format, exactly), as [experts * rows, in]; else dense [experts, rows, in]."""
+    if all(isinstance(w, QuantizedWeight) for w in weights):
+        quantized = cast(list[QuantizedWeight], weights)
+        stacked = quantized[0]
+        if len(quantized) > 1:
+            rows = [w.out_features // experts for w in quantized]
+            stacked = concat_rows(
+                [w.narrow_rows(e * r, r) for e in range(experts) for w, r in zip(quantized, rows, strict=True)]
+            )
+        if not dequantize:
+            return stacked
+        weights = [stacked]
+    dense = [_dense(w, dtype).reshape(experts, -1, w.shape[-1]) for w in weights]
+    return dense[0] if len(dense) == 1 else torch.cat(dense, dim=1)
+
+
+def _experts_module(
+    module: str, halves: dict[str, Weight], config: ModelConfig, dtype: torch.dtype
+) -> QuantizedExperts | None:
+    """A QuantizedExperts of Experts module `module`'s two halves when both arrived quantized;
+    else None, and `halves` made its dense parameters (a file with one half dense is rare)."""
+    moe = config.moe
+    assert moe is not None
+    gate_up, down = halves[module + ".gate_up_proj"], halves[module + ".down_proj"]
+    if isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight):
+        return QuantizedExperts(gate_up, down, moe.num_experts, config.hidden_act)
+    for name, weight in halves.items():
+        halves[name] = _dense(weight, dtype).reshape(moe.num_experts, -1, weight.shape[-1])
+    return None
+
+
 def load_gguf_model(
     gguf_path: Path,
     config: ModelConfig,
@@ -259,18 +332,30 @@ def load_gguf_model(
     stage's), only those decoder layers are read and held."""
     path = Path(gguf_path)
     check_shard(config, shard)
+    if config.moe is not None and shard.size > 1:
+        raise ModelConfigError(
+            f"--tensor-parallel-size {shard.size}: a mixture of experts from a GGUF file runs on one rank (its "
+            "experts are not split across ranks from a GGUF file yet; from a Hugging Face checkpoint they are)"
+        )
     header = read_gguf_header(path)
-    targets = _targets(config, shard)
+    targets = _targets(config, shard, header.tensors)
     parts = _check(header, config, targets)
     with torch.device("meta"):
         model = build_model(config, shard)
     params: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantizedWeight] = {}
+    experts: dict[str, dict[str, Weight]] = {}
     with path.open("rb") as f:
         for target in targets:
             if not in_layers(target.param or target.module + ".weight", layers):
                 continue
-            weight = _fuse([_read(f, header, part) for part in target.parts], dtype, dequantize)
+            read = [_read(f, header, part) for part in target.parts]
+            if target.experts:
+                assert config.moe is not None and target.param is not None
+                fused = _fuse_experts(read, config.moe.num_experts, dtype, dequantize)
+                experts.setdefault(target.module, {})[target.param] = fused.to(device)
+                continue
+            weight = _fuse(read, dtype, dequantize)
             if target.param is not None:
                 params[target.param] = _dense(weight, dtype).to(device)
             elif isinstance(weight, QuantizedWeight):
@@ -279,12 +364,22 @@ def load_gguf_model(
                 params[target.module + ".weight"] = weight.to(device)
         rope_freqs = _read(f, header, parts[ROPE_FREQS]) if ROPE_FREQS in parts else None
         factors = {name: _dense(_read(f, header, parts[name]), torch.float32) for name in ROPE_FACTORS if name in parts}
+    quantized_experts = {}
+    for module, halves in experts.items():
+        held = _experts_module(module, halves, config, dtype)
+        if held is None:
+            params |= cast(dict[str, torch.Tensor], halves)
+        else:
+            quantized_experts[module] = held
     for module, weight in quantized.items():
         if module == "embed_tokens":
             install_embedding(model, weight)
         else:
             install_linear(model, module, weight, params.pop(module + ".bias", None))
     model.load_state_dict(params, strict=False, assign=True)
+    for module, held in quantized_experts.items():
+        parent, _, child = module.rpartition(".")
+        setattr(model.get_submodule(parent), child, held)
     if config.tie_word_embeddings:
         if isinstance(model.embed_tokens, nn.Embedding):
             model.lm_head.weight = cast(nn.Parameter, model.embed_tokens.weight)  # one tensor, as in the file
