@@ -20,7 +20,7 @@ from compiled_engine.errors import ModelConfigError
 from compiled_engine.executor.compilation import CompiledForward
 from compiled_engine.executor.runner import Runner
 from compiled_engine.linear import packed_cpu
-from compiled_engine.linear.experts import QuantizedExperts
+from compiled_engine.linear.quantized_experts import QuantizedExperts
 from compiled_engine.llm import LLM
 from compiled_engine.model.registry import check_shard, config_from_dict, config_from_model_dir
 from compiled_engine.model.shard import TPShard
@@ -140,7 +140,9 @@ def test_quantized_experts_run_as_their_dequantized_twin(variant: tuple[str, Pat
 
 
 def test_tensor_parallelism_is_refused_with_the_reason(variant: tuple[str, Path]) -> None:
-    with pytest.raises(ModelConfigError, match=r"--tensor-parallel-size 2: not supported for granitemoe.*experts"):
+    with pytest.raises(
+        ModelConfigError, match=r"--tensor-parallel-size 2: not supported for granitemoe.*: its checkpoint fuses"
+    ):
         check_shard(config_from_model_dir(variant[1]), TPShard(0, 2))
 
 

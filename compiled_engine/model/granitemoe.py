@@ -25,7 +25,6 @@ from compiled_engine.model.config import ConfigRules, ModelConfig
 from compiled_engine.model.family import Family
 from compiled_engine.model.llama import Transformer
 from compiled_engine.model.moe_config import MoEConfig, MoEKeys, read_moe
-from compiled_engine.model.qwen3_moe import MOE_NO_TENSOR_PARALLEL
 from compiled_engine.model.shard import NO_SHARD, TPShard
 
 
@@ -63,6 +62,9 @@ def _moe_shared(raw: dict[str, Any], source: str) -> MoEConfig:
     return msgspec.structs.replace(read_moe(raw, source, keys), softmax_after_topk=True)
 
 
+# A rank's share of each expert would be two ranges of the fused tensor's rows, which a layout
+# entry cannot say yet (Phi-3 is refused alike).
+NO_TENSOR_PARALLEL = "its checkpoint fuses every expert's gate and up rows in one tensor"
 GRANITEMOE = Family(
     "granitemoe",
     ("granitemoe",),
@@ -70,7 +72,7 @@ GRANITEMOE = Family(
     Transformer,
     checkpoint_layout,
     ConfigRules(multipliers=True, moe=_moe),
-    no_tensor_parallel=MOE_NO_TENSOR_PARALLEL,
+    no_tensor_parallel=NO_TENSOR_PARALLEL,
     refused={"granitemoehybrid": "Granite 4's hybrid Mamba and attention layers are not supported"},
 )
 GRANITEMOE_SHARED = Family(
@@ -80,5 +82,5 @@ GRANITEMOE_SHARED = Family(
     Transformer,
     checkpoint_layout,
     ConfigRules(multipliers=True, moe=_moe_shared),
-    no_tensor_parallel=MOE_NO_TENSOR_PARALLEL,
+    no_tensor_parallel=NO_TENSOR_PARALLEL,
 )
