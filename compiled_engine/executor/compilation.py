@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 from compiled_engine.cache_paths import INDUCTOR_CACHE_ENV
 from compiled_engine.executor.precompiled import PrecompiledFunction, model_signature
 from compiled_engine.linear.packed_cpu import CpuLinear
-from compiled_engine.model.layers import DecoderLayer, DecoderModel, soft_cap
+from compiled_engine.model.layers import DecoderLayer, DecoderModel
 
 logger = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ class CompiledForward(ModelForward):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.shape[0] == 1 and self.one_row_head is not None:
             out: torch.Tensor = self.one_row_head(self.model.lm_head, hidden)
-            return soft_cap(out, self.model.final_soft_cap)
+            return self.model.finish_logits(out)
         return self.model.compute_logits(hidden)
 
 

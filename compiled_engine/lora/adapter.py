@@ -172,7 +172,8 @@ def load_adapter(source: str | Path, config: ModelConfig, max_rank: int) -> LoRA
         for key in tensors.keys():  # noqa: SIM118 - safe_open is not a mapping
             match = _KEY.match(key)
             moe_layer = config.moe is not None and match is not None and config.moe.sparse(int(match[1]))
-            if ".experts." in key or (moe_layer and match is not None and match[2] == "mlp"):
+            in_mixture = any(part in key for part in (".experts.", ".block_sparse_moe.", ".shared_mlp."))
+            if (config.moe is not None and in_mixture) or (moe_layer and match is not None and match[2] == "mlp"):
                 raise LoRAError(
                     f"{weights_file}: {key}: LoRA on a mixture of experts is not supported; "
                     "adapters of the attention products (q/k/v/o_proj) work"

@@ -72,6 +72,12 @@ class ModelConfig(msgspec.Struct, frozen=True):
     rope_local: RopeConfig | None = None  # the sliding layers' rope, where it differs (Gemma 3)
     layer_windows: tuple[int, ...] = ()  # each layer's sliding window, 0 for full; () all full
     query_pre_attn_scalar: float | None = None  # softmax scale 1/sqrt(this); None: head_dim
+    # Granite's multipliers (1.0, None: no change): the embeddings scaled, each sublayer's output
+    # scaled before its residual add, the softmax scale itself, the logits divided by.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     attn_soft_cap: float = 0.0  # 0: none
     final_soft_cap: float = 0.0
     eos_token_ids: tuple[int, ...] = ()
@@ -88,6 +94,8 @@ class ModelConfig(msgspec.Struct, frozen=True):
 
     @property
     def softmax_scale(self) -> float:
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
@@ -127,6 +135,7 @@ class ConfigRules:
     qk_norm_whole: bool = False  # the q/k RMSNorm over all heads at once, and `clip_qkv` read
     query_scale: bool = False  # the softmax scale from `query_pre_attn_scalar`
     local_rope: bool = False  # the sliding layers' own rope
+    multipliers: bool = False  # Granite's embedding, residual, attention and logits multipliers
     # Each layer's attention type from the config (then checked): a list, SLIDING or FULL each.
     layer_types: Callable[[dict[str, Any], int], Any] = declared_layer_types
     # The mixture of experts from the config (model/moe_config.py), for an MoE family.
@@ -354,6 +363,7 @@ def parse_config(raw: dict[str, Any], source: str, family: str, rules: ConfigRul
         rotary_dim=_rotary_dim(raw, head_dim, source),
         layer_windows=_layer_windows(rules.layer_types(raw, num_layers), raw, num_layers, source),
         query_pre_attn_scalar=_positive_number(raw, "query_pre_attn_scalar", source) if rules.query_scale else None,
+        **(_multipliers(raw, source) if rules.multipliers else {}),
         attn_soft_cap=_soft_cap(raw, "attn_logit_softcapping", source),
         final_soft_cap=_soft_cap(raw, "final_logit_softcapping", source),
         eos_token_ids=_token_ids(raw.get("eos_token_id")),
@@ -367,6 +377,18 @@ def _positive_number(raw: dict[str, Any], key: str, source: str) -> float:
     if value <= 0:
         raise ModelConfigError(f"{source}: field '{key}' must be positive, got {value!r}")
     return float(value)
+
+
+def _multipliers(raw: dict[str, Any], source: str) -> dict[str, float]:
+    # transformers' Granite defaults are all 1.0, the softmax scale included (not 1/sqrt(head_dim)).
+    keys = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+    values = {}
+    for key in keys:
+        value = raw.get(key, 1.0)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+            raise ModelConfigError(f"{source}: field '{key}' must be a positive number, got {value!r}")
+        values[key] = float(value)
+    return values
 
 
 def _soft_cap(raw: dict[str, Any], key: str, source: str) -> float:

@@ -71,6 +71,11 @@ def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
     return x if cap == 0.0 else cap * torch.tanh(x / cap)
 
 
+def scaled(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """x * factor; factor 1 leaves x as it is (no extra operation for the families without one)."""
+    return x if factor == 1.0 else x * factor
+
+
 def rope_inverse_frequencies(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
     if rope.type == "linear":
@@ -219,6 +224,7 @@ class DecoderModel(nn.Module):
     lm_head: Linear
     rotary: RotaryEmbedding
     final_soft_cap: float = 0.0
+    logits_scaling: float = 1.0  # the logits divided by this (Granite's)
     first_layer: int = 0  # the model index of layers[0] (a pipeline stage holds a slice of them)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -230,7 +236,13 @@ class DecoderModel(nn.Module):
         return {name: module for name, module in self.named_children() if isinstance(module, RotaryEmbedding)}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return soft_cap(self.lm_head(hidden), self.final_soft_cap)
+        return self.finish_logits(self.lm_head(hidden))
+
+    def finish_logits(self, head_out: torch.Tensor) -> torch.Tensor:
+        """The logits from the head's product: divided by `logits_scaling`, then soft-capped."""
+        if self.logits_scaling != 1.0:
+            head_out = head_out / self.logits_scaling
+        return soft_cap(head_out, self.final_soft_cap)
 
     def keep_layers(self, kept: range) -> None:
         """Hold only the layers `kept` (a pipeline stage's contiguous slice), dropping the rest."""

@@ -3,6 +3,9 @@ Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm), each with its `Family` recor
 Phi-3's network (its own record and checkpoint layout in model/phi3.py, with longrope or partial
 rotary). A pre-norm decoder with a gated SiLU MLP, or a mixture of experts in its place (the MoE
 families' network: model/moe.py, their records in model/qwen3_moe.py and the files beside it).
+Granite-MoE's multipliers (model/granitemoe.py) are config fields here, 1 for every other family:
+the embeddings scaled, each sublayer's output scaled before its residual add, the softmax scale
+(`ModelConfig.softmax_scale`) and the logits divided (`DecoderModel.finish_logits`).
 
 The model takes a flat batch: every sequence's new tokens concatenated, with their positions, and
 the KV page pool. Which tokens belong to which sequence, and where their pages live, is the
@@ -32,13 +35,15 @@ from compiled_engine.model.layers import (
     Linear,
     RMSNorm,
     RotaryEmbedding,
+    scaled,
 )
 from compiled_engine.model.moe import feed_forward
 from compiled_engine.model.shard import NO_SHARD, TPShard
 
 
 class TransformerBlock(DecoderLayer):
-    """One decoder layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """One decoder layer: x + attn(norm(x)) * r, then x + mlp(norm(x)) * r (r: the residual
+    multiplier, Granite's; 1 elsewhere)."""
 
     def __init__(self, config: ModelConfig, shard: TPShard, layer: int) -> None:
         super().__init__()
@@ -47,10 +52,12 @@ class TransformerBlock(DecoderLayer):
         self.self_attn = Attention(config, shard, config.window(layer), head_norm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = feed_forward(config, shard, layer)  # a GatedMLP, or a mixture of experts
+        self.residual_multiplier = config.residual_multiplier
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        r = self.residual_multiplier
+        x = x + scaled(self.self_attn(self.input_layernorm(x), cos, sin, kv_cache), r)
+        return x + scaled(self.mlp(self.post_attention_layernorm(x)), r)
 
 
 class Transformer(DecoderModel):
@@ -62,13 +69,14 @@ class Transformer(DecoderModel):
         self.layers = nn.ModuleList(TransformerBlock(config, shard, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)  # tied: the embedding's own weight
+        self.logits_scaling = config.logits_scaling
         self.rotary = RotaryEmbedding(config.rope, config.rotated_dims)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [tokens]; kv_cache: [layers, pages, 2, page_size, kv_heads,
         head_dim]. Returns the final hidden states, [tokens, hidden]. Must run inside the
         runner's `attention_forward(backend, plan)` for this batch."""
-        x = self.embed_tokens(input_ids)
+        x = scaled(self.embed_tokens(input_ids), self.config.embedding_multiplier)
         cos, sin = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache[i])
