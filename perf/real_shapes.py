@@ -1,5 +1,5 @@
 """Random-weight Hugging Face directories with the exact shapes of Llama-3.2-1B, Qwen3-1.7B and
-Qwen3-4B, for speed work where the real checkpoints are out of reach (no model hub here):
+Qwen3-4B, and a mixture of experts of Granite-3.1-1B-A400M's sizes, for speed work where the real checkpoints are out of reach (no model hub here):
 
     python perf/real_shapes.py OUT_DIR [--only NAME ...]
 
@@ -80,6 +80,31 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-4b": (
         "qwen3",
         _qwen3(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32),
+    ),
+    # A mixture of experts of Granite-3.1-1B-A400M's sizes (ibm-granite/granite-3.1-1b-a400m-base:
+    # 24 layers, hidden 1024, 16 heads, 8 KV heads, 32 experts of width 512, top 8, tied head) as a
+    # Qwen3-MoE network, which llama.cpp's converter and the engine both read: 1.3B parameters,
+    # about 0.43B of them active a token.
+    "moe-1b-a400m": (
+        "qwen3_moe",
+        dict(
+            hidden_size=1024,
+            intermediate_size=512,
+            moe_intermediate_size=512,
+            num_experts=32,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            num_hidden_layers=24,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=64,
+            vocab_size=49152,
+            tie_word_embeddings=True,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-6,
+            hidden_act="silu",
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
     ),
 }
 

@@ -243,17 +243,24 @@ def test_bad_mixture_configs_are_refused_by_name(change: dict[str, Any], message
         config_from_dict(raw)
 
 
-@pytest.mark.parametrize("name", ["qwen2_moe", "mixtral"])
-def test_tensor_parallel_experts_match_a_single_process(
-    name: str, tiny_model_factory: Callable[..., Path], tmp_path: Path
+@pytest.mark.parametrize(
+    ("name", "parallel"),
+    [
+        ("qwen2_moe", {"tensor_parallel_size": 2}),
+        ("mixtral", {"tensor_parallel_size": 2}),
+        ("qwen3_moe", {"pipeline_parallel_size": 2}),  # a stage holds the dense layer, the other sparse ones
+    ],
+)
+def test_parallel_experts_match_a_single_process(
+    name: str, parallel: dict[str, int], tiny_model_factory: Callable[..., Path]
 ) -> None:
     """TP = 2: every expert's intermediate features (and the shared expert's) split across the
-    ranks, the router replicated: the single process's greedy ids and logprobs."""
+    ranks, the router replicated; PP = 2: each stage its layers' mixtures. The single process's
+    greedy ids and logprobs."""
     from tests.test_tensor_parallel import PROMPTS, _assert_same, _fields, _generate, _in_child
 
     model_type, overrides = VARIANTS[name]
     model_dir = str(tiny_model_factory(model_type, seed=len(name), **overrides))
     base = EngineConfig(model=model_dir, kv_cache_memory_gib=0.01, enforce_eager=True, max_num_batched_tokens=8)
     single = _generate(base, PROMPTS, 6)
-    parallel = _in_child(EngineConfig(**{**_fields(base), "tensor_parallel_size": 2}), PROMPTS, 6)
-    _assert_same(parallel, single)
+    _assert_same(_in_child(EngineConfig(**{**_fields(base), **parallel}), PROMPTS, 6), single)
