@@ -124,7 +124,20 @@ def test_eager_logits_at_every_step_match_transformers(variant: tuple[str, Path]
     torch.testing.assert_close(ours.prefill_logits, golden.prefill_logits, atol=1e-4, rtol=1e-4)
 
 
-def test_speculative_decoding_keeps_greedy_output(variant: tuple[str, Path], oracle: ReferenceOracle) -> None:
+def _family(name: str) -> list[Any]:
+    """The families, `name` in the quick tier and the others in the full tier."""
+    return [f if f == name else pytest.param(f, marks=pytest.mark.full) for f in sorted(VARIANTS)]
+
+
+def _model(name: str, tiny_model_factory: Callable[..., Path]) -> Path:
+    model_type, overrides = VARIANTS[name]
+    return tiny_model_factory(model_type, seed=len(name), **overrides)
+
+
+@pytest.mark.parametrize("name", _family("qwen3_moe"))
+def test_speculative_decoding_keeps_greedy_output(name: str, tiny_model_factory: Callable[..., Path]) -> None:
+    variant = (name, _model(name, tiny_model_factory))
+    oracle = ReferenceOracle(variant[1])
     speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
     llm = LLM(model=str(variant[1]), page_size=4, num_pages=64, enforce_eager=True, speculative_config=speculative)
     prompt = torch.randperm(317, generator=torch.Generator().manual_seed(3))[:200].add(3).tolist()
@@ -134,11 +147,12 @@ def test_speculative_decoding_keeps_greedy_output(variant: tuple[str, Path], ora
     assert stats is not None and stats.draft_tokens > 0
 
 
+@pytest.mark.parametrize("name", _family("qwen2_moe"))
 @torch.inference_mode()
-def test_quantized_experts_run_as_their_dequantized_twin(variant: tuple[str, Path]) -> None:
+def test_quantized_experts_run_as_their_dequantized_twin(name: str, tiny_model_factory: Callable[..., Path]) -> None:
     """--quantization int8: the experts stay quantized (QuantizedExperts, grouped kernels); the
     same weights dequantized into the model's own Experts give the same logits."""
-    model_dir = variant[1]
+    model_dir = _model(name, tiny_model_factory)
     config = EngineConfig(model=str(model_dir), page_size=4, num_pages=64, enforce_eager=True, quantization="int8")
     runner = Runner(model_dir, config)
     experts = [m for m in runner.model.modules() if isinstance(m, QuantizedExperts)]
@@ -247,7 +261,7 @@ def test_bad_mixture_configs_are_refused_by_name(change: dict[str, Any], message
     ("name", "parallel"),
     [
         ("qwen2_moe", {"tensor_parallel_size": 2}),
-        ("mixtral", {"tensor_parallel_size": 2}),
+        pytest.param("mixtral", {"tensor_parallel_size": 2}, marks=pytest.mark.full),
         ("qwen3_moe", {"pipeline_parallel_size": 2}),  # a stage holds the dense layer, the other sparse ones
     ],
 )
