@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -24,6 +25,7 @@ from compiled_engine.executor.runner import Runner
 from compiled_engine.linear.quantized_experts import QuantizedExperts
 from compiled_engine.llm import LLM
 from compiled_engine.lora.adapter import LoRAError, load_adapter
+from compiled_engine.model.moe import Experts
 from compiled_engine.model.registry import check_shard, config_from_dict, config_from_model_dir
 from compiled_engine.model.shard import TPShard
 from reference_oracle import ReferenceOracle
@@ -278,3 +280,26 @@ def test_parallel_experts_match_a_single_process(
     base = EngineConfig(model=model_dir, kv_cache_memory_gib=0.01, enforce_eager=True, max_num_batched_tokens=8)
     single = _generate(base, PROMPTS, 6)
     _assert_same(_in_child(EngineConfig(**{**_fields(base), **parallel}), PROMPTS, 6), single)
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_a_step_reads_the_chosen_experts_bytes(
+    quantization: str | None, tiny_model_factory: Callable[..., Path]
+) -> None:
+    """The bench's weight bytes a token reads: of each mixture's experts, k / experts of their
+    bytes (the active parameters); everything else whole, as for a dense model."""
+    from compiled_engine.bench.runs import model_weight_bytes
+
+    model_dir = _model("qwen3_moe", tiny_model_factory)
+    config = EngineConfig(
+        model=str(model_dir), page_size=4, num_pages=64, enforce_eager=True, quantization=quantization
+    )
+    model = Runner(model_dir, config).model
+    moe = model.config.moe
+    assert moe is not None
+    experts = [m for m in model.modules() if isinstance(m, Experts | QuantizedExperts)]
+    expert_bytes = sum(t.numel() * t.element_size() for m in experts for t in [*m.parameters(), *m.buffers()])
+    everything = model_weight_bytes(model)
+    # the same model said to choose every expert: its experts' weights counted whole
+    model.config = msgspec.structs.replace(model.config, moe=msgspec.structs.replace(moe, top_k=moe.num_experts))
+    assert model_weight_bytes(model) - everything == round(expert_bytes * (1 - moe.top_k / moe.num_experts))

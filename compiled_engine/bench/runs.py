@@ -17,7 +17,9 @@ from compiled_engine.engine.outputs import RequestOutput
 from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.linear.packed_cpu import BlockedEmbedding, CpuLinear
 from compiled_engine.linear.quantized import QuantizedEmbedding, QuantizedLinear
+from compiled_engine.linear.quantized_experts import QuantizedExperts
 from compiled_engine.lora.manager import LoRARequest
+from compiled_engine.model.moe import Experts
 
 
 def weight_bytes(engine: LLMEngine) -> int:
@@ -25,10 +27,12 @@ def weight_bytes(engine: LLMEngine) -> int:
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:
-    """Weight bytes one forward step of `model` (a Transformer) reads: every parameter, quantized
-    buffer and packed weight once, except the embedding table, of which a step reads only its
-    tokens' rows; a tied head reads that whole table as its weight."""
-    held_in_buffers = (QuantizedLinear, QuantizedEmbedding, CpuLinear, BlockedEmbedding)
+    """Weight bytes one forward step of `model` (a Transformer) reads for one token: every
+    parameter, quantized buffer and packed weight once, except the embedding table, of which a
+    step reads only its tokens' rows (a tied head reads that whole table as its weight), and a
+    mixture's experts, of which a token reads the k its router picks (k / experts of their bytes:
+    the active parameters)."""
+    held_in_buffers = (QuantizedLinear, QuantizedEmbedding, CpuLinear, BlockedEmbedding, QuantizedExperts)
 
     def weights(module: torch.nn.Module) -> list[torch.Tensor]:
         holders = [m for m in module.modules() if isinstance(m, held_in_buffers)]
@@ -36,14 +40,17 @@ def model_weight_bytes(model: torch.nn.Module) -> int:
 
     head = {id(t) for t in weights(model.get_submodule("lm_head"))}
     embedding = {id(t) for t in weights(model.get_submodule("embed_tokens"))} - head
+    moe = getattr(getattr(model, "config", None), "moe", None)
+    experts = [m for m in model.modules() if isinstance(m, Experts | QuantizedExperts)]
+    chosen = {id(t): moe.top_k / moe.num_experts for m in experts for t in weights(m)} if moe else {}
     seen: set[int] = set()
-    total = 0
+    total = 0.0
     for t in weights(model):
         if id(t) in seen or id(t) in embedding:
             continue
         seen.add(id(t))
-        total += t.numel() * t.element_size()
-    return total
+        total += t.numel() * t.element_size() * chosen.get(id(t), 1.0)
+    return round(total)
 
 
 def kv_bytes_per_token(engine: LLMEngine) -> int:
