@@ -83,6 +83,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     moe: MoEConfig | None = None  # a mixture of experts in place of the MLP (model/moe.py)
+    attention_sinks: bool = False  # a learned sink logit per query head in every layer (gpt-oss)
 
     @property
     def q_size(self) -> int:
