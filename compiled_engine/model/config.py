@@ -20,7 +20,7 @@ from compiled_engine.errors import ModelConfigError
 from compiled_engine.model.moe_config import MoEConfig
 
 Activation = Literal["silu", "gelu_tanh"]
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope", "yarn")
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 _ACTIVATIONS: dict[str, Activation] = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
@@ -39,6 +39,12 @@ class RopeConfig(msgspec.Struct, frozen=True):
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
     use_long_factor: bool = False
+    # yarn (gpt-oss): the dims that turn fewer than beta_slow times over the original context
+    # are slowed by `factor`, those that turn more than beta_fast times kept, a ramp between
+    # (its ends rounded outward when `truncate`); cos and sin scaled by `attention_factor`.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
     def for_context(self, max_tokens: int) -> RopeConfig:
         """This rope for an engine whose sequences reach `max_tokens`: longrope takes its long
@@ -228,6 +234,8 @@ def _rope_from(merged: dict[str, Any], raw: dict[str, Any], source: str, default
     fields: dict[str, Any] = {"theta": float(theta), "type": rope_type}
     if rope_type == "longrope":
         return _longrope(merged, raw, source, fields)
+    if rope_type == "yarn":
+        return _yarn(merged, raw, source, fields)
     if rope_type != "default":
         if "factor" not in merged:
             raise ModelConfigError(f"{source}: rope scaling type {rope_type!r} needs 'factor'")
@@ -288,6 +296,43 @@ def _longrope(merged: dict[str, Any], raw: dict[str, Any], source: str, fields: 
         long_factor=factors["long_factor"],
         attention_factor=float(attention_factor),
     )
+
+
+def _yarn(merged: dict[str, Any], raw: dict[str, Any], source: str, fields: dict[str, Any]) -> RopeConfig:
+    # As transformers reads it: the attention factor defaults to 0.1 * ln(factor) + 1, or the
+    # ratio of two such terms with DeepSeek's mscale and mscale_all_dim; truncate to true.
+    original = merged.get("original_max_position_embeddings")
+    if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
+        raise ModelConfigError(
+            f"{source}: rope scaling type 'yarn' needs a positive int 'original_max_position_embeddings', got {original!r}"
+        )
+    if "factor" not in merged:
+        raise ModelConfigError(f"{source}: rope scaling type 'yarn' needs 'factor'")
+    factor = _rope_number(merged, "factor", "yarn", source)
+    betas = {key: _rope_number(merged, key, "yarn", source) for key in ("beta_fast", "beta_slow") if key in merged}
+    truncate = merged.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ModelConfigError(f"{source}: rope scaling field 'truncate' must be true or false, got {truncate!r}")
+    if merged.get("attention_factor") is not None:
+        attention_factor = _rope_number(merged, "attention_factor", "yarn", source)
+    elif merged.get("mscale") and merged.get("mscale_all_dim"):
+        mscale, all_dim = (_rope_number(merged, key, "yarn", source) for key in ("mscale", "mscale_all_dim"))
+        attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dim)
+    else:
+        attention_factor = _yarn_mscale(factor, 1.0)
+    return RopeConfig(
+        theta=fields["theta"],
+        type="yarn",
+        factor=factor,
+        original_max_position_embeddings=original,
+        attention_factor=attention_factor,
+        truncate=truncate,
+        **betas,
+    )
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _rope_number(merged: dict[str, Any], key: str, rope_type: str, source: str) -> float:

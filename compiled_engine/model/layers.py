@@ -1,5 +1,5 @@
 """The pieces every model family is built from, in one place: the product, the norms, the rotary
-embeddings (default, linear, llama3, longrope; whole or partial), attention with its per-layer
+embeddings (default, linear, llama3, longrope, yarn; whole or partial), attention with its per-layer
 window and soft-cap, the gated MLP, and `DecoderModel`, the shape of a model the engine runs.
 
 Each family file (model/llama.py, model/gemma.py) assembles these top to bottom. Execution tricks
@@ -97,7 +97,33 @@ def rope_inverse_frequencies(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:
         factors = rope.long_factor if rope.use_long_factor else rope.short_factor
         exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
         return 1.0 / (torch.tensor(factors, dtype=torch.float32) * rope.theta**exponents)
+    if rope.type == "yarn":
+        return yarn_inverse_frequencies(rope, rotary_dim, inv_freq)
     return inv_freq
+
+
+def yarn_inverse_frequencies(rope: RopeConfig, rotary_dim: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """YaRN: frequency pair i turns (original length) * inv_freq[i] / 2pi times over the
+    pretraining context. Pairs that turn more than beta_fast times keep their frequency, those
+    under beta_slow are divided by `factor`, and a linear ramp over the pair index blends between
+    (the pair index where a pair turns r times is solved for r = beta_fast and beta_slow)."""
+
+    def pair_turning(turns: float) -> float:
+        return (
+            rotary_dim
+            * math.log(rope.original_max_position_embeddings / (turns * 2 * math.pi))
+            / (2 * math.log(rope.theta))
+        )
+
+    low, high = pair_turning(rope.beta_fast), pair_turning(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of one point: keep it a step
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    # ramp 0: the pair keeps its frequency; ramp 1: slowed by the factor.
+    return inv_freq * (1 - ramp) + inv_freq / rope.factor * ramp
 
 
 class RotaryEmbedding(nn.Module):
