@@ -147,6 +147,7 @@ class ConfigRules:
     layer_types: Callable[[dict[str, Any], int], Any] = declared_layer_types
     # The mixture of experts from the config (model/moe_config.py), for an MoE family.
     moe: Callable[[dict[str, Any], str], MoEConfig] | None = None
+    attention_sinks: bool = False  # a learned sink logit per query head (gpt-oss)
 
 
 def read_config_json(model_dir: str | Path) -> tuple[dict[str, Any], str]:
@@ -309,7 +310,8 @@ def _yarn(merged: dict[str, Any], raw: dict[str, Any], source: str, fields: dict
     if "factor" not in merged:
         raise ModelConfigError(f"{source}: rope scaling type 'yarn' needs 'factor'")
     factor = _rope_number(merged, "factor", "yarn", source)
-    betas = {key: _rope_number(merged, key, "yarn", source) for key in ("beta_fast", "beta_slow") if key in merged}
+    beta_fast = _rope_number(merged, "beta_fast", "yarn", source) if "beta_fast" in merged else 32.0
+    beta_slow = _rope_number(merged, "beta_slow", "yarn", source) if "beta_slow" in merged else 1.0
     truncate = merged.get("truncate", True)
     if not isinstance(truncate, bool):
         raise ModelConfigError(f"{source}: rope scaling field 'truncate' must be true or false, got {truncate!r}")
@@ -327,7 +329,8 @@ def _yarn(merged: dict[str, Any], raw: dict[str, Any], source: str, fields: dict
         original_max_position_embeddings=original,
         attention_factor=attention_factor,
         truncate=truncate,
-        **betas,
+        beta_fast=beta_fast,
+        beta_slow=beta_slow,
     )
 
 
@@ -415,6 +418,7 @@ def parse_config(raw: dict[str, Any], source: str, family: str, rules: ConfigRul
         eos_token_ids=_token_ids(raw.get("eos_token_id")),
         bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
         moe=rules.moe(raw, source) if rules.moe is not None else None,
+        attention_sinks=rules.attention_sinks,
     )
 
 

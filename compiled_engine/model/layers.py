@@ -161,7 +161,8 @@ class Attention(nn.Module):
     """Self-attention over the paged cache. With tensor parallelism, this rank's query heads and
     the KV heads they read (TPShard); q/k/v are then column-parallel and o_proj row-parallel
     (linear/tensor_parallel.py). `window` (0: every earlier token) and `soft_cap` (0: none) are this
-    layer's; the norm class, if given, normalises each head of q and k before the rotation."""
+    layer's; the norm class, if given, normalises each head of q and k before the rotation. With
+    `config.attention_sinks`, each head's learned sink logit joins its softmax (gpt-oss)."""
 
     def __init__(
         self,
@@ -186,6 +187,7 @@ class Attention(nn.Module):
         q_width, k_width = (self.q_size, self.kv_size) if self.whole_norm else (config.head_dim, config.head_dim)
         self.q_norm = head_norm(q_width, config.rms_norm_eps) if head_norm is not None else None
         self.k_norm = head_norm(k_width, config.rms_norm_eps) if head_norm is not None else None
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if config.attention_sinks else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         tokens = x.shape[0]
@@ -200,7 +202,7 @@ class Attention(nn.Module):
         if not self.whole_norm and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = paged_attention(q, k, v, kv_cache, self.scale, self.window, self.soft_cap)
+        out = paged_attention(q, k, v, kv_cache, self.scale, self.window, self.soft_cap, self.sinks)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
