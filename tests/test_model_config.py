@@ -226,7 +226,7 @@ def test_linear_rope_old_type_key() -> None:
 def test_unsupported_architecture(model_type: str) -> None:
     raw = AutoConfig.for_model(model_type).to_dict()
     error = config_error(raw, re.escape(f"unsupported architecture (model_type='{model_type}'"))
-    families = "gemma2 gemma3_text granitemoe granitemoeshared llama mistral mixtral olmoe phi3 qwen2 qwen2_moe"
+    families = "gemma2 gemma3_text gpt_oss granitemoe granitemoeshared llama mistral mixtral olmoe phi3 qwen2 qwen2_moe"
     supported = str([*families.split(), "qwen3", "qwen3_moe"])
     assert f"supported model_type values: {supported}" in str(error)
     assert str(error).startswith("config.json: ")
