@@ -3,15 +3,18 @@ everywhere (q/k/v/o, router, experts), attention sinks, a sliding window of 8 to
 layers that the prompts cross, YaRN rope, and the clamped SwiGLU with its clamps reached. Greedy
 ids and logits against transformers fp32, batched with chunked prefill and alone, on the CPU and
 torch attention backends, eager and compiled; quantized experts against their dequantized twin;
-the refusals."""
+MXFP4 experts read as int8 exactly; the refusals."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine.reference_loop import Generator
@@ -24,6 +27,7 @@ from compiled_engine.linear.quantized_experts import QuantizedExperts
 from compiled_engine.llm import LLM
 from compiled_engine.model.registry import check_shard, config_from_dict, config_from_model_dir
 from compiled_engine.model.shard import TPShard
+from compiled_engine.weights.mxfp4 import mxfp4_as_int8
 from reference_oracle import ReferenceOracle
 from tests.conftest import TINY_LLAMA
 from tests.test_moe_families import _dense_twin
@@ -156,10 +160,9 @@ def _raw(**change: Any) -> dict[str, Any]:
     return {**CONFIG, "model_type": "gpt_oss", "num_local_experts": 8, **change}
 
 
-def test_an_mxfp4_checkpoint_is_refused_by_name() -> None:
-    mxfp4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    with pytest.raises(ModelConfigError, match=r"gpt-oss experts stored as MXFP4 .* are not supported yet"):
-        config_from_dict(_raw(quantization_config=mxfp4))
+def test_another_quantization_method_is_refused_by_name() -> None:
+    with pytest.raises(ModelConfigError, match=r"quant_method 'fp8' is not supported for gpt-oss \(only 'mxfp4'"):
+        config_from_dict(_raw(quantization_config={"quant_method": "fp8"}))
 
 
 @pytest.mark.parametrize(("key", "value"), [("swiglu_limit", 10.0), ("swiglu_alpha", 1.0)])
@@ -172,3 +175,110 @@ def test_a_config_without_layer_types_alternates_as_transformers_does() -> None:
     raw = _raw(num_hidden_layers=4)
     raw.pop("layer_types", None)
     assert config_from_dict(raw).layer_windows == (WINDOW, 0, WINDOW, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# MXFP4 experts (the published checkpoints): loaded as int8 groups of 32, exactly
+
+FP4_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _mxfp4_encode(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[..., rows, in] floats to the published layout: blocks uint8 [..., rows, in / 32, 16] (weight
+    2j of a block in byte j's low nibble, 2j + 1 in its high nibble; code = sign * 8 + index of
+    the magnitude) and scales uint8 [..., rows, in / 32] (e8m0: 2^(s - 127)), each block scaled
+    so that its largest magnitude fits 6."""
+    *lead, rows, width = weight.shape
+    values = weight.reshape(-1, width // 32, 32)
+    largest = np.abs(values).max(axis=-1, keepdims=True)
+    exponents = np.ceil(np.log2(np.maximum(largest, 1e-30) / 6.0)).clip(-127, 128)
+    scaled = values / np.exp2(exponents)
+    index = np.abs(np.abs(scaled)[..., None] - FP4_MAGNITUDES).argmin(axis=-1)
+    codes = (index + 8 * (scaled < 0)).astype(np.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return (
+        blocks.reshape(*lead, rows, width // 32, 16),
+        (exponents[..., 0] + 127).astype(np.uint8).reshape(*lead, rows, width // 32),
+    )
+
+
+def _mxfp4_decode(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """The published layout's meaning, written from its description: fp4 e2m1 values times
+    2^(scale - 127)."""
+    table = np.concatenate([FP4_MAGNITUDES, -FP4_MAGNITUDES])
+    values = np.stack([table[blocks & 0x0F], table[blocks >> 4]], axis=-1).reshape(*blocks.shape[:-1], 32)
+    values = values * np.exp2(scales.astype(np.float64) - 127)[..., None]
+    return values.reshape(*blocks.shape[:-2], -1)
+
+
+def test_mxfp4_blocks_read_as_int8_exactly() -> None:
+    g = np.random.default_rng(0)
+    weight = g.normal(size=(3, 8, 96)) * np.exp2(g.integers(-6, 6, size=(3, 8, 1)))
+    blocks, scales = _mxfp4_encode(weight)
+    scales[0, 0, 0], scales[1, 2, 1] = 0, 200  # a subnormal scale (2^-128), a huge one (2^72)
+    int8 = mxfp4_as_int8(torch.from_numpy(blocks), torch.from_numpy(scales))
+    assert (int8.format, int8.group_size, int8.shape) == ("int8", 32, (24, 96))
+    assert int8.data.abs().max() <= 12
+    expected = torch.from_numpy(_mxfp4_decode(blocks, scales).reshape(24, 96))
+    assert torch.equal(int8.dequantize().double(), expected)
+    # and transformers' own reading of the layout, [experts, in, rows]
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    theirs = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
+    assert torch.equal(theirs.transpose(1, 2).reshape(24, 96), int8.dequantize())
+    assert (expected - torch.from_numpy(weight.reshape(24, 96))).abs().max() > 0  # fp4 does round
+
+
+@pytest.mark.parametrize(
+    ("blocks", "scales", "message"),
+    [
+        (torch.zeros(2, 3, 16, dtype=torch.uint8), torch.zeros(2, 3, dtype=torch.int8), "are uint8"),
+        (torch.zeros(2, 3, 8, dtype=torch.uint8), torch.zeros(2, 3, dtype=torch.uint8), r"groups, 16\] and scales"),
+        (torch.zeros(2, 3, 16, dtype=torch.uint8), torch.zeros(2, 4, dtype=torch.uint8), "disagree"),
+    ],
+)
+def test_mxfp4_refuses_bad_tensors(blocks: torch.Tensor, scales: torch.Tensor, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        mxfp4_as_int8(blocks, scales)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_dirs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The tiny model as an MXFP4 checkpoint (experts as blocks and scales, quantization_config
+    as the published ones say it), and as floats holding exactly what those blocks mean (the
+    oracle's)."""
+    packed, floats = tmp_path_factory.mktemp("gpt_oss_mxfp4"), tmp_path_factory.mktemp("gpt_oss_mxfp4_floats")
+    tensors = load_file(model_dir / "model.safetensors")
+    packed_tensors, float_tensors = dict(tensors), dict(tensors)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        ours = tensors[name].transpose(1, 2).double().numpy()  # [experts, out, in]
+        blocks, scales = _mxfp4_encode(ours)
+        del packed_tensors[name]
+        packed_tensors[f"{name}_blocks"], packed_tensors[f"{name}_scales"] = map(torch.from_numpy, (blocks, scales))
+        float_tensors[name] = torch.from_numpy(_mxfp4_decode(blocks, scales)).float().transpose(1, 2).contiguous()
+    config = json.loads((model_dir / "config.json").read_text())
+    save_file(float_tensors, floats / "model.safetensors", metadata={"format": "pt"})
+    (floats / "config.json").write_text(json.dumps(config))
+    config["quantization_config"] = {
+        "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router"],
+    }  # fmt: skip
+    save_file(packed_tensors, packed / "model.safetensors", metadata={"format": "pt"})
+    (packed / "config.json").write_text(json.dumps(config))
+    return packed, floats
+
+
+@torch.inference_mode()
+def test_an_mxfp4_checkpoint_matches_transformers_on_its_meaning(mxfp4_dirs: tuple[Path, Path]) -> None:
+    packed, floats = mxfp4_dirs
+    assert config_from_model_dir(packed).moe.packed_experts == "mxfp4"  # type: ignore[union-attr]
+    runner = Runner(packed, EngineConfig(model=str(packed), page_size=4, num_pages=64, enforce_eager=True))
+    for layer in runner.model.layers:
+        experts = layer.mlp.experts
+        assert isinstance(experts, QuantizedExperts) and experts.gate_up_group == experts.down_group == 32
+        assert experts.gate_up_data.dtype == torch.int8 and experts.down_bias is not None
+    prompt = _prompts(2)[1]
+    [ours] = Generator(runner).generate([prompt], 8, record_logits=True)
+    golden = ReferenceOracle(floats).greedy(prompt, 8)
+    assert ours.token_ids == golden.token_ids
+    assert ours.prefill_logits is not None
+    torch.testing.assert_close(ours.prefill_logits, golden.prefill_logits, atol=1e-4, rtol=1e-4)

@@ -18,7 +18,9 @@ class CheckpointTensor:
     from output feature (row) `start` on; in an experts' 3-D parameter, in expert `expert`'s
     slice. With tensor parallelism a rank reads only `part` of the tensor: (dim, first, count).
     `transposed`: the checkpoint holds each product as [in, out] (gpt-oss's experts), ours is
-    [out, in]: the tensor is read whole and its last two dims swapped."""
+    [out, in]: the tensor is read whole and its last two dims swapped. `packed`: one tensor of a
+    packed encoding of the parameter ("blocks" or "scales" of MXFP4 experts, weights/mxfp4.py),
+    read whole as uint8 and kept apart for the loader to decode."""
 
     param: str
     shape: tuple[int, ...]  # the checkpoint tensor's whole shape
@@ -26,6 +28,7 @@ class CheckpointTensor:
     part: tuple[int, int, int] | None = None
     expert: int | None = None
     transposed: bool = False
+    packed: str | None = None
 
     @property
     def read_shape(self) -> tuple[int, ...]:

@@ -7,8 +7,9 @@ SWIGLU_OAI). The checkpoint fuses each layer's experts into 3-D tensors stored a
 `gate_up_proj` [experts, hidden, 2 * width] and `down_proj` [experts, width, hidden], transposed
 as they load.
 
-The published checkpoints store the experts in MXFP4 (`*_blocks`, `*_scales`); those are refused
-by name: a checkpoint dequantized to bf16 or fp32 loads. Its chat format (harmony) renders through
+The published checkpoints store the experts in MXFP4 (`*_blocks`, `*_scales`, said by
+`quantization_config`): they load as int8 experts exactly (weights/mxfp4.py), never as floats.
+Its chat format (harmony) renders through
 the tokenizer's template; its tool calls and reasoning channels are not parsed yet.
 """
 
@@ -48,9 +49,15 @@ def checkpoint_layout(config: ModelConfig, shard: TPShard = NO_SHARD) -> Layout:
         layout[f"{hf}mlp.router.weight"] = T(f"{ours}mlp.gate.weight", (experts, h))
         layout[f"{hf}mlp.router.bias"] = T(f"{ours}mlp.gate.bias", (experts,))
         mlp = f"{hf}mlp.experts."
-        layout[f"{mlp}gate_up_proj"] = T(f"{ours}mlp.experts.gate_up_proj", (experts, h, 2 * inter), transposed=True)
+        gate_up, down = f"{ours}mlp.experts.gate_up_proj", f"{ours}mlp.experts.down_proj"
+        if moe.packed_experts == "mxfp4":  # [out, in] as ours, in blocks of 32 weights
+            for name, param, rows, width in (("gate_up_proj", gate_up, 2 * inter, h), ("down_proj", down, h, inter)):
+                layout[f"{mlp}{name}_blocks"] = T(param, (experts, rows, width // 32, 16), packed="blocks")
+                layout[f"{mlp}{name}_scales"] = T(param, (experts, rows, width // 32), packed="scales")
+        else:
+            layout[f"{mlp}gate_up_proj"] = T(gate_up, (experts, h, 2 * inter), transposed=True)
+            layout[f"{mlp}down_proj"] = T(down, (experts, inter, h), transposed=True)
         layout[f"{mlp}gate_up_proj_bias"] = T(f"{ours}mlp.experts.gate_up_bias", (experts, 2 * inter))
-        layout[f"{mlp}down_proj"] = T(f"{ours}mlp.experts.down_proj", (experts, inter, h), transposed=True)
         layout[f"{mlp}down_proj_bias"] = T(f"{ours}mlp.experts.down_bias", (experts, h))
     return layout
 
@@ -68,10 +75,11 @@ DEFAULTS = {
 
 def _moe(raw: dict[str, Any], source: str) -> MoEConfig:
     quantization = raw.get("quantization_config")
-    if isinstance(quantization, dict) and quantization.get("quant_method") == "mxfp4":
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    if quantization is not None and method != "mxfp4":
         raise ModelConfigError(
-            f"{source}: gpt-oss experts stored as MXFP4 (quantization_config.quant_method 'mxfp4') are not "
-            "supported yet; load a checkpoint dequantized to bf16 or fp32"
+            f"{source}: quantization_config.quant_method {method!r} is not supported for gpt-oss (only 'mxfp4', "
+            "the published checkpoints' experts)"
         )
     for key, fixed in (("swiglu_alpha", SWIGLU_ALPHA), ("swiglu_limit", SWIGLU_LIMIT)):
         if raw.get(key, fixed) != fixed:
@@ -87,6 +95,7 @@ def _moe(raw: dict[str, Any], source: str) -> MoEConfig:
         router_bias=True,
         expert_bias=True,
         expert_activation=SWIGLU_OAI,
+        packed_experts=method,
     )
 
 
