@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compiled_engine.attention import selector
+from compiled_engine.attention import paged, selector
 from compiled_engine.attention.backend import AttentionShape
 from compiled_engine.attention.metadata import AttentionMetadata, GraphMetadata
 from compiled_engine.attention.paged import write_kv
@@ -579,3 +579,24 @@ def test_the_selector_refuses_a_backend_without_sinks() -> None:
     )
     assert layer_kinds_reason(no_sinks, AttentionShape(4, 2, 64, 16, torch.float32, CPU)) is None
     assert not selector.REGISTRY["flashinfer"].supports_sinks  # not wired to FlashInfer: refused, never ignored
+
+
+def test_a_long_prompt_takes_its_written_out_scores_a_slice_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With room for only a few queries' scores at once, the same result, slice by slice."""
+    gen = torch.Generator().manual_seed(23)
+    seqs = [Sequence(cached=c, new=n, num_kv_heads=2, gen=gen) for c, n in ((6, 13), (0, 9))]
+    sinks = sink_logits(gen)
+    cache = place_batch(seqs, 2, torch.float64, gen)
+    md = AttentionMetadata.build(
+        [s.new for s in seqs], [s.seq_len for s in seqs], [s.table for s in seqs], PAGE_SIZE, CPU
+    )
+    q = torch.cat([s.q for s in seqs])
+    k = torch.cat([s.k[s.cached :] for s in seqs])
+    v = torch.cat([s.v[s.cached :] for s in seqs])
+    monkeypatch.setattr(paged, "WRITTEN_SCORES", NUM_HEADS * 19 * 3)  # three queries of the longer prompt
+    out = TorchAttentionBackend(torch.float64).attend(q, k, v, cache, md, SCALE, 5, SOFT_CAP, sinks)
+    start = 0
+    for s in seqs:
+        expected = dense_reference(s.q, s.k, s.v, SCALE, 5, SOFT_CAP, sinks)
+        torch.testing.assert_close(out[start : start + s.new], expected, atol=1e-6, rtol=0)
+        start += s.new

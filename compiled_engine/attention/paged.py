@@ -25,6 +25,9 @@ import torch.nn.functional as F
 from compiled_engine.attention.metadata import AttentionMetadata
 from compiled_engine.cache.kv_cache import is_fp8
 
+# The most scores (heads x queries x keys) the written-out attention of one prompt holds at once.
+WRITTEN_SCORES = 1 << 24
+
 
 def kv_rows(slots: torch.Tensor, page_size: int) -> torch.Tensor:
     """The row of each slot's K in one layer's pages viewed flat as [pages * 2 * page_size,
@@ -300,14 +303,25 @@ def attend_masked(
     if soft_cap or sinks is not None:
         # Query head h reads KV head h // group: the group's query rows face their KV head's keys.
         group = num_heads // num_kv_heads
-        attended = written_attention(
-            q.transpose(0, 1).reshape(num_kv_heads, group, q_len, head_dim),
-            keys.transpose(0, 1)[:, None],  # [kvh, 1, keys, d]
-            values.transpose(0, 1)[:, None],
-            visible,
-            scale,
-            soft_cap,
-            None if sinks is None else sinks.view(num_kv_heads, group, 1, 1),
+        queries = q.transpose(0, 1).reshape(num_kv_heads, group, q_len, head_dim)
+        head_sinks = None if sinks is None else sinks.view(num_kv_heads, group, 1, 1)
+        # The scores are written out: a long prompt takes its queries a slice at a time, so that
+        # they never hold more than WRITTEN_SCORES at once.
+        step = max(1, WRITTEN_SCORES // (num_heads * keys.shape[0]))
+        attended = torch.cat(
+            [
+                written_attention(
+                    queries[:, :, first : first + step],
+                    keys.transpose(0, 1)[:, None],  # [kvh, 1, keys, d]
+                    values.transpose(0, 1)[:, None],
+                    visible[first : first + step],
+                    scale,
+                    soft_cap,
+                    head_sinks,
+                )
+                for first in range(0, q_len, step)
+            ],
+            dim=2,
         )
     else:
         attended = F.scaled_dot_product_attention(
