@@ -1,6 +1,6 @@
 """AttentionMetadata.build and the torch reference backend, checked against a dense float64
-causal attention written here from the definition, with and without a sliding window and a
-logit soft-cap."""
+causal attention written here from the definition, with and without a sliding window, a logit
+soft-cap and attention sinks."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compiled_engine.attention import selector
+from compiled_engine.attention import paged, selector
 from compiled_engine.attention.backend import AttentionShape
 from compiled_engine.attention.metadata import AttentionMetadata, GraphMetadata
 from compiled_engine.attention.paged import write_kv
@@ -26,11 +26,18 @@ def slot(table: list[int], pos: int, page_size: int) -> int:
 
 
 def dense_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0, soft_cap: float = 0.0
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    soft_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [q_len, H, d] for the last q_len positions; k, v: [seq_len, KVH, d] of the whole
     sequence. Plain causal softmax attention in float64; with a window W a query at p sees only
-    keys j with p - W < j <= p; with a soft-cap c the logits s become c * tanh(s / c) first."""
+    keys j with p - W < j <= p; with a soft-cap c the logits s become c * tanh(s / c) first; with
+    sinks [H], head h's weights are exp(s_j) / (sum_j exp(s_j) + exp(sinks[h]))."""
     q, k, v = q.double(), k.double(), v.double()
     q_len, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
@@ -46,7 +53,11 @@ def dense_reference(
     if window:
         hidden |= key_pos <= query_pos - window
     scores = scores.masked_fill(hidden, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+    if sinks is None:
+        return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+    exps = scores.exp()  # the test logits are small: no shift needed in float64
+    denominator = exps.sum(dim=-1, keepdim=True) + sinks.double().exp()[:, None, None]
+    return torch.einsum("hqk,khd->qhd", exps / denominator, v)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -493,3 +504,99 @@ def test_the_selector_refuses_a_model_no_backend_can_run(monkeypatch: pytest.Mon
     with pytest.raises(ValueError, match=r"no attention backend can run this model: .* slide over \[512\] tokens"):
         get_backend("torch", sliding)
     assert get_backend("torch", AttentionShape(4, 2, 64, 16, torch.float32, CPU)).name == "torch"
+
+
+# ---------------------------------------------------------------------------------------------
+# attention sinks (gpt-oss): one learned logit per query head in each softmax's denominator
+
+
+def sink_logits(gen: torch.Generator) -> torch.Tensor:
+    # Spread around the scores' own size, so some heads give the sink most of their weight.
+    return (torch.randn(NUM_HEADS, generator=gen, dtype=torch.float64) * 2.0).float()
+
+
+@pytest.mark.parametrize(("window", "soft_cap"), [(0, 0.0), (3, 0.0), (6, SOFT_CAP)])
+@pytest.mark.parametrize("num_kv_heads", [4, 1])
+@pytest.mark.parametrize("kind", sorted(WINDOW_BATCHES))
+def test_sinks_match_dense_reference(kind: str, num_kv_heads: int, window: int, soft_cap: float) -> None:
+    gen = torch.Generator().manual_seed(21)
+    seqs = [Sequence(cached=c, new=n, num_kv_heads=num_kv_heads, gen=gen) for c, n in WINDOW_BATCHES[kind]]
+    sinks = sink_logits(gen)
+    for dtype, tolerance in ((torch.float64, 1e-6), (torch.float32, 2e-5)):
+        cache = place_batch(seqs, num_kv_heads, dtype, gen)
+        md = AttentionMetadata.build(
+            [s.new for s in seqs], [s.seq_len for s in seqs], [s.table for s in seqs], PAGE_SIZE, CPU
+        )
+        q = torch.cat([s.q for s in seqs]).to(dtype)
+        k = torch.cat([s.k[s.cached :] for s in seqs]).to(dtype)
+        v = torch.cat([s.v[s.cached :] for s in seqs]).to(dtype)
+        out = TorchAttentionBackend(dtype).attend(q, k, v, cache, md, SCALE, window, soft_cap, sinks)
+        assert out.dtype == dtype
+        start = 0
+        for s in seqs:
+            expected = dense_reference(s.q, s.k, s.v, SCALE, window, soft_cap, sinks)
+            torch.testing.assert_close(out[start : start + s.new].double(), expected, atol=tolerance, rtol=0)
+            start += s.new
+
+
+def test_a_graph_plan_applies_sinks() -> None:
+    gen = torch.Generator().manual_seed(17)
+    seqs = [Sequence(cached=c, new=1, num_kv_heads=2, gen=gen) for c in (0, 4, 7, 18)]
+    sinks = sink_logits(gen)
+    cache = place_batch(seqs, 2, torch.float64, gen)
+    md = AttentionMetadata.build([1] * len(seqs), [s.seq_len for s in seqs], [s.table for s in seqs], PAGE_SIZE, CPU)
+    graph = GraphMetadata(md.seq_lens, md.block_tables, md.slot_mapping, PAGE_SIZE)
+    backend = TorchAttentionBackend(torch.float64)
+    q = torch.cat([s.q for s in seqs])
+    k = torch.cat([s.k[s.cached :] for s in seqs])
+    v = torch.cat([s.v[s.cached :] for s in seqs])
+    out = backend.forward(q, k, v, cache, backend.prepare_graph(graph), SCALE, 3, 0.0, sinks)
+    for i, s in enumerate(seqs):
+        expected = dense_reference(s.q, s.k, s.v, SCALE, 3, sinks=sinks)
+        torch.testing.assert_close(out[i : i + 1], expected, atol=1e-6, rtol=0)
+
+
+def test_sink_reference_is_not_trivially_satisfied() -> None:
+    # A sink takes weight from the keys: the output shrinks toward zero, more the larger the sink.
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(9, 4, 8, generator=gen, dtype=torch.float64)
+    k = torch.randn(30, 2, 8, generator=gen, dtype=torch.float64)
+    v = torch.randn(30, 2, 8, generator=gen, dtype=torch.float64)
+    full = dense_reference(q, k, v, SCALE)
+    assert (dense_reference(q, k, v, SCALE, sinks=torch.zeros(4)) - full).abs().max() > 1e-2
+    far_below = dense_reference(q, k, v, SCALE, sinks=torch.full((4,), -60.0))
+    torch.testing.assert_close(far_below, full, atol=1e-12, rtol=0)
+    far_above = dense_reference(q, k, v, SCALE, sinks=torch.full((4,), 60.0))
+    assert far_above.abs().max() < 1e-12
+
+
+def test_the_selector_refuses_a_backend_without_sinks() -> None:
+    with_sinks = AttentionShape(4, 2, 64, 16, torch.float32, CPU, sinks=True)
+    assert layer_kinds_reason(TorchAttentionBackend, with_sinks) is None
+    no_sinks = type("NoSinks", (TorchAttentionBackend,), {"name": "no-sinks", "supports_sinks": False})
+    assert layer_kinds_reason(no_sinks, with_sinks) == (
+        "the no-sinks backend has no attention sinks (the model's layers have them)"
+    )
+    assert layer_kinds_reason(no_sinks, AttentionShape(4, 2, 64, 16, torch.float32, CPU)) is None
+    assert not selector.REGISTRY["flashinfer"].supports_sinks  # not wired to FlashInfer: refused, never ignored
+
+
+def test_a_long_prompt_takes_its_written_out_scores_a_slice_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With room for only a few queries' scores at once, the same result, slice by slice."""
+    gen = torch.Generator().manual_seed(23)
+    seqs = [Sequence(cached=c, new=n, num_kv_heads=2, gen=gen) for c, n in ((6, 13), (0, 9))]
+    sinks = sink_logits(gen)
+    cache = place_batch(seqs, 2, torch.float64, gen)
+    md = AttentionMetadata.build(
+        [s.new for s in seqs], [s.seq_len for s in seqs], [s.table for s in seqs], PAGE_SIZE, CPU
+    )
+    q = torch.cat([s.q for s in seqs])
+    k = torch.cat([s.k[s.cached :] for s in seqs])
+    v = torch.cat([s.v[s.cached :] for s in seqs])
+    monkeypatch.setattr(paged, "WRITTEN_SCORES", NUM_HEADS * 19 * 3)  # three queries of the longer prompt
+    out = TorchAttentionBackend(torch.float64).attend(q, k, v, cache, md, SCALE, 5, SOFT_CAP, sinks)
+    start = 0
+    for s in seqs:
+        expected = dense_reference(s.q, s.k, s.v, SCALE, 5, SOFT_CAP, sinks)
+        torch.testing.assert_close(out[start : start + s.new], expected, atol=1e-6, rtol=0)
+        start += s.new

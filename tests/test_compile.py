@@ -275,9 +275,10 @@ def test_a_compiled_decode_step_is_one_compiled_entry_and_one_attention_plan(
         scale: float,
         window: int = 0,
         soft_cap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         attended.append(plan)
-        return forward(q, k, v, kv_cache, plan, scale, window, soft_cap)
+        return forward(q, k, v, kv_cache, plan, scale, window, soft_cap, sinks)
 
     installed: list[object] = []
     install = attention_op.install_plan

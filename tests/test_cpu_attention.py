@@ -1,6 +1,6 @@
 """The CPU backend's native decode kernel against the torch reference backend: decode-only and
 mixed batches, GQA ratios, head sizes, page sizes, contexts split into several chunks, sliding
-windows and logit soft-caps; its refusals of bad input; its build, cache and fallback when no
+windows, logit soft-caps and attention sinks; its refusals of bad input; its build, cache and fallback when no
 compiler works."""
 
 from __future__ import annotations
@@ -63,13 +63,14 @@ def _compare(
     window: int = 0,
     soft_cap: float = 0.0,
     scale: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     q, k, v, cache, (md_native, md_reference) = _batch(query_lens, seq_lens, page_size, heads, kv_heads, head_dim)
     scale = head_dim**-0.5 if scale is None else scale
     native_cache, reference_cache = cache.clone(), cache.clone()
     backend = CpuAttentionBackend(load_native_decode(), heads)
-    got = backend.attend(q, k, v, native_cache, md_native, scale, window, soft_cap)
-    want = TorchAttentionBackend().attend(q, k, v, reference_cache, md_reference, scale, window, soft_cap)
+    got = backend.attend(q, k, v, native_cache, md_native, scale, window, soft_cap, sinks)
+    want = TorchAttentionBackend().attend(q, k, v, reference_cache, md_reference, scale, window, soft_cap, sinks)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
     assert torch.equal(native_cache, reference_cache)  # the same K/V stored in the same slots
     assert backend.prepare(md_native, native_cache).native is not None  # the kernel ran the decodes
@@ -80,7 +81,7 @@ def _compare(
     operator_backend = CpuAttentionBackend(load_native_decode(), heads, native_operator=load_native_operator())
     plan = operator_backend.prepare(md_native, operator_cache)
     with attention_forward(operator_backend, plan):
-        through_operator = paged_attention(q, k, v, operator_cache, scale, window, soft_cap)
+        through_operator = paged_attention(q, k, v, operator_cache, scale, window, soft_cap, sinks)
     assert torch.equal(through_operator, got)
     assert torch.equal(operator_cache, native_cache)
 
@@ -179,6 +180,35 @@ def test_a_window_splits_its_span_into_chunks(seq_len: int, window: int) -> None
         _compare([1, 1, 1], [seq_len, 5, seq_len - 7], 16, 9, 3, 64, window)
     finally:
         torch.set_num_threads(before)
+
+
+def _sinks(heads: int, seed: int = 7) -> torch.Tensor:
+    # Around the scores' size (scale 1/8 over 64 dims of unit normals), so they take real weight.
+    return torch.randn(heads, generator=torch.Generator().manual_seed(seed)) * 2.0
+
+
+@pytest.mark.parametrize("window", [0, 3, 40])
+@pytest.mark.parametrize(("heads", "kv_heads", "page_size"), [(9, 3, 16), (4, 4, 4)], ids=["gqa3-p16", "mha-p4"])
+def test_sinks_decode_batch(heads: int, kv_heads: int, page_size: int, window: int) -> None:
+    seq_lens = [1, 3, page_size, page_size + 1, 300, 1100]
+    _compare([1] * len(seq_lens), seq_lens, page_size, heads, kv_heads, 64, window, sinks=_sinks(heads))
+
+
+@pytest.mark.parametrize(("window", "soft_cap"), [(0, 0.0), (3, 0.0), (40, SOFT_CAP)])
+def test_sinks_mixed_batch(window: int, soft_cap: float) -> None:
+    _compare([5, 1, 8, 3, 20], [300, 33, 8, 40, 60], 16, 9, 3, 64, window, soft_cap, CAPPED_SCALE, _sinks(9))
+    _compare([5, 2, 1], [700, 17, 1], 16, 4, 2, 64, window, soft_cap, CAPPED_SCALE, _sinks(4))  # kernel rows only
+
+
+def test_sinks_change_the_kernel_output() -> None:
+    """The sink comparisons above can fail: sinks far below every score change nothing, a zero
+    sink changes every row."""
+    q, k, v, cache, (md, _) = _batch([1, 1], [20, 300], 16, 4, 2, 64)
+    backend = CpuAttentionBackend(load_native_decode(), 4)
+    plain = backend.attend(q, k, v, cache.clone(), md, 0.125)
+    torch.testing.assert_close(backend.attend(q, k, v, cache.clone(), md, 0.125, sinks=torch.full((4,), -80.0)), plain)
+    with_sink = backend.attend(q, k, v, cache.clone(), md, 0.125, sinks=torch.zeros(4))
+    assert ((with_sink - plain).abs().amax(dim=-1) > 1e-4).all()
 
 
 def test_a_bf16_cache_takes_the_torch_path_with_a_window() -> None:
@@ -281,6 +311,9 @@ def test_run_refuses_a_mismatched_call_and_leaves_the_cache() -> None:
     for window, soft_cap in ((-1, 0.0), (0, -1.0)):
         with pytest.raises(ValueError, match="must not be negative"):
             plan.run(q, k, v, cache, 0.125, window, soft_cap)
+    for sinks in (torch.zeros(3), torch.zeros(4, dtype=torch.float64), torch.zeros(2, 2)):
+        with pytest.raises(ValueError, match=r"sinks must be float32 \[4\] \(one per query head\)"):
+            plan.run(q, k, v, cache, 0.125, sinks=sinks)
     assert torch.equal(cache, before)
     out = plan.run(q, k, v, cache, 0.125)  # and the right call still works
     assert out.shape == q.shape and torch.isfinite(out).all()

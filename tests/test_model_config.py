@@ -16,7 +16,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from compiled_engine.errors import ModelConfigError
 from compiled_engine.model.config import RopeConfig
-from compiled_engine.model.layers import rope_inverse_frequencies
+from compiled_engine.model.layers import RotaryEmbedding, rope_inverse_frequencies
 from compiled_engine.model.registry import config_from_dict, config_from_model_dir
 
 SMALL: dict[str, Any] = dict(
@@ -226,7 +226,7 @@ def test_linear_rope_old_type_key() -> None:
 def test_unsupported_architecture(model_type: str) -> None:
     raw = AutoConfig.for_model(model_type).to_dict()
     error = config_error(raw, re.escape(f"unsupported architecture (model_type='{model_type}'"))
-    families = "gemma2 gemma3_text granitemoe granitemoeshared llama mistral mixtral olmoe phi3 qwen2 qwen2_moe"
+    families = "gemma2 gemma3_text gpt_oss granitemoe granitemoeshared llama mistral mixtral olmoe phi3 qwen2 qwen2_moe"
     supported = str([*families.split(), "qwen3", "qwen3_moe"])
     assert f"supported model_type values: {supported}" in str(error)
     assert str(error).startswith("config.json: ")
@@ -248,20 +248,20 @@ def test_source_names_the_file() -> None:
         config_from_dict({"model_type": "gpt2"}, source="/models/x/config.json")
 
 
-@pytest.mark.parametrize("rope_type", ["yarn", "dynamic"])
+@pytest.mark.parametrize("rope_type", ["dynamic", "ntk"])
 def test_unsupported_rope_type(rope_type: str) -> None:
     raw = hf_dict("llama")
     raw["rope_parameters"] = {"rope_type": rope_type, "factor": 4.0, "rope_theta": 1e4}
     config_error(
         raw,
-        re.escape(f"unsupported rope scaling type '{rope_type}' (supported: default, llama3, linear, longrope)"),
+        re.escape(f"unsupported rope scaling type '{rope_type}' (supported: default, llama3, linear, longrope, yarn)"),
     )
     old = legacy(hf_dict("llama"), 1e4, scaling={"type": rope_type, "factor": 4.0})
     config_error(old, re.escape(f"unsupported rope scaling type '{rope_type}'"))
 
 
-def test_yarn_config_written_by_transformers_is_rejected() -> None:
-    raw = hf_dict(
+def test_a_qwen3_yarn_config_written_by_transformers_reads() -> None:
+    hf = hf_config(
         "qwen3",
         head_dim=32,
         max_position_embeddings=131072,
@@ -272,7 +272,11 @@ def test_yarn_config_written_by_transformers_is_rejected() -> None:
             "rope_theta": 1e6,
         },
     )
-    config_error(raw, "unsupported rope scaling type 'yarn'")
+    config = config_from_dict(hf.to_dict())
+    assert (config.rope.type, config.rope.factor, config.rope.original_max_position_embeddings) == ("yarn", 4.0, 32768)
+    expected, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf, device=None)
+    torch.testing.assert_close(rope_inverse_frequencies(config.rope, 32), expected, rtol=1e-6, atol=0)
+    assert config.rope.attention_factor == pytest.approx(attention_factor)
 
 
 @pytest.mark.parametrize("key", ["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"])
@@ -577,3 +581,79 @@ def test_model_type_decides_over_the_class_list() -> None:
 def test_flags_must_be_booleans(key: str) -> None:
     with pytest.raises(ModelConfigError, match=f"field '{key}' must be true or false, got 'false'"):
         config_from_dict({**hf_dict(), key: "false"})
+
+
+# --- YaRN (gpt-oss) ---------------------------------------------------------------------------
+
+YARN_CASES: dict[str, dict[str, Any]] = {
+    # gpt-oss's own parameters (truncate false)
+    "gpt-oss": {
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    },
+    # transformers' defaults: betas 32 and 1, truncate true, attention factor from the factor
+    "defaults": {"factor": 4.0, "original_max_position_embeddings": 2048},
+    "narrow-ramp": {"factor": 8.0, "beta_fast": 8.0, "beta_slow": 2.0, "original_max_position_embeddings": 1024},
+    "explicit-attention-factor": {"factor": 16.0, "attention_factor": 1.25, "original_max_position_embeddings": 4096},
+    "deepseek-mscale": {
+        "factor": 40.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.707,
+        "original_max_position_embeddings": 4096,
+    },
+}
+
+
+@pytest.mark.parametrize("case", sorted(YARN_CASES))
+@pytest.mark.parametrize(("head_dim", "theta"), [(64, 150_000.0), (32, 10_000.0)])
+def test_yarn_rope_matches_transformers(case: str, head_dim: int, theta: float) -> None:
+    params = {"rope_type": "yarn", "rope_theta": theta, **YARN_CASES[case]}
+    hf = hf_config("llama", head_dim=head_dim, max_position_embeddings=131072, rope_parameters=params)
+    expected, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf, device=None)
+    config = config_from_dict(hf.to_dict())
+    ours = rope_inverse_frequencies(config.rope, config.head_dim)
+    torch.testing.assert_close(ours, expected, rtol=1e-6, atol=0)
+    assert config.rope.attention_factor == pytest.approx(attention_factor, rel=1e-12)
+    # Meaningful only where the ramp has pairs kept, pairs slowed and pairs between.
+    plain = rope_inverse_frequencies(RopeConfig(theta=theta), head_dim)
+    factor = YARN_CASES[case]["factor"]
+    kept, slowed = torch.isclose(ours, plain), torch.isclose(ours, plain / factor)
+    assert kept.any() and slowed.any() and (~kept & ~slowed).any()
+
+
+def test_yarn_scales_cos_and_sin() -> None:
+    params = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 8.0, "original_max_position_embeddings": 4096}
+    hf = hf_config("llama", max_position_embeddings=32768, rope_parameters=params)
+    expected, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf, device=None)
+    config = config_from_dict(hf.to_dict())
+    assert config.rope.factor == 8.0
+    torch.testing.assert_close(rope_inverse_frequencies(config.rope, 16), expected, rtol=1e-6, atol=0)
+    cos, sin = RotaryEmbedding(config.rope, 16)(torch.tensor([0, 5]), torch.float32)
+    assert attention_factor > 1.0
+    torch.testing.assert_close(cos[0], torch.full((16,), attention_factor))  # position 0: cos 1, scaled
+    torch.testing.assert_close(cos[1] ** 2 + sin[1] ** 2, torch.full((16,), attention_factor**2))
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"factor": 4.0}, "rope scaling type 'yarn' needs a positive int 'original_max_position_embeddings'"),
+        ({"original_max_position_embeddings": 4096}, "rope scaling type 'yarn' needs 'factor'"),
+        ({"factor": -1.0, "original_max_position_embeddings": 4096}, "'yarn' field 'factor' must be a positive"),
+        (
+            {"factor": 4.0, "beta_fast": 0, "original_max_position_embeddings": 4096},
+            "field 'beta_fast' must be a positive",
+        ),
+        (
+            {"factor": 4.0, "truncate": "no", "original_max_position_embeddings": 4096},
+            "'truncate' must be true or false",
+        ),
+    ],
+)
+def test_yarn_refuses_bad_fields(params: dict[str, Any], message: str) -> None:
+    raw = hf_dict("llama")
+    raw["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e4, **params}
+    config_error(raw, message)

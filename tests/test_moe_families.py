@@ -179,7 +179,9 @@ def _dense_twin(quantized: QuantizedExperts) -> torch.nn.Module:
 
     class Twin(torch.nn.Module):
         def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-            return reference_expert_mlps(x, weights, ids, gate_up, down, quantized.activation)
+            return reference_expert_mlps(
+                x, weights, ids, gate_up, down, quantized.activation, quantized.gate_up_bias, quantized.down_bias
+            )
 
     return Twin()
 

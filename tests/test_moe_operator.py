@@ -1,16 +1,23 @@
 """The mixture of experts' pieces against their slow twins: the grouped experts operator (dense
 and quantized experts, every format, 1-64 rows, k = 1, 2, 4, 8) against a plain loop over every
 expert on dense weights; experts nobody chose are never read; the router's variants against the
-formulas they implement."""
+formulas they implement; gpt-oss's experts (biases, the clamped SwiGLU) against transformers'."""
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import pytest
 import torch
 
-from compiled_engine.experts.op import expert_mlps, grouped_mm_expert_mlps, reference_expert_mlps
+from compiled_engine.experts.op import (
+    SWIGLU_LIMIT,
+    SWIGLU_OAI,
+    expert_mlps,
+    grouped_mm_expert_mlps,
+    reference_expert_mlps,
+)
 from compiled_engine.linear.crossover import RowCrossover
 from compiled_engine.linear.quantize import quantize
 from compiled_engine.linear.quantized_experts import QuantizedExperts, native_experts_operator
@@ -204,3 +211,72 @@ def test_the_grouped_product_way_matches_the_loop(rows: int, k: int) -> None:
     )
     bf16 = grouped_mm_expert_mlps(x.bfloat16(), weights, ids, gate_up.bfloat16(), down.bfloat16(), "silu")
     assert ((bf16.float() - expected).norm() / expected.norm()).item() < 0.02
+
+
+# ---------------------------------------------------------------------------------------------
+# gpt-oss's experts: biases on both products and the clamped SwiGLU over interleaved features
+
+
+@functools.cache
+def _gpt_oss_experts() -> Any:
+    """transformers' own GptOssExperts with random weights large enough that the clamps bite."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    config = GptOssConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_local_experts=EXPERTS)
+    config._experts_implementation = "eager"
+    experts = GptOssExperts(config)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for param in experts.parameters():
+            param.copy_(torch.randn(param.shape, generator=g) * (0.5 if param.dim() == 3 else 1.0))
+    return experts
+
+
+def _ours_of(experts: Any) -> tuple[torch.Tensor, ...]:
+    # The checkpoint holds [experts, in, out] products; ours are [experts, out, in].
+    return (
+        experts.gate_up_proj.detach().transpose(1, 2).contiguous(),
+        experts.down_proj.detach().transpose(1, 2).contiguous(),
+        experts.gate_up_proj_bias.detach(),
+        experts.down_proj_bias.detach(),
+    )
+
+
+@pytest.mark.parametrize("k", (1, 4))
+@pytest.mark.parametrize("rows", (1, 5, 64))
+@torch.inference_mode()
+def test_gpt_oss_experts_match_transformers(rows: int, k: int) -> None:
+    hf = _gpt_oss_experts()
+    gate_up, down, gate_up_bias, down_bias = _ours_of(hf)
+    x, weights, ids = _batch(rows, k, seed=rows + k)
+    x = x * 2
+    expected = hf(x, ids, weights)
+    hidden = torch.einsum("th,eoh->teo", x, gate_up) + gate_up_bias  # every expert's gate/up features
+    assert hidden[..., 0::2].max() > SWIGLU_LIMIT and hidden[..., 1::2].abs().max() > SWIGLU_LIMIT  # clamps bite
+    args = (x, weights, ids, gate_up, down, SWIGLU_OAI, gate_up_bias, down_bias)
+    torch.testing.assert_close(reference_expert_mlps(*args), expected, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(expert_mlps(*args), expected, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(grouped_mm_expert_mlps(*args), expected, atol=1e-4, rtol=1e-5)
+    without_biases = reference_expert_mlps(x, weights, ids, gate_up, down, SWIGLU_OAI)
+    assert (without_biases - expected).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("fmt", (("int8", 32), ("int4", 32)), ids=lambda f: f"{f[0]}-g{f[1]}")
+@pytest.mark.parametrize("rows", (1, 5, 64))
+@torch.inference_mode()
+def test_quantized_gpt_oss_experts_match_the_loop_over_their_dequantized_weights(
+    rows: int, fmt: tuple[str, int]
+) -> None:
+    """Biases and the clamped SwiGLU take the Python loop over the quantized product (the C++
+    operator knows neither)."""
+    gate_up, down, gate_up_bias, down_bias = _ours_of(_gpt_oss_experts())
+    experts = QuantizedExperts(
+        quantize(gate_up.reshape(-1, HIDDEN), *fmt), quantize(down.reshape(-1, INTER), *fmt),
+        EXPERTS, SWIGLU_OAI, gate_up_bias, down_bias,
+    )  # fmt: skip
+    assert experts.native is None
+    x, weights, ids = _batch(rows, 4, seed=rows)
+    dense_gate_up, dense_down = experts.dense()
+    expected = reference_expert_mlps(x, weights, ids, dense_gate_up, dense_down, SWIGLU_OAI, gate_up_bias, down_bias)
+    torch.testing.assert_close(experts(x, weights, ids), expected, atol=1e-4, rtol=1e-4)

@@ -39,6 +39,7 @@ class AttentionShape:
     # support them.
     layer_kinds: tuple[LayerKind, ...] = (FULL_ATTENTION,)
     kv_dtype: torch.dtype | None = None  # the KV pages' storage type; None: `dtype`
+    sinks: bool = False  # whether the model's layers pass attention sinks (gpt-oss)
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:
@@ -69,7 +70,10 @@ class AttentionBackend(Generic[Plan]):
     `window` and `soft_cap` are the layer's (see LayerKind); every layer passes its own at every
     call, since they differ between layers (Gemma alternates sliding and full layers). A backend
     declares that it honours them with `supports_sliding_window` and `supports_soft_cap`; the
-    selector never gives a model a backend that would ignore what its layers ask for.
+    selector never gives a model a backend that would ignore what its layers ask for. So with
+    `sinks` ([heads] fp32 or None) and `supports_sinks`: a sink is a learned logit per query head
+    that joins each query's softmax denominator as exp(sink) with no value, so a query may give
+    less than all of its weight to the keys (gpt-oss).
 
     What the runner may ask besides, with the defaults here:
     - `supports_cuda_graphs`: decode may be captured (the plan of a graph reads device tensors
@@ -92,6 +96,7 @@ class AttentionBackend(Generic[Plan]):
     supports_cuda_graphs: ClassVar[bool] = False
     supports_sliding_window: ClassVar[bool] = False
     supports_soft_cap: ClassVar[bool] = False
+    supports_sinks: ClassVar[bool] = False
     scale: float | None = None
 
     @classmethod
@@ -118,6 +123,7 @@ class AttentionBackend(Generic[Plan]):
         scale: float,
         window: int = 0,
         soft_cap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         raise NotImplementedError
 
@@ -131,9 +137,11 @@ class AttentionBackend(Generic[Plan]):
         scale: float,
         window: int = 0,
         soft_cap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`prepare` then `forward`, for one layer's call on its own (tests, kernel benchmarks)."""
-        return self.forward(q, k, v, kv_cache, self.prepare(metadata, kv_cache), scale, window, soft_cap)
+        plan = self.prepare(metadata, kv_cache)
+        return self.forward(q, k, v, kv_cache, plan, scale, window, soft_cap, sinks)
 
     def native_plan(self, plan: Plan) -> DecodePlan | None:
         """The plan as the CPU's native `paged_attention` kernel runs it, when every call of this

@@ -7,7 +7,8 @@ prompt): each of their tokens is one row of the kernel, attending over the seque
 its own position. The kernel stores every row's K/V before any row attends, so a row sees the
 tokens before it in the same forward. Longer prompts and prompt chunks take the torch backend's
 SDPA path (`attention/paged.py`). A layer's sliding window and soft-cap reach both: the kernel
-reads only the pages of each row's window and caps each score with tanhf. The kernel keeps KV
+reads only the pages of each row's window and caps each score with tanhf; attention sinks join
+each query head's softmax where the kernel merges its chunks. The kernel keeps KV
 pages of fp32, fp16, bf16 and FP8 (e4m3, e5m2), converting as it reads and writes them, with q, k
 and v in fp32; other activations, or a cache of another type, run exactly the torch backend. The torch backend stays
 the reference this one is tested against.
@@ -56,6 +57,7 @@ class CpuAttentionBackend(AttentionBackend[CpuPlan]):
     name = "cpu"
     supports_sliding_window = True  # the kernel starts each row at its window; prompts mask it
     supports_soft_cap = True
+    supports_sinks = True
 
     def __init__(
         self, kernel: NativeDecode, num_heads: int, native_operator: bool = False, dtype: torch.dtype = torch.float32
@@ -138,18 +140,19 @@ class CpuAttentionBackend(AttentionBackend[CpuPlan]):
         scale: float,
         window: int = 0,
         soft_cap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         native, prompts = plan.native, plan.prompts
         if prompts is None:  # short sequences only
             assert native is not None
-            return native.run(q, k, v, kv_cache, scale, window, soft_cap)
+            return native.run(q, k, v, kv_cache, scale, window, soft_cap, sinks)
         if native is None:  # prompts only, or what the kernel cannot run
-            return paged_forward(q, k, v, kv_cache, prompts, scale, window, soft_cap)
+            return paged_forward(q, k, v, kv_cache, prompts, scale, window, soft_cap, sinks)
         write_kv(k, v, kv_cache, prompts.slot_mapping, prompts.write_rows)
         out = torch.empty_like(q)
         tokens = plan.decode_tokens
         assert tokens is not None
-        out[tokens] = native.run(q[tokens], k[tokens], v[tokens], kv_cache, scale, window, soft_cap)
+        out[tokens] = native.run(q[tokens], k[tokens], v[tokens], kv_cache, scale, window, soft_cap, sinks)
         assert prompts.metadata is not None
-        attend_prompts(q, kv_cache, prompts.metadata, scale, out, plan.decode_seqs, window, soft_cap)
+        attend_prompts(q, kv_cache, prompts.metadata, scale, out, plan.decode_seqs, window, soft_cap, sinks)
         return out

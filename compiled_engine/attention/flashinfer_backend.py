@@ -21,6 +21,10 @@ for its kind, and a layer's call runs its kind's wrapper. A window of W keys is
 `tests/test_flashinfer.py::test_flashinfer_layer_kinds_match_torch_backend` (marked gpu) checks
 it against the torch backend; on the CPU only the planning and the choice of wrapper are checked,
 against a stand-in (tests/test_flashinfer_graphs.py).
+
+Attention sinks (gpt-oss) are not passed to FlashInfer (`supports_sinks` is False): its paged
+wrappers used here take no sink tensor, and a sink path could not be checked without a GPU, so
+the selector gives such a model the torch backend, with a warning saying why.
 """
 
 from __future__ import annotations
@@ -235,7 +239,10 @@ class FlashInferAttentionBackend(AttentionBackend[FlashInferPlan]):
         scale: float,
         window: int = 0,
         soft_cap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if sinks is not None:  # never chosen for such a model (supports_sinks): the selector says why
+            raise ValueError("the flashinfer attention backend has no attention sinks (gpt-oss's); use cpu or torch")
         if scale != self.scale:
             raise ValueError(f"FlashInfer was planned with scale {self.scale}, the model attends with {scale}")
         wrapper = plan.wrappers.get((window, soft_cap))

@@ -113,9 +113,11 @@ class DecodePlan:
         scale: float,
         window: int = 0,
         soft_cap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: [seqs, heads, d]; k, v: [seqs, kv_heads, d]; kv_cache: one layer's pages. `window`
-        (0: every key) and `soft_cap` (0.0: none) are the layer's (LayerKind)."""
+        (0: every key), `soft_cap` (0.0: none) and `sinks` (float32 [heads]; None: none) are
+        the layer's."""
         num_seqs = self.slots.shape[0]
         _, _, page_size, num_kv_heads, head_dim = self.cache_shape
         if (
@@ -135,6 +137,14 @@ class DecodePlan:
             )
         if window < 0 or soft_cap < 0:
             raise ValueError(f"paged decode attention: window {window} and soft_cap {soft_cap} must not be negative")
+        if sinks is not None and (
+            sinks.shape != (self.num_heads,) or sinks.dtype != torch.float32 or sinks.device.type != "cpu"
+        ):
+            raise ValueError(
+                f"paged decode attention: sinks must be float32 [{self.num_heads}] (one per query head) on the CPU, "
+                f"got {sinks.dtype} {list(sinks.shape)} on {sinks.device.type}"
+            )
+        sink_values = None if sinks is None else sinks.contiguous()
         chunk, chunks, scratch = self.chunk, self.chunks, self.scratch
         if 0 < window < self.max_seq_len:
             # A query attends at most `window` keys, from its window's start: split that span
@@ -150,7 +160,7 @@ class DecodePlan:
             q.data_ptr(), k.data_ptr(), v.data_ptr(), self.slots.data_ptr(), kv_cache.data_ptr(),
             KV_TYPES[self.cache_dtype], self.block_tables.data_ptr(), self.block_tables.shape[1], self.seq_lens.data_ptr(), num_seqs,
             self.num_heads, num_kv_heads, head_dim, page_size, chunk, chunks, scale, window, soft_cap,
-            scratch.data_ptr(), out.data_ptr(), self.threads,
+            None if sink_values is None else sink_values.data_ptr(), scratch.data_ptr(), out.data_ptr(), self.threads,
         )  # fmt: skip
         if status != 0:
             raise ValueError(f"paged decode attention: the kernel refused its shapes (status {status})")
@@ -259,6 +269,7 @@ def load_native_decode() -> NativeDecode:
         ctypes.c_float,  # scale
         i64,  # window
         ctypes.c_float,  # soft_cap
+        ptr,  # sinks, or NULL
         ptr,
         ptr,
         ctypes.c_int,
@@ -300,6 +311,7 @@ def _paged_decode_fake(
     scale: float,
     window: int = 0,
     soft_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return torch.empty_like(q)
 

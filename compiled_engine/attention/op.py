@@ -1,9 +1,9 @@
 """Attention as one opaque operator, so torch.compile traces the model without graph breaks.
 
-The model calls `paged_attention(q, k, v, kv_cache, scale, window, soft_cap)`, the last two its
-layer's sliding window and logit soft-cap (0: none; see `LayerKind` in attention/backend.py).
-They are Python constants of each layer, so they are arguments of the operator rather than part
-of the plan. What the operator needs besides its tensors (the backend, and the plan the backend
+The model calls `paged_attention(q, k, v, kv_cache, scale, window, soft_cap, sinks)`: its layer's
+sliding window and logit soft-cap (0: none; see `LayerKind` in attention/backend.py), and its
+attention sinks (None: none; gpt-oss's learned logit per query head, see AttentionBackend). They
+are each layer's own, so they are arguments of the operator rather than part of the plan. What the operator needs besides its tensors (the backend, and the plan the backend
 prepared for this batch) is set once per forward by the runner with
 `attention_forward(backend, plan)`, outside any compiled region. Neither Dynamo nor the model
 ever sees the plan: batch composition changes neither the traced graph nor its guards, and the
@@ -59,7 +59,10 @@ def attention_forward(backend: AttentionBackend[Any], plan: Any) -> Iterator[Non
 # nested compile region, functionalization refuses a custom operator that mutates its input. It
 # is safe because nothing else in the graph reads or writes the pages: each layer's operator is
 # the only user of its layer's slice, and data dependencies keep the layers in order.
-_SCHEMA = "(Tensor q, Tensor k, Tensor v, Tensor kv_cache, float scale, int window=0, float soft_cap=0.0) -> Tensor"
+_SCHEMA = (
+    "(Tensor q, Tensor k, Tensor v, Tensor kv_cache, float scale, int window=0, float soft_cap=0.0, "
+    "Tensor? sinks=None) -> Tensor"
+)
 torch.library.define("compiled_engine::paged_attention", _SCHEMA)
 torch.library.define("compiled_engine::paged_attention_planned", _SCHEMA)
 
@@ -72,10 +75,11 @@ def _paged_attention_kernel(
     scale: float,
     window: int = 0,
     soft_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if _current is None:
         raise RuntimeError("paged_attention called outside attention_forward(...)")
-    return _current.backend.forward(q, k, v, kv_cache, _current.plan, scale, window, soft_cap)
+    return _current.backend.forward(q, k, v, kv_cache, _current.plan, scale, window, soft_cap, sinks)
 
 
 for _name in ("compiled_engine::paged_attention", "compiled_engine::paged_attention_planned"):
@@ -90,6 +94,7 @@ def _paged_attention_fake(
     scale: float,
     window: int = 0,
     soft_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return torch.empty_like(q)
 
@@ -106,8 +111,10 @@ def paged_attention(
     scale: float,
     window: int = 0,
     soft_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write k, v into `kv_cache` (one layer's pages) and attend; see AttentionBackend.
     q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim]; returns q's shape.
-    `window` (0: every earlier token) and `soft_cap` (0.0: none) are this layer's."""
-    return torch.ops.compiled_engine.paged_attention(q, k, v, kv_cache, scale, window, soft_cap)
+    `window` (0: every earlier token), `soft_cap` (0.0: none) and `sinks` ([heads] fp32, one
+    logit per query head; None: none) are this layer's."""
+    return torch.ops.compiled_engine.paged_attention(q, k, v, kv_cache, scale, window, soft_cap, sinks)

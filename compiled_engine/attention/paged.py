@@ -10,8 +10,9 @@ reads only device tensors and so can be captured in a CUDA graph.
 A layer's sliding window and logit soft-cap (`LayerKind`, attention/backend.py) arrive with each
 call. Full attention without a cap runs exactly as above. A window adds the keys before it to the
 mask (for decoding rows on the device, from their lengths, so graphs stay capturable); a soft-cap
-needs tanh between the product and the softmax, which SDPA cannot do, so capped layers compute
-the attention written out (`capped_attention`).
+needs tanh between the product and the softmax, and attention sinks a term in the softmax's
+denominator, which SDPA cannot do, so such layers compute the attention written out
+(`written_attention`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ import torch.nn.functional as F
 
 from compiled_engine.attention.metadata import AttentionMetadata
 from compiled_engine.cache.kv_cache import is_fp8
+
+# The most scores (heads x queries x keys) the written-out attention of one prompt holds at once.
+WRITTEN_SCORES = 1 << 24
 
 
 def kv_rows(slots: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -131,20 +135,33 @@ def prepare_torch_plan(
     return TorchPlan(metadata.slot_mapping, write_rows, decode, None if metadata.decode_only else metadata)
 
 
-def capped_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, soft_cap: float
+def written_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    soft_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Softmax attention with soft-capped logits, written out because SDPA cannot apply tanh:
-    the scores scale * q.k become soft_cap * tanh(scores / soft_cap), then the mask (a float
-    bias to add, or booleans, True where a key is visible), the softmax and the weighted sum of
-    the values. q: [..., q_rows, d]; k, v: [..., keys, d], batch dimensions broadcast as in
-    matmul. Computed in at least fp32, returned in q's dtype."""
+    """Softmax attention written out, for what SDPA cannot do: the scores scale * q.k become
+    soft_cap * tanh(scores / soft_cap) (soft_cap 0: as they are), then the mask (a float bias to
+    add, or booleans, True where a key is visible), the softmax, with each query row's sink
+    logit as one more score whose value is zero (sinks None: none), and the weighted sum of the
+    values. q: [..., q_rows, d]; k, v: [..., keys, d], batch dimensions broadcast as in matmul;
+    sinks broadcasts to [..., q_rows, 1]. Computed in at least fp32, returned in q's dtype."""
     compute = torch.promote_types(q.dtype, torch.float32)
     scores = torch.matmul(q.to(compute), k.to(compute).transpose(-1, -2)) * scale
-    scores = soft_cap * torch.tanh(scores / soft_cap)
+    if soft_cap:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.to(compute)
-    return torch.matmul(scores.softmax(dim=-1), v.to(compute)).to(q.dtype)
+    if sinks is None:
+        weights = scores.softmax(dim=-1)
+    else:
+        sink = sinks.to(compute).expand(*scores.shape[:-1], 1)
+        weights = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.matmul(weights, v.to(compute)).to(q.dtype)
 
 
 def decode_attention(
@@ -154,6 +171,7 @@ def decode_attention(
     key_bias: torch.Tensor,
     scale: float,
     soft_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per sequence. q: [seqs, heads, d]; read_rows: the flat K rows of every
     sequence's pages, padded to the widest block table ([seqs * width]); key_bias: [seqs, 1, 1,
@@ -163,16 +181,19 @@ def decode_attention(
     The query heads that share a KV head are laid out as that head's query rows ([seqs, kv_heads,
     group, d]), so each key is read once per KV head rather than once per query head (faster on
     the CPU than SDPA's own GQA expansion: docs/benchmarks.md). A window is in `key_bias`
-    (`window_bias`); a soft-cap takes `capped_attention`."""
+    (`window_bias`); a soft-cap or sinks take `written_attention`."""
     num_seqs, num_heads, head_dim = q.shape
     _, _, page_size, num_kv_heads, _ = kv_cache.shape
     width = key_bias.shape[-1]
     flat = kv_cache.view(-1, num_kv_heads, head_dim)
     keys = flat.index_select(0, read_rows).view(num_seqs, width, num_kv_heads, head_dim).transpose(1, 2)
     values = flat.index_select(0, read_rows + page_size).view(num_seqs, width, num_kv_heads, head_dim).transpose(1, 2)
-    queries = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    if soft_cap:
-        attended = capped_attention(queries, keys, values, key_bias, scale, soft_cap)
+    group = num_heads // num_kv_heads
+    queries = q.view(num_seqs, num_kv_heads, group, head_dim)
+    if soft_cap or sinks is not None:
+        # A sequence's query rows are the group's heads: head h's sink sits at [h // group, h % group].
+        head_sinks = None if sinks is None else sinks.view(num_kv_heads, group, 1)
+        attended = written_attention(queries, keys, values, key_bias, scale, soft_cap, head_sinks)
     else:
         attended = F.scaled_dot_product_attention(
             queries,
@@ -185,11 +206,17 @@ def decode_attention(
 
 
 def attend_decodes(
-    q: torch.Tensor, kv_cache: torch.Tensor, decode: DecodeRows, scale: float, window: int = 0, soft_cap: float = 0.0
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    decode: DecodeRows,
+    scale: float,
+    window: int = 0,
+    soft_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`decode_attention` over a plan's decoding rows, their mask narrowed to the layer's window."""
     bias = window_bias(decode.key_bias, decode.seq_lens, window) if window else decode.key_bias
-    return decode_attention(q, kv_cache, decode.read_rows, bias, scale, soft_cap)
+    return decode_attention(q, kv_cache, decode.read_rows, bias, scale, soft_cap, sinks)
 
 
 def attend_prompts(
@@ -201,11 +228,12 @@ def attend_prompts(
     skip: frozenset[int] = frozenset(),
     window: int = 0,
     soft_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """One SDPA per sequence of the batch (except those in `skip`), written into `out`; their
     K/V must already be in the cache. A whole prompt runs `is_causal`; a chunk after a cached
-    prefix, or one new token, a mask offset by the prefix. A layer with a window or a soft-cap
-    takes `attend_masked` instead, with its mask written out."""
+    prefix, or one new token, a mask offset by the prefix. A layer with a window, a soft-cap or
+    sinks takes `attend_masked` instead, with its mask written out."""
     _, _, page_size, num_kv_heads, head_dim = kv_cache.shape
     num_heads = q.shape[1]
     starts = metadata.query_start_loc_cpu
@@ -214,9 +242,9 @@ def attend_prompts(
             continue
         start, end = starts[i], starts[i + 1]
         q_len = end - start
-        if window or soft_cap:
+        if window or soft_cap or sinks is not None:
             out[start:end] = attend_masked(
-                q[start:end], kv_cache, metadata.block_tables[i], seq_len, scale, window, soft_cap
+                q[start:end], kv_cache, metadata.block_tables[i], seq_len, scale, window, soft_cap, sinks
             )
             continue
         num_pages = -(-seq_len // page_size)
@@ -252,6 +280,7 @@ def attend_masked(
     scale: float,
     window: int,
     soft_cap: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One sequence's new tokens, q: [q_len, heads, d] at the last q_len of its seq_len
     positions, with the mask written out: causal, and with a window each query at p sees only
@@ -271,16 +300,28 @@ def attend_masked(
     visible = key_pos <= query_pos
     if window:
         visible &= key_pos > query_pos - window
-    if soft_cap:
+    if soft_cap or sinks is not None:
         # Query head h reads KV head h // group: the group's query rows face their KV head's keys.
         group = num_heads // num_kv_heads
-        attended = capped_attention(
-            q.transpose(0, 1).reshape(num_kv_heads, group, q_len, head_dim),
-            keys.transpose(0, 1)[:, None],  # [kvh, 1, keys, d]
-            values.transpose(0, 1)[:, None],
-            visible,
-            scale,
-            soft_cap,
+        queries = q.transpose(0, 1).reshape(num_kv_heads, group, q_len, head_dim)
+        head_sinks = None if sinks is None else sinks.view(num_kv_heads, group, 1, 1)
+        # The scores are written out: a long prompt takes its queries a slice at a time, so that
+        # they never hold more than WRITTEN_SCORES at once.
+        step = max(1, WRITTEN_SCORES // (num_heads * keys.shape[0]))
+        attended = torch.cat(
+            [
+                written_attention(
+                    queries[:, :, first : first + step],
+                    keys.transpose(0, 1)[:, None],  # [kvh, 1, keys, d]
+                    values.transpose(0, 1)[:, None],
+                    visible[first : first + step],
+                    scale,
+                    soft_cap,
+                    head_sinks,
+                )
+                for first in range(0, q_len, step)
+            ],
+            dim=2,
         )
     else:
         attended = F.scaled_dot_product_attention(
@@ -303,16 +344,17 @@ def paged_forward(
     scale: float,
     window: int = 0,
     soft_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write the new K/V, then attend: decoding sequences batched, the others one SDPA each."""
     write_kv(k, v, kv_cache, plan.slot_mapping, plan.write_rows)
     decode = plan.decode
     if plan.metadata is None:  # every sequence decodes
         assert decode is not None
-        return attend_decodes(q, kv_cache, decode, scale, window, soft_cap)
+        return attend_decodes(q, kv_cache, decode, scale, window, soft_cap, sinks)
     out = torch.empty_like(q)
     if decode is not None and decode.tokens is not None:  # the decoding sequences of a mixed batch, in one call
-        out[decode.tokens] = attend_decodes(q[decode.tokens], kv_cache, decode, scale, window, soft_cap)
+        out[decode.tokens] = attend_decodes(q[decode.tokens], kv_cache, decode, scale, window, soft_cap, sinks)
     skip = decode.seqs if decode is not None else frozenset()
-    attend_prompts(q, kv_cache, plan.metadata, scale, out, skip, window, soft_cap)
+    attend_prompts(q, kv_cache, plan.metadata, scale, out, skip, window, soft_cap, sinks)
     return out

@@ -3,7 +3,7 @@ fallback to the torch backend, with one warning saying why, when the one asked f
 this model here (never a silently wrong result).
 
 A backend declares what it supports (`unsupported_reason`, `supports_cuda_graphs`,
-`supports_sliding_window`, `supports_soft_cap`) and how it is built (`create`); adding one is its
+`supports_sliding_window`, `supports_soft_cap`, `supports_sinks`) and how it is built (`create`); adding one is its
 module plus its line in `REGISTRY`.
 """
 
@@ -31,14 +31,17 @@ AUTO_ELSEWHERE = CpuAttentionBackend.name
 
 
 def layer_kinds_reason(backend: type[AttentionBackend[Any]], shape: AttentionShape) -> str | None:
-    """Why `backend` cannot run the model's layer kinds (a sliding window, a logit soft-cap it
-    does not implement), or None when it can: it would ignore them and attend wrongly."""
+    """Why `backend` cannot run the model's layer kinds (a sliding window, a logit soft-cap or
+    attention sinks it does not implement), or None when it can: it would ignore them and attend
+    wrongly."""
     windows = sorted({window for window, _ in shape.layer_kinds if window})
     caps = sorted({cap for _, cap in shape.layer_kinds if cap})
     if windows and not backend.supports_sliding_window:
         return f"the {backend.name} backend has no sliding-window attention (the model's layers slide over {windows} tokens)"
     if caps and not backend.supports_soft_cap:
         return f"the {backend.name} backend cannot soft-cap attention logits (the model caps them at {caps})"
+    if shape.sinks and not backend.supports_sinks:
+        return f"the {backend.name} backend has no attention sinks (the model's layers have them)"
     return None
 
 

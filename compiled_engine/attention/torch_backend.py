@@ -1,6 +1,6 @@
 """The portable reference backend: scatter new K/V into their slots, gather each sequence's pages,
 and run scaled-dot-product attention with a causal mask offset by the cached prefix (the paged
-SDPA path of `attention/paged.py`), with sliding windows and logit soft-caps. It runs on every
+SDPA path of `attention/paged.py`), with sliding windows, logit soft-caps and attention sinks. It runs on every
 device and dtype; the other backends are tested against it.
 """
 
@@ -28,6 +28,7 @@ class TorchAttentionBackend(AttentionBackend[TorchPlan]):
     supports_cuda_graphs = True
     supports_sliding_window = True
     supports_soft_cap = True
+    supports_sinks = True
 
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         self.dtype = dtype  # of the key masks: the model's activations
@@ -56,5 +57,6 @@ class TorchAttentionBackend(AttentionBackend[TorchPlan]):
         scale: float,
         window: int = 0,
         soft_cap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return paged_forward(q, k, v, kv_cache, plan, scale, window, soft_cap)
+        return paged_forward(q, k, v, kv_cache, plan, scale, window, soft_cap, sinks)

@@ -150,6 +150,7 @@ class Runner:
         shape = AttentionShape(
             heads, self.kv_spec.num_kv_heads, model.head_dim, self.page_size, self.dtype, self.device,
             scale=model.softmax_scale, layer_kinds=layer_kinds, kv_dtype=self.kv_spec.dtype,
+            sinks=model.attention_sinks,
         )  # fmt: skip
         return get_backend(config.attention_backend, shape)
 

@@ -10,6 +10,10 @@ linear/quantized_experts.py); on CUDA it is torch's grouped product, which needs
 synchronisation, so CUDA graphs hold it (`grouped_mm_expert_mlps`; unverified on a device).
 `reference_expert_mlps` is the meaning of both, a plain loop over every expert on dense weights:
 the slow twin the tests hold them to.
+
+An expert is down(glu(gate_up x + b1)) + b2, the biases optional (gpt-oss has them). `glu` is
+the activation's, from gate_up's product of 2 * inter features: SiLU or GELU-tanh of the first
+half times the second, or gpt-oss's clamped SwiGLU (`SWIGLU_OAI`) over interleaved features.
 """
 
 from __future__ import annotations
@@ -20,6 +24,25 @@ import torch
 import torch.nn.functional as F
 
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+# gpt-oss's experts: gate = even features, up = odd ones; gate clamped above at the limit, up to
+# +-limit; gate * sigmoid(alpha * gate) * (up + 1).
+SWIGLU_OAI = "swiglu_oai"
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
+EXPERT_ACTIVATIONS = (*ACTIVATIONS, SWIGLU_OAI)
+
+
+def glu(activation: str, gate_up: torch.Tensor) -> torch.Tensor:
+    """The gated activation of a gate/up product [rows, 2 * inter]: [rows, inter]."""
+    if activation == SWIGLU_OAI:
+        gate = gate_up[..., ::2].clamp(max=SWIGLU_LIMIT)
+        up = gate_up[..., 1::2].clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
+        return gate * torch.sigmoid(gate * SWIGLU_ALPHA) * (up + 1)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return ACTIVATIONS[activation](gate) * up
+
+
+def _bias(bias: torch.Tensor | None, e: int) -> torch.Tensor | None:
+    return None if bias is None else bias[e]
 
 
 def reference_expert_mlps(
@@ -29,6 +52,8 @@ def reference_expert_mlps(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     activation: str,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Every expert in turn over the tokens that chose it, on dense weights, summed in fp32."""
     out = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float32, device=x.device)
@@ -36,8 +61,8 @@ def reference_expert_mlps(
         token, slot = torch.where(ids == e)
         if token.numel() == 0:
             continue
-        gate, up = F.linear(x[token], gate_up[e]).chunk(2, dim=-1)
-        y = F.linear(ACTIVATIONS[activation](gate) * up, down[e])
+        h = glu(activation, F.linear(x[token], gate_up[e], _bias(gate_up_bias, e)))
+        y = F.linear(h, down[e], _bias(down_bias, e))
         out.index_add_(0, token, y.float() * weights[token, slot, None])
     return out.to(x.dtype)
 
@@ -86,6 +111,8 @@ def grouped_mm_expert_mlps(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     activation: str,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The same as one grouped product per projection (torch._grouped_mm over the pairs sorted by
     expert), with no host synchronisation: every shape is fixed by the batch, so a CUDA graph can
@@ -97,8 +124,13 @@ def grouped_mm_expert_mlps(
     counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # bincount would synchronise
     ends = counts.cumsum(0, dtype=torch.int32)
-    gate, up = torch._grouped_mm(x[token], gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-    y = torch._grouped_mm(ACTIVATIONS[activation](gate) * up, down.transpose(1, 2), offs=ends)
+    expert = flat[order]  # each sorted pair's expert: its rows' biases
+    projected = torch._grouped_mm(x[token], gate_up.transpose(1, 2), offs=ends)
+    if gate_up_bias is not None:
+        projected = projected + gate_up_bias[expert]
+    y = torch._grouped_mm(glu(activation, projected), down.transpose(1, 2), offs=ends)
+    if down_bias is not None:
+        y = y + down_bias[expert]
     out = torch.zeros(tokens, down.shape[1], dtype=torch.float32, device=x.device)
     out.index_add_(0, token, y.float() * weights.reshape(-1)[order, None].float())
     return out.to(x.dtype)
@@ -106,7 +138,8 @@ def grouped_mm_expert_mlps(
 
 torch.library.define(
     "compiled_engine::expert_mlps",
-    "(Tensor x, Tensor weights, Tensor ids, Tensor gate_up, Tensor down, str activation) -> Tensor",
+    "(Tensor x, Tensor weights, Tensor ids, Tensor gate_up, Tensor down, str activation, Tensor? gate_up_bias=None, "
+    "Tensor? down_bias=None) -> Tensor",
 )
 
 
@@ -118,14 +151,15 @@ def _expert_mlps(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     activation: str,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if x.device.type == "cuda":  # no host synchronisation: CUDA graphs capture it
-        return grouped_mm_expert_mlps(x, weights, ids, gate_up, down, activation)
-    act = ACTIVATIONS[activation]
+        return grouped_mm_expert_mlps(x, weights, ids, gate_up, down, activation, gate_up_bias, down_bias)
 
     def mlp(e: int, rows: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
-        return F.linear(act(gate) * up, down[e])
+        h = glu(activation, F.linear(rows, gate_up[e], _bias(gate_up_bias, e)))
+        return F.linear(h, down[e], _bias(down_bias, e))
 
     return grouped(x, weights, ids, gate_up.shape[0], down.shape[1], mlp)
 
@@ -144,7 +178,10 @@ def expert_mlps(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     activation: str,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [tokens, hidden]; weights [tokens, k] and ids [tokens, k] (each token's experts);
-    gate_up [experts, 2 * inter, hidden] (gate rows first), down [experts, hidden, inter]."""
-    return torch.ops.compiled_engine.expert_mlps(x, weights, ids, gate_up, down, activation)
+    gate_up [experts, 2 * inter, hidden] (gate rows first, or interleaved for SWIGLU_OAI), down
+    [experts, hidden, inter]; the optional biases [experts, 2 * inter] and [experts, hidden]."""
+    return torch.ops.compiled_engine.expert_mlps(x, weights, ids, gate_up, down, activation, gate_up_bias, down_bias)

@@ -131,6 +131,8 @@ def quantize_experts(experts: Experts, scheme: QuantizationScheme) -> QuantizedE
         quantize(down.reshape(-1, down.shape[-1]), scheme.format, scheme.group_size),
         experts.num_experts,
         experts.activation,
+        None if experts.gate_up_bias is None else experts.gate_up_bias.detach(),
+        None if experts.down_bias is None else experts.down_bias.detach(),
     )
 
 

@@ -7,7 +7,8 @@ straight from its quantized bytes, the experts with few rows (decode) as one par
 Elsewhere, or without a compiler, `compiled_engine::quantized_expert_mlps` runs the grouped loop
 of experts/op.py with each expert's slice through the quantized product (linear/quantized_op.py).
 Both are held to experts/op.py's reference loop on the dequantized weights
-(`QuantizedExperts.dense`)."""
+(`QuantizedExperts.dense`). The C++ operator knows neither expert biases nor gpt-oss's clamped
+SwiGLU: experts with either take the Python loop."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from compiled_engine.experts.op import ACTIVATIONS, grouped
+from compiled_engine.experts.op import ACTIVATIONS, glu, grouped
 from compiled_engine.linear.crossover import UNMEASURED
 from compiled_engine.linear.quantized_op import native_operator, quantized_linear
 from compiled_engine.linear.quantized_weight import QuantizedWeight
@@ -26,7 +27,7 @@ torch.library.define(
     "compiled_engine::quantized_expert_mlps",
     "(Tensor x, Tensor weights, Tensor ids, Tensor gate_up_data, Tensor gate_up_scales, Tensor? gate_up_offsets, "
     "int gate_up_group, Tensor down_data, Tensor down_scales, Tensor? down_offsets, int down_group, "
-    "int num_experts, str activation) -> Tensor",
+    "int num_experts, str activation, Tensor? gate_up_bias=None, Tensor? down_bias=None) -> Tensor",
 )
 
 
@@ -45,15 +46,19 @@ def _quantized_expert_mlps(
     down_group: int,
     num_experts: int,
     activation: str,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     gate_up = QuantizedWeight.of_tensors(gate_up_data, gate_up_scales, gate_up_offsets, gate_up_group)
     down = QuantizedWeight.of_tensors(down_data, down_scales, down_offsets, down_group)
-    act, native = ACTIVATIONS[activation], native_operator() if x.device.type == "cpu" else None
+    native = native_operator() if x.device.type == "cpu" else None
     per_gate_up, per_down = gate_up.out_features // num_experts, down.out_features // num_experts
 
     def mlp(e: int, rows: torch.Tensor) -> torch.Tensor:
-        gate, up = quantized_linear(rows, gate_up.narrow_rows(e * per_gate_up, per_gate_up), None, native).chunk(2, -1)
-        return quantized_linear(act(gate) * up, down.narrow_rows(e * per_down, per_down), None, native)
+        b1 = None if gate_up_bias is None else gate_up_bias[e]
+        b2 = None if down_bias is None else down_bias[e]
+        h = glu(activation, quantized_linear(rows, gate_up.narrow_rows(e * per_gate_up, per_gate_up), b1, native))
+        return quantized_linear(h, down.narrow_rows(e * per_down, per_down), b2, native)
 
     return grouped(x, weights, ids, num_experts, per_down, mlp)
 
@@ -90,8 +95,18 @@ class QuantizedExperts(nn.Module):
     down_data: torch.Tensor
     down_scales: torch.Tensor
     down_offsets: torch.Tensor | None
+    gate_up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
 
-    def __init__(self, gate_up: QuantizedWeight, down: QuantizedWeight, num_experts: int, activation: str) -> None:
+    def __init__(
+        self,
+        gate_up: QuantizedWeight,
+        down: QuantizedWeight,
+        num_experts: int,
+        activation: str,
+        gate_up_bias: torch.Tensor | None = None,
+        down_bias: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         # The C++ operator (one call a layer: every chosen expert's products in one parallel loop)
         # for CPU weights, or None; and the rows an expert takes before the many-row kernels.
@@ -106,6 +121,11 @@ class QuantizedExperts(nn.Module):
             self.register_buffer(f"{name}_data", weight.data)
             self.register_buffer(f"{name}_scales", weight.scales)
             self.register_buffer(f"{name}_offsets", weight.offsets)
+        # Dense biases [experts, 2 * inter] and [experts, hidden] (gpt-oss's), or None.
+        self.register_buffer("gate_up_bias", gate_up_bias)
+        self.register_buffer("down_bias", down_bias)
+        if self.gate_up_bias is not None or self.down_bias is not None or activation not in ACTIVATIONS:
+            self.native = None  # what the C++ operator does not know: the Python loop
 
     @property
     def gate_up(self) -> QuantizedWeight:
@@ -133,7 +153,9 @@ class QuantizedExperts(nn.Module):
             rows = self.crossover
             gelu = self.activation == "gelu_tanh"
             return native(x, weights.float(), ids, *tensors, gelu, rows.direct_max_rows, rows.gemm_max_rows)
-        return torch.ops.compiled_engine.quantized_expert_mlps(x, weights, ids, *tensors, self.activation)
+        return torch.ops.compiled_engine.quantized_expert_mlps(
+            x, weights, ids, *tensors, self.activation, self.gate_up_bias, self.down_bias
+        )
 
 
 def captures_in_cuda_graphs(model: nn.Module) -> bool:

@@ -16,13 +16,19 @@ from compiled_engine.model.shard import TPShard
 class CheckpointTensor:
     """Where one tensor of a Hugging Face checkpoint lands in this model: in parameter `param`,
     from output feature (row) `start` on; in an experts' 3-D parameter, in expert `expert`'s
-    slice. With tensor parallelism a rank reads only `part` of the tensor: (dim, first, count)."""
+    slice. With tensor parallelism a rank reads only `part` of the tensor: (dim, first, count).
+    `transposed`: the checkpoint holds each product as [in, out] (gpt-oss's experts), ours is
+    [out, in]: the tensor is read whole and its last two dims swapped. `packed`: one tensor of a
+    packed encoding of the parameter ("blocks" or "scales" of MXFP4 experts, weights/mxfp4.py),
+    read whole as uint8 and kept apart for the loader to decode."""
 
     param: str
     shape: tuple[int, ...]  # the checkpoint tensor's whole shape
     start: int = 0
     part: tuple[int, int, int] | None = None
     expert: int | None = None
+    transposed: bool = False
+    packed: str | None = None
 
     @property
     def read_shape(self) -> tuple[int, ...]:
@@ -34,7 +40,9 @@ class CheckpointTensor:
     def read(self, tensor_slice: Any) -> torch.Tensor:
         """This rank's part of a safetensors slice (only that part is read from disk)."""
         if self.part is None:
-            return tensor_slice[:]
+            whole: torch.Tensor = tensor_slice[:]
+            return whole.transpose(-1, -2) if self.transposed else whole
+        assert not self.transposed, "a transposed tensor is read whole"
         dim, first, count = self.part
         return tensor_slice[first : first + count] if dim == 0 else tensor_slice[:, first : first + count]
 

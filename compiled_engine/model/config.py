@@ -20,7 +20,7 @@ from compiled_engine.errors import ModelConfigError
 from compiled_engine.model.moe_config import MoEConfig
 
 Activation = Literal["silu", "gelu_tanh"]
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope", "yarn")
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 _ACTIVATIONS: dict[str, Activation] = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
@@ -39,6 +39,12 @@ class RopeConfig(msgspec.Struct, frozen=True):
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
     use_long_factor: bool = False
+    # yarn (gpt-oss): the dims that turn fewer than beta_slow times over the original context
+    # are slowed by `factor`, those that turn more than beta_fast times kept, a ramp between
+    # (its ends rounded outward when `truncate`); cos and sin scaled by `attention_factor`.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
     def for_context(self, max_tokens: int) -> RopeConfig:
         """This rope for an engine whose sequences reach `max_tokens`: longrope takes its long
@@ -83,6 +89,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     moe: MoEConfig | None = None  # a mixture of experts in place of the MLP (model/moe.py)
+    attention_sinks: bool = False  # a learned sink logit per query head in every layer (gpt-oss)
 
     @property
     def q_size(self) -> int:
@@ -140,6 +147,7 @@ class ConfigRules:
     layer_types: Callable[[dict[str, Any], int], Any] = declared_layer_types
     # The mixture of experts from the config (model/moe_config.py), for an MoE family.
     moe: Callable[[dict[str, Any], str], MoEConfig] | None = None
+    attention_sinks: bool = False  # a learned sink logit per query head (gpt-oss)
 
 
 def read_config_json(model_dir: str | Path) -> tuple[dict[str, Any], str]:
@@ -227,6 +235,8 @@ def _rope_from(merged: dict[str, Any], raw: dict[str, Any], source: str, default
     fields: dict[str, Any] = {"theta": float(theta), "type": rope_type}
     if rope_type == "longrope":
         return _longrope(merged, raw, source, fields)
+    if rope_type == "yarn":
+        return _yarn(merged, raw, source, fields)
     if rope_type != "default":
         if "factor" not in merged:
             raise ModelConfigError(f"{source}: rope scaling type {rope_type!r} needs 'factor'")
@@ -287,6 +297,45 @@ def _longrope(merged: dict[str, Any], raw: dict[str, Any], source: str, fields: 
         long_factor=factors["long_factor"],
         attention_factor=float(attention_factor),
     )
+
+
+def _yarn(merged: dict[str, Any], raw: dict[str, Any], source: str, fields: dict[str, Any]) -> RopeConfig:
+    # As transformers reads it: the attention factor defaults to 0.1 * ln(factor) + 1, or the
+    # ratio of two such terms with DeepSeek's mscale and mscale_all_dim; truncate to true.
+    original = merged.get("original_max_position_embeddings")
+    if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
+        raise ModelConfigError(
+            f"{source}: rope scaling type 'yarn' needs a positive int 'original_max_position_embeddings', got {original!r}"
+        )
+    if "factor" not in merged:
+        raise ModelConfigError(f"{source}: rope scaling type 'yarn' needs 'factor'")
+    factor = _rope_number(merged, "factor", "yarn", source)
+    beta_fast = _rope_number(merged, "beta_fast", "yarn", source) if "beta_fast" in merged else 32.0
+    beta_slow = _rope_number(merged, "beta_slow", "yarn", source) if "beta_slow" in merged else 1.0
+    truncate = merged.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ModelConfigError(f"{source}: rope scaling field 'truncate' must be true or false, got {truncate!r}")
+    if merged.get("attention_factor") is not None:
+        attention_factor = _rope_number(merged, "attention_factor", "yarn", source)
+    elif merged.get("mscale") and merged.get("mscale_all_dim"):
+        mscale, all_dim = (_rope_number(merged, key, "yarn", source) for key in ("mscale", "mscale_all_dim"))
+        attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dim)
+    else:
+        attention_factor = _yarn_mscale(factor, 1.0)
+    return RopeConfig(
+        theta=fields["theta"],
+        type="yarn",
+        factor=factor,
+        original_max_position_embeddings=original,
+        attention_factor=attention_factor,
+        truncate=truncate,
+        beta_fast=beta_fast,
+        beta_slow=beta_slow,
+    )
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _rope_number(merged: dict[str, Any], key: str, rope_type: str, source: str) -> float:
@@ -369,6 +418,7 @@ def parse_config(raw: dict[str, Any], source: str, family: str, rules: ConfigRul
         eos_token_ids=_token_ids(raw.get("eos_token_id")),
         bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
         moe=rules.moe(raw, source) if rules.moe is not None else None,
+        attention_sinks=rules.attention_sinks,
     )
 
 

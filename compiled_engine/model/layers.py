@@ -1,5 +1,5 @@
 """The pieces every model family is built from, in one place: the product, the norms, the rotary
-embeddings (default, linear, llama3, longrope; whole or partial), attention with its per-layer
+embeddings (default, linear, llama3, longrope, yarn; whole or partial), attention with its per-layer
 window and soft-cap, the gated MLP, and `DecoderModel`, the shape of a model the engine runs.
 
 Each family file (model/llama.py, model/gemma.py) assembles these top to bottom. Execution tricks
@@ -97,7 +97,33 @@ def rope_inverse_frequencies(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:
         factors = rope.long_factor if rope.use_long_factor else rope.short_factor
         exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
         return 1.0 / (torch.tensor(factors, dtype=torch.float32) * rope.theta**exponents)
+    if rope.type == "yarn":
+        return yarn_inverse_frequencies(rope, rotary_dim, inv_freq)
     return inv_freq
+
+
+def yarn_inverse_frequencies(rope: RopeConfig, rotary_dim: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """YaRN: frequency pair i turns (original length) * inv_freq[i] / 2pi times over the
+    pretraining context. Pairs that turn more than beta_fast times keep their frequency, those
+    under beta_slow are divided by `factor`, and a linear ramp over the pair index blends between
+    (the pair index where a pair turns r times is solved for r = beta_fast and beta_slow)."""
+
+    def pair_turning(turns: float) -> float:
+        return (
+            rotary_dim
+            * math.log(rope.original_max_position_embeddings / (turns * 2 * math.pi))
+            / (2 * math.log(rope.theta))
+        )
+
+    low, high = pair_turning(rope.beta_fast), pair_turning(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of one point: keep it a step
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    # ramp 0: the pair keeps its frequency; ramp 1: slowed by the factor.
+    return inv_freq * (1 - ramp) + inv_freq / rope.factor * ramp
 
 
 class RotaryEmbedding(nn.Module):
@@ -135,7 +161,8 @@ class Attention(nn.Module):
     """Self-attention over the paged cache. With tensor parallelism, this rank's query heads and
     the KV heads they read (TPShard); q/k/v are then column-parallel and o_proj row-parallel
     (linear/tensor_parallel.py). `window` (0: every earlier token) and `soft_cap` (0: none) are this
-    layer's; the norm class, if given, normalises each head of q and k before the rotation."""
+    layer's; the norm class, if given, normalises each head of q and k before the rotation. With
+    `config.attention_sinks`, each head's learned sink logit joins its softmax (gpt-oss)."""
 
     def __init__(
         self,
@@ -160,6 +187,7 @@ class Attention(nn.Module):
         q_width, k_width = (self.q_size, self.kv_size) if self.whole_norm else (config.head_dim, config.head_dim)
         self.q_norm = head_norm(q_width, config.rms_norm_eps) if head_norm is not None else None
         self.k_norm = head_norm(k_width, config.rms_norm_eps) if head_norm is not None else None
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if config.attention_sinks else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         tokens = x.shape[0]
@@ -174,7 +202,7 @@ class Attention(nn.Module):
         if not self.whole_norm and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = paged_attention(q, k, v, kv_cache, self.scale, self.window, self.soft_cap)
+        out = paged_attention(q, k, v, kv_cache, self.scale, self.window, self.soft_cap, self.sinks)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 

@@ -59,21 +59,26 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """The experts' weights: gate and up rows of expert e in gate_up_proj[e] (gate first), its
-    down projection in down_proj[e], as Hugging Face's fused expert tensors hold them."""
+    """The experts' weights: gate and up rows of expert e in gate_up_proj[e] (gate first; with
+    gpt-oss's activation interleaved, gate rows even), its down projection in down_proj[e], as
+    Hugging Face's fused expert tensors hold them; their biases where the family has them."""
 
     def __init__(self, config: ModelConfig, shard: TPShard, moe: MoEConfig) -> None:
         super().__init__()
         # With tensor parallelism, this rank's share of every expert's intermediate features.
         self.num_experts, self.intermediate_size = moe.num_experts, shard.split(moe.intermediate_size)[1]
-        self.activation = config.hidden_act
-        h, inter = config.hidden_size, self.intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, 2 * inter, h))
-        self.down_proj = nn.Parameter(torch.empty(moe.num_experts, h, inter))
+        self.activation = moe.expert_activation or config.hidden_act
+        h, inter, e = config.hidden_size, self.intermediate_size, moe.num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * inter, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, inter))
+        self.gate_up_bias = nn.Parameter(torch.empty(e, 2 * inter)) if moe.expert_bias else None
+        self.down_bias = nn.Parameter(torch.empty(e, h)) if moe.expert_bias else None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """sum over each token's chosen experts e of weight * down_e(act(gate_e x) * up_e x)."""
-        return expert_mlps(x, weights, ids, self.gate_up_proj, self.down_proj, self.activation)
+        """sum over each token's chosen experts e of weight * down_e(glu(gate_up_e x))."""
+        return expert_mlps(
+            x, weights, ids, self.gate_up_proj, self.down_proj, self.activation, self.gate_up_bias, self.down_bias
+        )
 
 
 class SparseMoE(nn.Module):

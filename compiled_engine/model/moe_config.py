@@ -20,6 +20,10 @@ class MoEConfig(msgspec.Struct, frozen=True):
     (after adding the selection-only bias where a family has one), takes their scores (divided by
     their sum when `renormalize`), times `routed_scaling`; with `softmax_after_topk` the k chosen
     logits are softmaxed instead (gpt-oss). Each expert is a gated MLP of `intermediate_size`.
+    With `expert_bias` each expert's two products add a bias; `expert_activation` is the experts'
+    own activation (experts/op.py's EXPERT_ACTIVATIONS; None: the model's `hidden_act`).
+    `packed_experts` names the checkpoint's encoding of the expert tensors ("mxfp4"), or None
+    for plain floats.
     A shared expert of `shared_intermediate_size` (0: none) runs on every token, scaled by
     sigmoid(x @ shared_gate.T) when `shared_gate`. Layers in `dense_layers` have a plain MLP of
     the model's own intermediate size instead."""
@@ -32,6 +36,9 @@ class MoEConfig(msgspec.Struct, frozen=True):
     routed_scaling: float = 1.0
     softmax_after_topk: bool = False
     router_bias: bool = False
+    expert_bias: bool = False
+    expert_activation: str | None = None
+    packed_experts: str | None = None
     shared_intermediate_size: int = 0
     shared_gate: bool = False
     dense_layers: tuple[int, ...] = ()

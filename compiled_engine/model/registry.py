@@ -15,6 +15,7 @@ from compiled_engine.errors import ModelConfigError
 from compiled_engine.model.config import ModelConfig, parse_config, read_config_json
 from compiled_engine.model.family import Family
 from compiled_engine.model.gemma import GEMMA2, GEMMA3
+from compiled_engine.model.gpt_oss import GPT_OSS
 from compiled_engine.model.granitemoe import GRANITEMOE, GRANITEMOE_SHARED
 from compiled_engine.model.layers import DecoderModel
 from compiled_engine.model.llama import LLAMA, MISTRAL, QWEN2, QWEN3
@@ -29,7 +30,7 @@ FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
         *(LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3),
-        *(QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE, GRANITEMOE, GRANITEMOE_SHARED),
+        *(QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE, GRANITEMOE, GRANITEMOE_SHARED, GPT_OSS),
     )
 }
 

@@ -1,5 +1,6 @@
 """Weight loading: safetensors only (single file or sharded index), every name, shape and dtype
-checked against the model the config describes before a byte is copied."""
+checked against the model the config describes before a byte is copied. Packed expert tensors
+(gpt-oss's MXFP4) are kept apart and installed as quantized experts (weights/mxfp4.py)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.layers import DecoderModel, RotaryEmbedding, in_layers
 from compiled_engine.model.registry import build_model, check_shard, family_of
 from compiled_engine.model.shard import NO_SHARD, TPShard
+from compiled_engine.weights.mxfp4 import install_mxfp4_experts
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 FLOAT_DTYPES = {"F32", "F16", "BF16"}
+PACKED_DTYPES = {"U8"}  # MXFP4 blocks and scales
 # Buffers some older checkpoints saved; we recompute them, so they are skipped, not loaded.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -86,11 +89,15 @@ def load_model(
     with torch.device("meta"):
         model = build_model(config, shard)
     layout = family_of(config).checkpoint_layout(config, shard)
+    packed_params = {part.param for part in layout.values() if part.packed is not None}
     params = {
         name: torch.empty(param.shape, dtype=dtype, device=device)
         for name, param in model.named_parameters()
-        if not (config.tie_word_embeddings and name == "lm_head.weight") and in_layers(name, layers)
+        if not (config.tie_word_embeddings and name == "lm_head.weight")
+        and in_layers(name, layers)
+        and name not in packed_params
     }
+    packed: dict[str, dict[str, torch.Tensor]] = {}  # parameter -> its packed tensors by kind
     seen: set[str] = set()
     for path, names in weight_files(model_dir).items():
         try:
@@ -120,12 +127,15 @@ def load_model(
                         f"the config implies {list(part.shape)}"
                     )
                 found_dtype = tensor_slice.get_dtype()
-                if found_dtype not in FLOAT_DTYPES:
+                dtypes = FLOAT_DTYPES if part.packed is None else PACKED_DTYPES
+                if found_dtype not in dtypes:
                     raise ModelLoadError(
                         f"tensor '{tensor_name}' in {path.name} has dtype {found_dtype}; "
-                        f"supported: {', '.join(sorted(FLOAT_DTYPES))}"
+                        f"supported: {', '.join(sorted(dtypes))}"
                     )
-                if in_layers(part.param, layers):
+                if in_layers(part.param, layers) and part.packed is not None:
+                    packed.setdefault(part.param, {})[part.packed] = tensor_slice[:]
+                elif in_layers(part.param, layers):
                     part.view(params[part.param]).copy_(part.read(tensor_slice))
                 seen.add(tensor_name)
     missing = [name for name in layout if name not in seen]
@@ -134,6 +144,8 @@ def load_model(
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ModelLoadError(f"{model_dir}: missing tensors {shown}{more}")
     model.load_state_dict(params, strict=False, assign=True)
+    if packed:
+        install_mxfp4_experts(model, packed, device)
     if config.tie_word_embeddings:
         model.lm_head.weight = cast(nn.Parameter, model.embed_tokens.weight)  # one tensor, as in the checkpoint
     if layers is not None:

@@ -7,7 +7,9 @@
  * through its block table. With a sliding window W > 0 a query attends only the last W of
  * them (keys lens[s] - W .. lens[s] - 1): the chunks start at the window, so the work is
  * bounded by the window and the pages before it are never read. With a soft-cap c > 0 each
- * score s becomes c * tanh(s / c) before the softmax. The work is split into (sequence, chunk
+ * score s becomes c * tanh(s / c) before the softmax. With attention sinks (`sinks`, one logit per
+ * query head, or NULL) each head's softmax denominator also holds exp(sink), with no value: the
+ * merge of the chunks adds it, so the chunks never see it. The work is split into (sequence, chunk
  * of keys) items, so that one sequence alone still keeps every core busy. An item reads each of its key and value rows (all
  * KV heads, contiguous in the page) once, front to back, which the hardware prefetchers follow;
  * for every query head it keeps the maximum score, the sum of exponentials and the unnormalised
@@ -363,8 +365,8 @@ int paged_decode_attention(const float *q, const float *k, const float *v, const
                            void *cache, int kv_type, const int32_t *tables, int64_t table_width,
                            const int32_t *lens, int64_t seqs, int64_t heads, int64_t kv_heads,
                            int64_t dim, int64_t page_size, int64_t chunk, int64_t chunks,
-                           float scale, int64_t window, float soft_cap, float *scratch,
-                           float *out, int threads) {
+                           float scale, int64_t window, float soft_cap, const float *sinks,
+                           float *scratch, float *out, int threads) {
     if (kv_heads <= 0 || heads % kv_heads != 0 || heads > MAX_HEADS || dim % LANES != 0 ||
         dim > MAX_DIM || chunk <= 0 || chunk > MAX_CHUNK || chunk % page_size != 0 || window < 0 ||
         kv_type < KV_F32 || kv_type > KV_E5M2)
@@ -415,15 +417,16 @@ int paged_decode_attention(const float *q, const float *k, const float *v, const
     for (int64_t sh = 0; sh < seqs * heads; sh++) {
         const int64_t s = sh / heads, hq = sh % heads;
         const float *first = scratch + s * chunks * item + hq * (dim + 2);
-        float top = 0.0f;
-        int seen = 0;
+        /* The sink joins the maximum and the total as one more score whose value is zero. */
+        float top = sinks != NULL ? sinks[hq] : 0.0f;
+        int seen = sinks != NULL;
         for (int64_t c = 0; c < chunks; c++) {
             const float *part = first + c * item;
             if (part[dim + 1] != 0.0f && (!seen || part[dim] > top)) top = part[dim], seen = 1;
         }
         float *o = out + sh * dim;
         for (int64_t d = 0; d < dim; d++) o[d] = 0.0f;
-        float total = 0.0f;
+        float total = sinks != NULL ? exp_nonpositive(splat(sinks[hq] - top))[0] : 0.0f;
         for (int64_t c = 0; c < chunks; c++) {
             const float *part = first + c * item;
             if (part[dim + 1] == 0.0f) continue;

@@ -25,8 +25,8 @@ extern "C" {
 int paged_decode_attention(const float *q, const float *k, const float *v, const int64_t *slots, void *cache,
                            int kv_type, const int32_t *tables, int64_t table_width, const int32_t *lens, int64_t seqs,
                            int64_t heads, int64_t kv_heads, int64_t dim, int64_t page_size, int64_t chunk,
-                           int64_t chunks, float scale, int64_t window, float soft_cap, float *scratch, float *out,
-                           int threads);
+                           int64_t chunks, float scale, int64_t window, float soft_cap, const float *sinks,
+                           float *scratch, float *out, int threads);
 int64_t paged_decode_chunk_keys(int64_t work, int64_t span, int64_t page_size, int64_t threads);
 }
 
@@ -46,7 +46,8 @@ int kv_type_of(at::ScalarType type) {
 
 at::Tensor paged_decode_f32(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &kv_cache,
                             const at::Tensor &slots, const at::Tensor &block_tables, const at::Tensor &seq_lens,
-                            int64_t max_seq_len, double scale, int64_t window, double soft_cap) {
+                            int64_t max_seq_len, double scale, int64_t window, double soft_cap,
+                            const std::optional<at::Tensor> &sinks) {
     const char *name = "paged_decode_f32";
     const int kv_type = kv_type_of(kv_cache.scalar_type());
     TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2 && kv_cache.is_contiguous() && kv_type >= 0 &&
@@ -68,6 +69,10 @@ at::Tensor paged_decode_f32(const at::Tensor &q, const at::Tensor &k, const at::
                 name, ": the plan's slots (int64), block tables (int32 [seqs, pages]) and lengths (int32) disagree");
     TORCH_CHECK(window >= 0 && soft_cap >= 0, name, ": window and soft_cap must not be negative");
     const int64_t heads = q.size(1);
+    TORCH_CHECK(!sinks.has_value() || (sinks->dim() == 1 && sinks->size(0) == heads &&
+                                       sinks->scalar_type() == at::kFloat && sinks->is_cpu()),
+                name, ": sinks must be float32 [", heads, "] (one per query head) on the CPU");
+    const at::Tensor sink_values = sinks.has_value() ? sinks->contiguous() : at::Tensor();
     if (seqs == 0) return at::empty_like(q);
     const int threads = at::get_num_threads();
     // A windowed layer splits its window's span rather than the longest context.
@@ -81,7 +86,8 @@ at::Tensor paged_decode_f32(const at::Tensor &q, const at::Tensor &k, const at::
         qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), slots.data_ptr<int64_t>(),
         kv_cache.data_ptr(), kv_type, block_tables.data_ptr<int32_t>(), block_tables.size(1), seq_lens.data_ptr<int32_t>(),
         seqs, heads, kv_heads, dim, page_size, chunk, chunks, static_cast<float>(scale), window,
-        static_cast<float>(soft_cap), scratch.data_ptr<float>(), out.data_ptr<float>(), threads);
+        static_cast<float>(soft_cap), sinks.has_value() ? sink_values.data_ptr<float>() : nullptr,
+        scratch.data_ptr<float>(), out.data_ptr<float>(), threads);
     TORCH_CHECK(status == 0, name, ": the kernel refused its shapes (status ", status, ")");
     return out;
 }
@@ -111,26 +117,29 @@ void set_native_decode_plan(const std::optional<at::Tensor> &slots, const std::o
 }
 
 at::Tensor paged_attention_cpu(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
-                               const at::Tensor &kv_cache, double scale, int64_t window, double soft_cap) {
+                               const at::Tensor &kv_cache, double scale, int64_t window, double soft_cap,
+                               const std::optional<at::Tensor> &sinks) {
     if (current_plan.has_value()) {
         const NativePlan &plan = *current_plan;
         TORCH_CHECK(kv_cache.sizes() == at::IntArrayRef(plan.cache_shape), "paged_attention: the installed plan is for "
                     "layer caches of shape ", at::IntArrayRef(plan.cache_shape), ", not ", kv_cache.sizes());
         return paged_decode_f32(q, k, v, kv_cache, plan.slots, plan.block_tables, plan.seq_lens, plan.max_seq_len,
-                                scale, window, soft_cap);
+                                scale, window, soft_cap, sinks);
     }
     static const auto planned = c10::Dispatcher::singleton()
                                     .findSchemaOrThrow("compiled_engine::paged_attention_planned", "")
                                     .typed<at::Tensor(const at::Tensor &, const at::Tensor &, const at::Tensor &,
-                                                      const at::Tensor &, double, int64_t, double)>();
-    return planned.call(q, k, v, kv_cache, scale, window, soft_cap);
+                                                      const at::Tensor &, double, int64_t, double,
+                                                      const std::optional<at::Tensor> &)>();
+    return planned.call(q, k, v, kv_cache, scale, window, soft_cap, sinks);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(compiled_engine, m) {
     m.def("paged_decode_f32(Tensor q, Tensor k, Tensor v, Tensor kv_cache, Tensor slots, Tensor block_tables, "
-          "Tensor seq_lens, int max_seq_len, float scale, int window=0, float soft_cap=0.0) -> Tensor");
+          "Tensor seq_lens, int max_seq_len, float scale, int window=0, float soft_cap=0.0, Tensor? sinks=None) "
+          "-> Tensor");
     m.def("set_native_decode_plan(Tensor? slots, Tensor? block_tables, Tensor? seq_lens, int max_seq_len, "
           "int[] cache_shape) -> ()",
           set_native_decode_plan);
