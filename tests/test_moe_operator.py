@@ -262,20 +262,26 @@ def test_gpt_oss_experts_match_transformers(rows: int, k: int) -> None:
     assert (without_biases - expected).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("way", ["native", "native-dequantize", "python"])
 @pytest.mark.parametrize("fmt", (("int8", 32), ("int4", 32)), ids=lambda f: f"{f[0]}-g{f[1]}")
 @pytest.mark.parametrize("rows", (1, 5, 64))
 @torch.inference_mode()
 def test_quantized_gpt_oss_experts_match_the_loop_over_their_dequantized_weights(
-    rows: int, fmt: tuple[str, int]
+    rows: int, fmt: tuple[str, int], way: str
 ) -> None:
-    """Biases and the clamped SwiGLU take the Python loop over the quantized product (the C++
-    operator knows neither)."""
+    """Biases and the clamped SwiGLU, in the C++ operator (its direct strips, and its
+    dequantize-then-GEMM) and in the Python loop over the quantized product."""
     gate_up, down, gate_up_bias, down_bias = _ours_of(_gpt_oss_experts())
     experts = QuantizedExperts(
         quantize(gate_up.reshape(-1, HIDDEN), *fmt), quantize(down.reshape(-1, INTER), *fmt),
         EXPERTS, SWIGLU_OAI, gate_up_bias, down_bias,
     )  # fmt: skip
-    assert experts.native is None
+    crossover = WAYS[way]
+    if crossover is None:
+        experts.native = None
+    else:
+        assert experts.native is not None
+        experts.crossover = crossover
     x, weights, ids = _batch(rows, 4, seed=rows)
     dense_gate_up, dense_down = experts.dense()
     expected = reference_expert_mlps(x, weights, ids, dense_gate_up, dense_down, SWIGLU_OAI, gate_up_bias, down_bias)

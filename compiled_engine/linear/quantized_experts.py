@@ -7,8 +7,8 @@ straight from its quantized bytes, the experts with few rows (decode) as one par
 Elsewhere, or without a compiler, `compiled_engine::quantized_expert_mlps` runs the grouped loop
 of experts/op.py with each expert's slice through the quantized product (linear/quantized_op.py).
 Both are held to experts/op.py's reference loop on the dequantized weights
-(`QuantizedExperts.dense`). The C++ operator knows neither expert biases nor gpt-oss's clamped
-SwiGLU: experts with either take the Python loop."""
+(`QuantizedExperts.dense`). The C++ operator also adds expert biases and runs gpt-oss's clamped
+SwiGLU (its constants, SWIGLU_ALPHA and SWIGLU_LIMIT, are the C++ code's too)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from compiled_engine.experts.op import ACTIVATIONS, glu, grouped
+from compiled_engine.experts.op import SWIGLU_OAI, glu, grouped
 from compiled_engine.linear.crossover import UNMEASURED
 from compiled_engine.linear.quantized_op import native_operator, quantized_linear
 from compiled_engine.linear.quantized_weight import QuantizedWeight
@@ -66,6 +66,10 @@ def _quantized_expert_mlps(
 @torch.library.register_fake("compiled_engine::quantized_expert_mlps")
 def _quantized_expert_mlps_fake(x: torch.Tensor, *rest: Any) -> torch.Tensor:
     return x.new_empty(x.shape)
+
+
+# The C++ operator's codes of the experts' activations.
+NATIVE_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, SWIGLU_OAI: 2}
 
 
 def native_experts_operator() -> torch._ops.OpOverload | None:
@@ -124,8 +128,6 @@ class QuantizedExperts(nn.Module):
         # Dense biases [experts, 2 * inter] and [experts, hidden] (gpt-oss's), or None.
         self.register_buffer("gate_up_bias", gate_up_bias)
         self.register_buffer("down_bias", down_bias)
-        if self.gate_up_bias is not None or self.down_bias is not None or activation not in ACTIVATIONS:
-            self.native = None  # what the C++ operator does not know: the Python loop
 
     @property
     def gate_up(self) -> QuantizedWeight:
@@ -150,9 +152,11 @@ class QuantizedExperts(nn.Module):
         )  # fmt: skip
         native = self.native if x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" else None
         if native is not None:
-            rows = self.crossover
-            gelu = self.activation == "gelu_tanh"
-            return native(x, weights.float(), ids, *tensors, gelu, rows.direct_max_rows, rows.gemm_max_rows)
+            rows, activation = self.crossover, NATIVE_ACTIVATIONS[self.activation]
+            return native(
+                x, weights.float(), ids, *tensors, activation, rows.direct_max_rows, rows.gemm_max_rows,
+                self.gate_up_bias, self.down_bias,
+            )  # fmt: skip
         return torch.ops.compiled_engine.quantized_expert_mlps(
             x, weights, ids, *tensors, self.activation, self.gate_up_bias, self.down_bias
         )

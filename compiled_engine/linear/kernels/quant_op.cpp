@@ -11,10 +11,12 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
 #include <omp.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <vector>
@@ -192,7 +194,9 @@ at::Tensor quantized_expert_mlps_f32(const at::Tensor &x, const at::Tensor &weig
                                      const std::optional<at::Tensor> &gate_up_offsets, int64_t gate_up_group,
                                      const at::Tensor &down_data, const at::Tensor &down_scales,
                                      const std::optional<at::Tensor> &down_offsets, int64_t down_group,
-                                     int64_t num_experts, bool gelu, int64_t max_kernel_rows, int64_t gemm_max_rows) {
+                                     int64_t num_experts, int64_t activation, int64_t max_kernel_rows,
+                                     int64_t gemm_max_rows, const std::optional<at::Tensor> &gate_up_bias,
+                                     const std::optional<at::Tensor> &down_bias) {
     const char *name = "quantized_expert_mlps_f32";
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_cpu(), name, ": x must be float32 [tokens, hidden] on the CPU");
     TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && ids.scalar_type() == at::kLong, name,
@@ -210,6 +214,13 @@ at::Tensor quantized_expert_mlps_f32(const at::Tensor &x, const at::Tensor &weig
     TORCH_CHECK(gate_up.in() == x.size(1) && down.in() == inter && hidden == x.size(1), name,
                 ": experts of gate/up [", gate_up.per, ", ", gate_up.in(), "] and down [", down.per, ", ", down.in(),
                 "] do not fit x [", tokens, ", ", x.size(1), "]");
+    TORCH_CHECK(activation >= 0 && activation <= 2, name, ": activation ", activation, " is not silu (0), gelu_tanh (1) or gpt-oss's clamped SwiGLU (2)");
+    TORCH_CHECK(!gate_up_bias || (gate_up_bias->scalar_type() == at::kFloat && gate_up_bias->is_contiguous() &&
+                                  gate_up_bias->numel() == num_experts * gate_up.per),
+                name, ": gate_up_bias must be float32 [", num_experts, ", ", gate_up.per, "]");
+    TORCH_CHECK(!down_bias || (down_bias->scalar_type() == at::kFloat && down_bias->is_contiguous() &&
+                               down_bias->numel() == num_experts * hidden),
+                name, ": down_bias must be float32 [", num_experts, ", ", hidden, "]");
     at::Tensor y = at::zeros({tokens, hidden}, x.options());
     if (tokens == 0) return y;
     // the pairs sorted by expert (a counting sort: stable, so each expert's pairs keep token order)
@@ -228,23 +239,39 @@ at::Tensor quantized_expert_mlps_f32(const at::Tensor &x, const at::Tensor &weig
     const float *xp = xc.data_ptr<float>();
     float *rp = rows.data_ptr<float>();
     for (int64_t i = 0; i < pairs; i++) std::copy(xp + order[i] / k * hidden, xp + (order[i] / k + 1) * hidden, rp + i * hidden);
+    // each sorted pair's expert (for its biases)
+    std::vector<int64_t> expert_of(pairs);
+    for (int64_t e = 0; e < num_experts; e++)
+        std::fill(expert_of.begin() + experts[e].first, expert_of.begin() + experts[e].first + experts[e].second, e);
     at::Tensor gu = at::empty({pairs, 2 * inter}, x.options());
     expert_products(rows, gate_up, experts, max_kernel_rows, gemm_max_rows, gu);
-    // act(gate) * up, gate the first half of each row
+    // the gated activation: act(gate) * up with gate the first half of each row (silu, gelu_tanh), or
+    // gpt-oss's clamped SwiGLU over interleaved features (gate even, up odd)
     at::Tensor h = at::empty({pairs, inter}, x.options());
-    const float *g = gu.data_ptr<float>();
+    const float *g = gu.data_ptr<float>(), *b1 = gate_up_bias ? gate_up_bias->data_ptr<float>() : nullptr;
     float *hp = h.data_ptr<float>();
     at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
-        for (int64_t p = p0; p < p1; p++)
+        for (int64_t p = p0; p < p1; p++) {
+            const float *row = g + p * 2 * inter, *bias = b1 ? b1 + expert_of[p] * 2 * inter : nullptr;
             for (int64_t j = 0; j < inter; j++) {
-                const float a = g[p * 2 * inter + j], u = g[p * 2 * inter + inter + j];
-                const float act = gelu ? 0.5f * a * (1.0f + std::tanh(0.7978845608028654f * (a + 0.044715f * a * a * a)))
-                                       : a / (1.0f + std::exp(-a));
+                const int64_t gi = activation == 2 ? 2 * j : j, ui = activation == 2 ? 2 * j + 1 : inter + j;
+                float a = row[gi] + (bias ? bias[gi] : 0.0f), u = row[ui] + (bias ? bias[ui] : 0.0f);
+                float act;
+                if (activation == 2) {
+                    a = std::min(a, 7.0f), u = std::min(std::max(u, -7.0f), 7.0f);
+                    act = a / (1.0f + std::exp(-1.702f * a)), u = u + 1.0f;
+                } else if (activation == 1) {
+                    act = 0.5f * a * (1.0f + std::tanh(0.7978845608028654f * (a + 0.044715f * a * a * a)));
+                } else {
+                    act = a / (1.0f + std::exp(-a));
+                }
                 hp[p * inter + j] = act * u;
             }
+        }
     });
     at::Tensor out = at::empty({pairs, hidden}, x.options());
     expert_products(h, down, experts, max_kernel_rows, gemm_max_rows, out);
+    if (down_bias) out += down_bias->index_select(0, at::from_blob(expert_of.data(), {pairs}, at::kLong));
     // each token's sum over its pairs in the router's weights, in the pairs' expert order
     const float *op = out.data_ptr<float>(), *wp = wc.data_ptr<float>();
     float *yp = y.data_ptr<float>();
@@ -263,8 +290,8 @@ at::Tensor quantized_expert_mlps_f32(const at::Tensor &x, const at::Tensor &weig
 TORCH_LIBRARY_FRAGMENT(compiled_engine, m) {
     m.def("quantized_expert_mlps_f32(Tensor x, Tensor weights, Tensor ids, Tensor gate_up_data, "
           "Tensor gate_up_scales, Tensor? gate_up_offsets, int gate_up_group, Tensor down_data, Tensor down_scales, "
-          "Tensor? down_offsets, int down_group, int num_experts, bool gelu, int max_kernel_rows, "
-          "int gemm_max_rows) -> Tensor");
+          "Tensor? down_offsets, int down_group, int num_experts, int activation, int max_kernel_rows, "
+          "int gemm_max_rows, Tensor? gate_up_bias, Tensor? down_bias) -> Tensor");
     m.def("quantized_linear_f32(Tensor x, Tensor data, Tensor scales, Tensor? offsets, Tensor? bias, int group_size, "
           "int max_kernel_rows, int gemm_max_rows) -> Tensor");
     m.def("quantized_linear_q8x_f32(Tensor x, Tensor data, Tensor scales, Tensor? offsets, Tensor? bias, "
