@@ -428,7 +428,7 @@ def test_an_architecture_outside_the_registry(tmp_path: Path, private_cache: Pat
     with pytest.raises(
         ModelSourceError,
         match=rf"GGUF architecture '{arch}' is not supported \(supported: llama, qwen2, qwen3, gemma2, gemma3, phi3, "
-        r"qwen3moe, qwen2moe, olmoe\)$",
+        r"qwen3moe, qwen2moe, olmoe, granitemoe, gpt-oss\)$",
     ):
         prepare_gguf_dir(path)
     with pytest.raises(ModelLoadError, match=rf"holds a '{arch}' model, the config a 'gemma2' one"):

@@ -316,13 +316,14 @@ def test_a_mixture_architecture_outside_the_registry(tmp_path: Path) -> None:
 
 
 def test_expert_tensors_of_a_type_the_engine_lacks(tmp_path: Path) -> None:
-    """MXFP4 experts (gpt-oss's) are refused by name, before a byte of data is read."""
+    """Q8_1 experts (a type llama.cpp keeps for activations) are refused by name, before a byte of
+    data is read."""
     name = "blk.1.ffn_down_exps.weight"
-    blocks = np.zeros((4, 32, 17), dtype=np.uint8)  # 4 experts x 32 rows x one block of 32 weights
-    path = rewrite(gguf_path("mixtral", "q8_0"), tmp_path / "m.gguf", tensors={name: (blocks, QT.MXFP4)})
+    blocks = np.zeros((4, 32, 40), dtype=np.uint8)  # 4 experts x 32 rows x one block of 32 weights
+    path = rewrite(gguf_path("mixtral", "q8_0"), tmp_path / "m.gguf", tensors={name: (blocks, QT.Q8_1)})
     config = config_of(path)
     with pytest.raises(
-        ModelLoadError, match=rf"tensor '{name}' in m.gguf has type MXFP4, which this engine does not load"
+        ModelLoadError, match=rf"tensor '{name}' in m.gguf has type Q8_1, which this engine does not load"
     ):
         load_gguf_model(path, config, torch.float32, CPU)
 

@@ -311,7 +311,7 @@ FAMILY_ROWS = {
     "unknown-architecture": Row(
         lambda t: write(t, "gpt2"),
         r"GGUF architecture 'gpt2' is not supported \(supported: llama, qwen2, qwen3, gemma2, gemma3, phi3, "
-        r"qwen3moe, qwen2moe, olmoe\)$",
+        r"qwen3moe, qwen2moe, olmoe, granitemoe, gpt-oss\)$",
     ),
     "partial-rotary-outside-phi3": Row(
         lambda t: write(t, "qwen2", {"qwen2.rope.dimension_count": 8}),

@@ -78,7 +78,10 @@ class GGUFExperts:
     count and width, what llama.cpp assumes of the router where the file says nothing, and the
     shared expert. Each sparse layer holds `ffn_gate_inp` (the router), `ffn_{gate,up,down}_exps`
     or a merged `ffn_gate_up_exps` ([experts, rows, in] in torch order), and with `shared` the
-    `ffn_{gate,up,down}_shexp` and `ffn_gate_inp_shexp` of Qwen2-MoE's gated shared expert."""
+    `ffn_{gate,up,down}_shexp` and `ffn_gate_inp_shexp` of Qwen2-MoE's gated shared expert.
+    With `biases` (gpt-oss) the router and each expert tensor carry a `.bias` too; with
+    `interleaved`, the family's fused gate/up features alternate (gate 0, up 0, gate 1, ...) where
+    llama.cpp stores gate and up apart."""
 
     renormalize: bool  # llama.cpp's fixed choice for this architecture (`expert_weights_norm` may say)
     count_key: str = "num_experts"
@@ -87,6 +90,8 @@ class GGUFExperts:
     # `renormalize` says, and a file that says otherwise is refused.
     renormalize_key: str | None = "norm_topk_prob"
     shared: bool = False
+    biases: bool = False
+    interleaved: bool = False
 
 
 @dataclass(frozen=True)

@@ -121,7 +121,7 @@ GGUF_NORMS = (
 )
 
 
-def _sliding_layers(meta: GGUFMetadata, layers: int, default_period: int) -> list[str]:
+def gguf_sliding_layers(meta: GGUFMetadata, layers: int, default_period: int) -> list[str]:
     """Each layer's attention type as llama.cpp decides it: the file's pattern (one flag per layer,
     or a period n: layer i slides unless i % n == n - 1, every layer for n = 0), else the
     family's period."""
@@ -161,7 +161,7 @@ def _gemma2_gguf(meta: GGUFMetadata, config: dict[str, Any]) -> dict[str, Any]:
         "hidden_activation": "gelu_pytorch_tanh",
         "query_pre_attn_scalar": _query_scalar(config, 46),
         "sliding_window": meta.arch("attention.sliding_window", int, 4096),
-        "layer_types": _sliding_layers(meta, config["num_hidden_layers"], 2),
+        "layer_types": gguf_sliding_layers(meta, config["num_hidden_layers"], 2),
         "attn_logit_softcapping": _soft_cap(meta, "attn_logit_softcapping", 50.0),
         "final_logit_softcapping": _soft_cap(meta, "final_logit_softcapping", 30.0),
     }
@@ -178,7 +178,7 @@ def _gemma3_gguf(meta: GGUFMetadata, config: dict[str, Any]) -> dict[str, Any]:
         "rope_local_base_freq": meta.arch("rope.freq_base_swa", float, 10000.0),
     }
     if window > 0:
-        return fields | {"sliding_window": window, "layer_types": _sliding_layers(meta, layers, 6)}
+        return fields | {"sliding_window": window, "layer_types": gguf_sliding_layers(meta, layers, 6)}
     return fields | {"sliding_window": None, "layer_types": [FULL] * layers}
 
 

@@ -9,6 +9,12 @@ as they load.
 
 The published checkpoints store the experts in MXFP4 (`*_blocks`, `*_scales`, said by
 `quantization_config`): they load as int8 experts exactly (weights/mxfp4.py), never as floats.
+llama.cpp writes it as `gpt-oss`: the experts' gate and up features apart (`ffn_gate_exps`,
+`ffn_up_exps`, each with its `.bias`), interleaved again here as they load; each head's sink as
+`attn_sinks`; the YaRN keys under `rope.scaling.*` (without transformers' `truncate`: the
+published configs' false is taken); a window of `attention.sliding_window` on the even layers
+unless `attention.sliding_window_pattern` says otherwise. Its MXFP4 experts load as int8 exactly
+(weights/gguf_blocks.py).
 Its chat format (harmony) renders through
 the tokenizer's template; its tool calls and reasoning channels are not parsed yet.
 """
@@ -27,7 +33,8 @@ from compiled_engine.model.checkpoint import (
     norm_layout,
 )
 from compiled_engine.model.config import FULL, SLIDING, ConfigRules, ModelConfig
-from compiled_engine.model.family import Family
+from compiled_engine.model.family import Family, GGUFExperts, GGUFLayout, GGUFMetadata
+from compiled_engine.model.gemma import gguf_sliding_layers
 from compiled_engine.model.llama import Transformer
 from compiled_engine.model.moe_config import MoEConfig, MoEKeys, read_moe
 from compiled_engine.model.shard import NO_SHARD, TPShard
@@ -106,6 +113,43 @@ def layer_types(raw: dict[str, Any], num_layers: int) -> Any:
     return [SLIDING if i % 2 == 0 else FULL for i in range(num_layers)]
 
 
+def _gguf_fields(meta: GGUFMetadata, config: dict[str, Any]) -> dict[str, Any]:
+    fields: dict[str, Any] = {
+        "sliding_window": meta.arch("attention.sliding_window", int, required=True),
+        "layer_types": gguf_sliding_layers(meta, config["num_hidden_layers"], 2),
+    }
+    scaling = meta.arch("rope.scaling.type", str, "none")
+    if scaling == "yarn":
+        yarn: dict[str, Any] = {
+            "rope_type": "yarn",
+            "rope_theta": config["rope_theta"],
+            "factor": meta.arch("rope.scaling.factor", float, required=True),
+            "original_max_position_embeddings": meta.arch("rope.scaling.original_context_length", int, required=True),
+            "beta_fast": meta.arch("rope.scaling.yarn_beta_fast", float, 32.0),
+            "beta_slow": meta.arch("rope.scaling.yarn_beta_slow", float, 1.0),
+            "truncate": False,
+        }
+        if meta.arch("rope.scaling.yarn_attn_factor", float, None) is not None:
+            # llama.cpp multiplies YaRN's own scale by it, transformers replaces that scale by its
+            # attention_factor: the two readings differ, and no gpt-oss checkpoint sets one.
+            raise meta.fail(f"GGUF metadata '{meta.architecture}.rope.scaling.yarn_attn_factor' is not supported")
+        fields["rope_parameters"] = yarn
+    elif scaling != "none":
+        raise meta.fail(f"rope scaling type {scaling!r} is not supported for gpt-oss (only yarn)")
+    return fields
+
+
+GGUF_NORMS = (("attn_norm", "input_layernorm"), ("post_attention_norm", "post_attention_layernorm"))
+GGUF_LAYOUT = GGUFLayout(
+    "gpt-oss",
+    _gguf_fields,
+    layer_norms=GGUF_NORMS,
+    extra_scalings=("yarn",),
+    experts=GGUFExperts(
+        True, "num_local_experts", "intermediate_size", renormalize_key=None, biases=True, interleaved=True
+    ),
+)
+
 # A rank's share of each expert would be strided columns of the fused, interleaved gate/up
 # tensor, and each head's sink would be sharded with its head: neither is written yet.
 NO_TENSOR_PARALLEL = "its experts' gate and up features are interleaved in one fused tensor"
@@ -116,5 +160,6 @@ GPT_OSS = Family(
     Transformer,
     checkpoint_layout,
     ConfigRules(defaults=DEFAULTS, layer_types=layer_types, moe=_moe, attention_sinks=True),
+    GGUF_LAYOUT,
     no_tensor_parallel=NO_TENSOR_PARALLEL,
 )

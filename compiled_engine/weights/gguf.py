@@ -31,7 +31,7 @@ DEFAULT_ALIGNMENT = 32
 
 # ggml tensor types by number, for naming them; BLOCK_TYPES and DENSE_TYPES are those loaded.
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16 = 0, 1, 2, 3, 6, 7, 8, 30
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 10, 11, 12, 13, 14, 20, 23
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4 = 10, 11, 12, 13, 14, 20, 23, 39
 TYPE_NAMES = {
     0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K",
     11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS",
@@ -43,6 +43,7 @@ DENSE_TYPES = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
 BLOCK_TYPES = {
     Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34), IQ4_NL: (32, 18),
     Q2_K: (256, 84), Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210), IQ4_XS: (256, 136),
+    MXFP4: (32, 17),
 }  # fmt: skip
 SUPPORTED_TYPES = ", ".join(TYPE_NAMES[t] for t in (*DENSE_TYPES, *BLOCK_TYPES))
 

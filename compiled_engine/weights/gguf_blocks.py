@@ -20,6 +20,7 @@ the order gguf-py computes it.
 | Q5_K | as Q4_K with q 5-bit | int8, offsets |
 | Q6_K | `(d * s) * q`, q 6-bit (-32..31), int8 s per 16 | int8, groups of 16 |
 | IQ4_XS | `d * (s - 32) * table[q]`, 6-bit s per 32 | int8 `table[q]` |
+| MXFP4 | `2^(e - 128) * table[q]`, an e8m0 byte e, q 4-bit e2m1 codes (table: twice their values) | int8 `table[q]`, scale `2^(e - 128)` |
 
 The repack costs memory where a type's bits do not fit a format's (five or six bits held in a
 byte, int8 groups of 16): docs/quantization.md lists the bytes each reads. Codebook types (IQ1,
@@ -36,6 +37,7 @@ from compiled_engine.linear.quantized_weight import QuantizedWeight, pack_int4, 
 from compiled_engine.weights.gguf import (
     IQ4_NL,
     IQ4_XS,
+    MXFP4,
     Q2_K,
     Q3_K,
     Q4_0,
@@ -47,6 +49,7 @@ from compiled_engine.weights.gguf import (
     Q6_K,
     Q8_0,
 )
+from compiled_engine.weights.mxfp4 import DOUBLED_E2M1
 
 # IQ4_NL's and IQ4_XS's 16 levels (ggml-common.h's kvalues_iq4nl).
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
@@ -182,9 +185,17 @@ def _iq4_xs(b: torch.Tensor) -> QuantizedWeight:
     return _int8(q, _half(b, 0)[..., None] * scales, None, 32)
 
 
+def _mxfp4(b: torch.Tensor) -> QuantizedWeight:
+    # The exponent byte first, then the nibbles in Q4_0's order (value j low, value j + 16 high);
+    # twice an e2m1 value is an int8, so the scale 2^(e - 128) (gpt-oss's MXFP4 in weights/mxfp4.py).
+    levels = DOUBLED_E2M1.to(b.device)
+    exponents = b[..., 0].to(torch.int32) - 128
+    return _int8(levels[unpack_int4(b[..., 1:]).long()], torch.ldexp(torch.ones(exponents.shape), exponents), None, 32)
+
+
 DECODERS: dict[int, Callable[[torch.Tensor], QuantizedWeight]] = {
     Q4_0: _q4_0, Q4_1: _q4_1, Q5_0: _q5_0, Q5_1: _q5_1, Q8_0: _q8_0, IQ4_NL: _iq4_nl,
-    Q2_K: _q2_k, Q3_K: _q3_k, Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k, IQ4_XS: _iq4_xs,
+    Q2_K: _q2_k, Q3_K: _q3_k, Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k, IQ4_XS: _iq4_xs, MXFP4: _mxfp4,
 }  # fmt: skip
 
 

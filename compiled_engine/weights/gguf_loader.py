@@ -6,7 +6,8 @@ that means the same values (weights/gguf_blocks.py), and F32, F16 and BF16 dense
 parameters; llama's q/k rows are put back in Hugging Face order and Gemma's norms lose the 1
 llama.cpp added. A mixture's experts (3-D tensors, [experts, rows, in]) stay in their file's
 types too, every expert's rows in one QuantizedExperts (each expert's gate rows, then its up
-rows), or dense Experts parameters from an F16/F32/BF16 file; the router is dense. Under tensor
+rows; gpt-oss's gate and up, stored apart, interleaved again, its expert biases beside them), or
+dense Experts parameters from an F16/F32/BF16 file; the router is dense. Under tensor
 parallelism each rank keeps its slice of the sharded products (column-parallel rows, row-parallel
 whole groups of columns), quantized. The file format itself is read by weights/gguf.py.
 """
@@ -29,6 +30,7 @@ from compiled_engine.linear.quantized_weight import QuantizedWeight, concat_rows
 from compiled_engine.model.config import ModelConfig
 from compiled_engine.model.family import LONG_FACTORS, ROPE_FREQS, SHORT_FACTORS, GGUFLayout
 from compiled_engine.model.layers import DecoderModel, in_layers
+from compiled_engine.model.moe import Experts
 from compiled_engine.model.registry import build_model, check_shard, family_of, family_of_gguf
 from compiled_engine.model.shard import NO_SHARD, TPShard
 from compiled_engine.weights.gguf import (
@@ -64,12 +66,14 @@ class _Part:
 class _Target:
     """Where parts land: module `module`'s weight (parts stacked by rows) or, with `param` set,
     that dense parameter; with `experts`, `param` of the Experts module `module` (each expert's
-    rows of every part in turn), or its half of a QuantizedExperts in its place."""
+    rows of every part in turn, or with `interleaved` alternating), or its half of a
+    QuantizedExperts in its place."""
 
     module: str
     parts: tuple[_Part, ...]
     param: str | None = None
     experts: bool = False
+    interleaved: bool = False  # two parts' rows (or bias values) alternate per expert: gpt-oss's gate/up
 
 
 def _layout(config: ModelConfig) -> GGUFLayout:
@@ -125,6 +129,8 @@ def _targets(config: ModelConfig, shard: TPShard = NO_SHARD, names: Collection[s
             targets.append(T("", qkv_bias, attn + "qkv_proj.bias"))
         if config.o_bias:  # whole on every rank (row-parallel: added once, after the sum)
             targets.append(T("", (P(blk + "attn_output.bias", (h,)),), attn + "o_proj.bias"))
+        if config.attention_sinks:
+            targets.append(T("", (P(blk + "attn_sinks.weight", (config.num_heads,)),), attn + "sinks"))
         if config.qk_norm:
             q_norm, k_norm = (q, kv) if config.qk_norm_whole else (hd, hd)
             targets.append(T("", (P(blk + "attn_q_norm.weight", (q_norm,), offset=shift),), attn + "q_norm.weight"))
@@ -153,16 +159,26 @@ def _expert_targets(config: ModelConfig, blk: str, mlp: str, names: Collection[s
     assert moe is not None
     h, n, inter, shared = config.hidden_size, moe.num_experts, moe.intermediate_size, moe.shared_intermediate_size
     P, T = _Part, _Target
+    layout = _layout(config).experts
+    assert layout is not None
     experts = mlp + "experts"
-    if blk + "ffn_gate_up_exps.weight" in names:
+    if blk + "ffn_gate_up_exps.weight" in names and not layout.interleaved:
         gate_up: tuple[_Part, ...] = (P(blk + "ffn_gate_up_exps.weight", (n, 2 * inter, h)),)
     else:
         gate_up = (P(blk + "ffn_gate_exps.weight", (n, inter, h)), P(blk + "ffn_up_exps.weight", (n, inter, h)))
+    mixed = layout.interleaved
     targets = [
         T("", (P(blk + "ffn_gate_inp.weight", (n, h)),), mlp + "gate.weight"),
-        T(experts, gate_up, experts + ".gate_up_proj", experts=True),
+        T(experts, gate_up, experts + ".gate_up_proj", experts=True, interleaved=mixed),
         T(experts, (P(blk + "ffn_down_exps.weight", (n, h, inter)),), experts + ".down_proj", experts=True),
     ]
+    if layout.biases:  # dense, whole
+        biases = (P(blk + "ffn_gate_exps.bias", (n, inter)), P(blk + "ffn_up_exps.bias", (n, inter)))
+        targets += [
+            T("", (P(blk + "ffn_gate_inp.bias", (n,)),), mlp + "gate.bias"),
+            T(experts, biases, experts + ".gate_up_bias", experts=True, interleaved=mixed),
+            T(experts, (P(blk + "ffn_down_exps.bias", (n, h)),), experts + ".down_bias", experts=True),
+        ]
     if shared:
         gate_up = (P(blk + "ffn_gate_shexp.weight", (shared, h)), P(blk + "ffn_up_shexp.weight", (shared, h)))
         targets.append(T(mlp + "shared_expert.gate_up_proj", gate_up))
@@ -190,7 +206,8 @@ def _check(header: GGUFHeader, config: ModelConfig, targets: list[_Target]) -> d
     arch = header.architecture
     experts = header.metadata.get(f"{arch}.expert_count", 0)
     family = family_of_gguf(arch, isinstance(experts, int) and experts > 0) if arch is not None else None
-    if family is None or family.name != config.architecture:
+    # Families llama.cpp writes alike (Granite-MoE with and without a shared expert) share a layout.
+    if family is None or family.gguf != _layout(config):
         raise ModelLoadError(f"{path} holds a {arch!r} model, the config a {config.architecture!r} one")
     parts = {part.name: part for target in targets for part in target.parts}
     required, optional = _rope_parts(config)
@@ -279,11 +296,25 @@ def _fuse(weights: list[Weight], dtype: torch.dtype, dequantize: bool) -> Weight
     return dense[0] if len(dense) == 1 else torch.cat(dense)
 
 
-def _fuse_experts(weights: list[Weight], experts: int, dtype: torch.dtype, dequantize: bool) -> Weight:
+def _interleaved(rows: int, experts: int) -> torch.Tensor:
+    """The order taking each expert's `rows` rows (its gate rows, then its up rows) to gate 0,
+    up 0, gate 1, up 1, ..."""
+    half = rows // 2
+    within = torch.stack((torch.arange(half), torch.arange(half) + half), dim=1).reshape(-1)
+    return (torch.arange(experts).unsqueeze(1) * rows + within).reshape(-1)
+
+
+def _fuse_experts(
+    weights: list[Weight], experts: int, dtype: torch.dtype, dequantize: bool, interleaved: bool = False
+) -> Weight:
     """An Experts parameter from its parts ([experts, rows, in] each, as read: a quantized part's
-    rows all experts' one after another): each expert's rows of every part in turn (its gate rows,
-    then its up rows). Quantized when every part is (concat_rows: gate and up of different types
-    meet in a common format, exactly), as [experts * rows, in]; else dense [experts, rows, in]."""
+    rows all experts' one after another; or a bias, [experts, rows]): each expert's rows of every
+    part in turn (its gate rows, then its up rows), or with `interleaved` alternating. Quantized
+    when every part is (concat_rows: gate and up of different types meet in a common format,
+    exactly), as [experts * rows, in]; else dense [experts, rows, in] (a bias [experts, rows])."""
+    if all(isinstance(w, torch.Tensor) and w.dim() == 2 for w in weights):  # biases
+        bias = torch.cat([_dense(w, dtype).reshape(experts, -1) for w in weights], dim=1)
+        return bias.reshape(-1)[_interleaved(bias.shape[1], experts)].reshape(experts, -1) if interleaved else bias
     if all(isinstance(w, QuantizedWeight) for w in weights):
         quantized = cast(list[QuantizedWeight], weights)
         stacked = quantized[0]
@@ -292,25 +323,34 @@ def _fuse_experts(weights: list[Weight], experts: int, dtype: torch.dtype, dequa
             stacked = concat_rows(
                 [w.narrow_rows(e * r, r) for e in range(experts) for w, r in zip(quantized, rows, strict=True)]
             )
+        if interleaved:
+            stacked = stacked[_interleaved(stacked.out_features // experts, experts)]
         if not dequantize:
             return stacked
         weights = [stacked]
+    elif interleaved:
+        dense_rows = torch.cat([_dense(w, dtype).reshape(experts, -1, w.shape[-1]) for w in weights], dim=1)
+        return dense_rows[:, _interleaved(dense_rows.shape[1], 1)]
     dense = [_dense(w, dtype).reshape(experts, -1, w.shape[-1]) for w in weights]
     return dense[0] if len(dense) == 1 else torch.cat(dense, dim=1)
 
 
 def _experts_module(
-    module: str, halves: dict[str, Weight], config: ModelConfig, dtype: torch.dtype
+    module: str, halves: dict[str, Weight], config: ModelConfig, dtype: torch.dtype, activation: str
 ) -> QuantizedExperts | None:
-    """A QuantizedExperts of Experts module `module`'s two halves when both arrived quantized;
-    else None, and `halves` made its dense parameters (a file with one half dense is rare)."""
+    """A QuantizedExperts of Experts module `module`'s two halves (and its biases, where it has
+    them) when both halves arrived quantized; else None, and `halves` made its dense parameters
+    (a file with one half dense is rare)."""
     moe = config.moe
     assert moe is not None
     gate_up, down = halves[module + ".gate_up_proj"], halves[module + ".down_proj"]
+    biases = [halves.get(f"{module}.{name}") for name in ("gate_up_bias", "down_bias")]
     if isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight):
-        return QuantizedExperts(gate_up, down, moe.num_experts, config.hidden_act)
-    for name, weight in halves.items():
-        halves[name] = _dense(weight, dtype).reshape(moe.num_experts, -1, weight.shape[-1])
+        dense_biases = [None if b is None else _dense(b, dtype) for b in biases]
+        return QuantizedExperts(gate_up, down, moe.num_experts, activation, *dense_biases)
+    for name in (".gate_up_proj", ".down_proj"):
+        weight = halves[module + name]
+        halves[module + name] = _dense(weight, dtype).reshape(moe.num_experts, -1, weight.shape[-1])
     return None
 
 
@@ -352,7 +392,7 @@ def load_gguf_model(
             read = [_read(f, header, part) for part in target.parts]
             if target.experts:
                 assert config.moe is not None and target.param is not None
-                fused = _fuse_experts(read, config.moe.num_experts, dtype, dequantize)
+                fused = _fuse_experts(read, config.moe.num_experts, dtype, dequantize, target.interleaved)
                 experts.setdefault(target.module, {})[target.param] = fused.to(device)
                 continue
             weight = _fuse(read, dtype, dequantize)
@@ -366,7 +406,7 @@ def load_gguf_model(
         factors = {name: _dense(_read(f, header, parts[name]), torch.float32) for name in ROPE_FACTORS if name in parts}
     quantized_experts = {}
     for module, halves in experts.items():
-        held = _experts_module(module, halves, config, dtype)
+        held = _experts_module(module, halves, config, dtype, cast(Experts, model.get_submodule(module)).activation)
         if held is None:
             params |= cast(dict[str, torch.Tensor], halves)
         else:

@@ -18,7 +18,7 @@ from compiled_engine.linear.quantized_weight import QuantizedWeight
 
 BLOCK = 32  # weights per scale
 # Twice each e2m1 value, by its 4-bit code (codes 8-15: the same magnitudes negated).
-_DOUBLED = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int8)
+DOUBLED_E2M1 = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int8)
 
 
 def mxfp4_as_int8(blocks: torch.Tensor, scales: torch.Tensor) -> QuantizedWeight:
@@ -34,7 +34,7 @@ def mxfp4_as_int8(blocks: torch.Tensor, scales: torch.Tensor) -> QuantizedWeight
         )
     groups = blocks.shape[-2]
     flat = blocks.reshape(-1, groups, BLOCK // 2)
-    doubled = _DOUBLED.to(blocks.device)
+    doubled = DOUBLED_E2M1.to(blocks.device)
     data = torch.stack((doubled[(flat & 0x0F).long()], doubled[(flat >> 4).long()]), dim=-1)  # [rows, g, 16, 2]
     exponents = scales.reshape(-1, groups).to(torch.int32) - 128
     weight_scales = torch.ldexp(torch.ones(exponents.shape, device=scales.device), exponents)
