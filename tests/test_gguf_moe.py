@@ -23,6 +23,7 @@ from gguf import GGUFValueType as VT
 
 from compiled_engine.config import EngineConfig
 from compiled_engine.engine.reference_loop import Generator
+from compiled_engine.engine.sampling_params import SamplingParams
 from compiled_engine.errors import ModelConfigError, ModelLoadError, ModelSourceError
 from compiled_engine.executor.runner import Runner
 from compiled_engine.linear.quantized import QuantizedEmbedding, QuantizedLinear
@@ -353,3 +354,26 @@ def test_tensor_parallelism_is_refused_for_a_mixture_from_a_gguf_file() -> None:
         ModelConfigError, match="--tensor-parallel-size 2: a mixture of experts from a GGUF file runs on one rank"
     ):
         load_gguf_model(path, config, torch.float32, torch.device("cpu"), shard=TPShard(0, 2))
+
+
+def test_a_mixture_serves_through_the_openai_api(tmp_path: Path, private_models: Path) -> None:
+    """`serve` on a mixture's quantized GGUF file (its experts in one native call a layer): a
+    completion and a streamed one through the OpenAI SDK, with the greedy text the engine gives
+    offline."""
+    from openai import OpenAI
+
+    from compiled_engine.llm import LLM
+    from tests.server_process import running_server
+
+    path, prompt = gguf_path("qwen3_moe", "q8_0"), [5, 17, 42, 99]
+    with running_server(tmp_path, "--model", str(path), "--kv-cache-memory-gib", "0.01", "--enforce-eager") as server:
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        model = client.models.list().data[0].id
+        whole = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
+        assert whole.usage is not None and whole.usage.prompt_tokens == len(prompt)
+        pieces = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0, stream=True)
+        streamed = "".join(chunk.choices[0].text for chunk in pieces if chunk.choices)
+    offline = LLM(model=str(path), enforce_eager=True, kv_cache_memory_gib=0.01)
+    expected = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0].outputs[0]
+    assert expected.token_ids and whole.choices[0].text == streamed == expected.text
+    assert whole.usage.completion_tokens == len(expected.token_ids)
