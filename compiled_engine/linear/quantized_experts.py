@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from compiled_engine.experts.op import SWIGLU_OAI, glu, grouped
-from compiled_engine.linear.crossover import UNMEASURED
+from compiled_engine.linear.crossover import RowCrossover
 from compiled_engine.linear.quantized_op import native_operator, quantized_linear
 from compiled_engine.linear.quantized_weight import QuantizedWeight
 
@@ -68,6 +68,13 @@ def _quantized_expert_mlps_fake(x: torch.Tensor, *rest: Any) -> torch.Tensor:
     return x.new_empty(x.shape)
 
 
+# The rows an expert takes on the direct kernel's strips (all chosen experts in one parallel loop)
+# before the many-row kernels (one expert after another). Measured on a layer of Granite-1B-A400M's
+# shape in Q4_K_M (docs/benchmarks.md, 2026-12-08): at 16 tokens (about 4 rows an expert, some 8
+# or more) 16 rows direct took 5.0 ms a layer against 6.5 with the dense products' default 4; at
+# 4 and 64 tokens the two were within 3%.
+EXPERT_CROSSOVER = RowCrossover(16, 64)
+
 # The C++ operator's codes of the experts' activations.
 NATIVE_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, SWIGLU_OAI: 2}
 
@@ -115,7 +122,7 @@ class QuantizedExperts(nn.Module):
         # The C++ operator (one call a layer: every chosen expert's products in one parallel loop)
         # for CPU weights, or None; and the rows an expert takes before the many-row kernels.
         self.native = native_experts_operator() if gate_up.device.type == "cpu" else None
-        self.crossover = UNMEASURED
+        self.crossover = EXPERT_CROSSOVER
         if gate_up.out_features % num_experts or down.out_features % num_experts:
             raise ValueError(f"{gate_up.out_features} and {down.out_features} rows are not {num_experts} experts' each")
         self.num_experts, self.activation = num_experts, activation
