@@ -19,6 +19,7 @@ from compiled_engine.linear.packed_cpu import BlockedEmbedding, CpuLinear
 from compiled_engine.linear.quantized import QuantizedEmbedding, QuantizedLinear
 from compiled_engine.linear.quantized_experts import QuantizedExperts
 from compiled_engine.lora.manager import LoRARequest
+from compiled_engine.model.layers import DecoderModel
 from compiled_engine.model.moe import Experts
 
 
@@ -26,7 +27,7 @@ def weight_bytes(engine: LLMEngine) -> int:
     return model_weight_bytes(engine.runner.model)
 
 
-def model_weight_bytes(model: torch.nn.Module) -> int:
+def model_weight_bytes(model: DecoderModel) -> int:
     """Weight bytes one forward step of `model` (a Transformer) reads for one token: every
     parameter, quantized buffer and packed weight once, except the embedding table, of which a
     step reads only its tokens' rows (a tied head reads that whole table as its weight), and a
@@ -40,7 +41,7 @@ def model_weight_bytes(model: torch.nn.Module) -> int:
 
     head = {id(t) for t in weights(model.get_submodule("lm_head"))}
     embedding = {id(t) for t in weights(model.get_submodule("embed_tokens"))} - head
-    moe = getattr(getattr(model, "config", None), "moe", None)
+    moe = model.config.moe
     experts = [m for m in model.modules() if isinstance(m, Experts | QuantizedExperts)]
     chosen = {id(t): moe.top_k / moe.num_experts for m in experts for t in weights(m)} if moe else {}
     seen: set[int] = set()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from compiled_engine.linear.install import replace
 from compiled_engine.linear.quantized import QuantizedEmbedding, QuantizedLinear
 from compiled_engine.linear.quantized_experts import QuantizedExperts
 from compiled_engine.linear.quantized_weight import (
@@ -111,8 +112,7 @@ def quantize_model(model: DecoderModel, scheme: QuantizationScheme) -> DecoderMo
     for name, weight, bias in planned:
         install_linear(model, name, weight, bias)
     for name, quantized in experts:
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, quantized)
+        install_experts(model, name, quantized)
     if head is not None:
         install_linear(model, "lm_head", head, model.lm_head.bias)
         if model.config.tie_word_embeddings:
@@ -144,6 +144,11 @@ def install_linear(model: nn.Module, name: str, weight: QuantizedWeight, bias: t
     if tuple(old.weight.shape) != weight.shape:
         raise QuantizationError(f"{name}: a {list(weight.shape)} weight cannot replace {list(old.weight.shape)}")
     setattr(owner, child, QuantizedLinear(weight, bias))
+
+
+def install_experts(model: nn.Module, name: str, experts: QuantizedExperts) -> None:
+    """Put QuantizedExperts at module path `name` (for example "layers.0.mlp.experts")."""
+    replace(model, name, experts)
 
 
 def install_embedding(model: DecoderModel, weight: QuantizedWeight) -> None:

@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from compiled_engine.linear.install import replace
 from compiled_engine.linear.quantized import QuantizedLinear
-from compiled_engine.model.layers import DecoderModel, GatedMLP, Linear
+from compiled_engine.model.layers import DecoderModel, Linear
 from compiled_engine.model.moe import SparseMoE
 
 
@@ -124,8 +124,9 @@ def _paths(model: DecoderModel, names: tuple[str, ...]) -> list[str]:
     in a mixture-of-experts layer, its shared expert's MLP stands for the MLP (none: skipped)."""
     paths = []
     for i, layer in enumerate(model.layers):
-        mlp = "mlp" if isinstance(layer.mlp, GatedMLP) else "mlp.shared_expert"
-        has_mlp = isinstance(layer.mlp, GatedMLP) or getattr(layer.mlp, "shared_expert", None) is not None
+        block = layer.mlp
+        mlp = "mlp.shared_expert" if isinstance(block, SparseMoE) else "mlp"
+        has_mlp = not isinstance(block, SparseMoE) or block.shared_expert is not None
         paths += [
             f"layers.{i}.{name.replace('mlp', mlp, 1)}" for name in names if has_mlp or not name.startswith("mlp")
         ]

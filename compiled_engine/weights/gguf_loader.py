@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from compiled_engine.errors import ModelConfigError, ModelLoadError
-from compiled_engine.linear.quantize import install_embedding, install_linear
+from compiled_engine.linear.quantize import install_embedding, install_experts, install_linear
 from compiled_engine.linear.quantized_experts import QuantizedExperts
 from compiled_engine.linear.quantized_weight import QuantizedWeight, concat_rows
 from compiled_engine.model.config import ModelConfig
@@ -418,8 +418,7 @@ def load_gguf_model(
             install_linear(model, module, weight, params.pop(module + ".bias", None))
     model.load_state_dict(params, strict=False, assign=True)
     for module, held in quantized_experts.items():
-        parent, _, child = module.rpartition(".")
-        setattr(model.get_submodule(parent), child, held)
+        install_experts(model, module, held)
     if config.tie_word_embeddings:
         if isinstance(model.embed_tokens, nn.Embedding):
             model.lm_head.weight = cast(nn.Parameter, model.embed_tokens.weight)  # one tensor, as in the file

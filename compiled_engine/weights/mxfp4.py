@@ -47,6 +47,7 @@ def install_mxfp4_experts(model: nn.Module, packed: dict[str, dict[str, torch.Te
     """Replace each `Experts` module whose gate_up_proj and down_proj arrived as MXFP4 (`packed`:
     parameter name -> {"blocks": ..., "scales": ...}) with QuantizedExperts of their int8
     weights, keeping its loaded biases. The Experts' own weights were never allocated."""
+    from compiled_engine.linear.quantize import install_experts
     from compiled_engine.linear.quantized_experts import QuantizedExperts
     from compiled_engine.model.moe import Experts
 
@@ -58,6 +59,4 @@ def install_mxfp4_experts(model: nn.Module, packed: dict[str, dict[str, torch.Te
             for name in ("gate_up_proj", "down_proj")
         )
         biases = [None if b is None else b.detach() for b in (experts.gate_up_bias, experts.down_bias)]
-        parent, _, child = path.rpartition(".")
-        quantized = QuantizedExperts(gate_up, down, experts.num_experts, experts.activation, *biases)
-        setattr(model.get_submodule(parent), child, quantized)
+        install_experts(model, path, QuantizedExperts(gate_up, down, experts.num_experts, experts.activation, *biases))
